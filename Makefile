@@ -1,0 +1,47 @@
+# Stepahead: `make run` serves the default model, `make test` runs the tests.
+# Both create .venv and install what they need on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROTOS := $(wildcard protos/stepahead/v1/*.proto)
+GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+
+MODEL ?= tiny
+MODE ?= overlap
+WORKER_PORT ?= 50061
+PORT ?= 50051
+
+.PHONY: all venv proto run test lint typecheck clean
+
+all: proto
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+proto: $(GENERATED)
+
+$(GENERATED) &: $(PROTOS) $(STAMP)
+	mkdir -p stepahead/v1
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos --python_out=. --mypy_out=. --grpc_python_out=. --mypy_grpc_out=. $(PROTOS)
+	touch stepahead/v1/__init__.py $(GENERATED)
+
+run: proto
+	MODEL=$(MODEL) MODE=$(MODE) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) PY=$(PY) \
+		scripts/serve-local.sh
+
+test: proto
+	$(PY) -m pytest -q
+
+lint: proto
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf stepahead/v1 .pytest_cache .mypy_cache .ruff_cache

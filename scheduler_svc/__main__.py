@@ -1,0 +1,58 @@
+"""python -m scheduler_svc --worker 127.0.0.1:50061 --port 50051 --mode overlap|serial"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.server import build_server, health_follows_worker
+from scheduler_svc.transport import GrpcTransport
+from stepahead.serving import graceful_stop, setup_logging, stop_event_on_signals
+
+log = logging.getLogger("stepahead.scheduler")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description="Stepahead scheduler")
+    p.add_argument("--worker", default="127.0.0.1:50061", help="worker address host:port")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--mode", choices=("overlap", "serial"), default="overlap")
+    p.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    p.add_argument("--max-running", type=int, default=0,
+                   help="concurrent requests at most (0: the worker's request slots)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = SchedulerConfig(args.mode, args.max_batch_tokens, args.max_running)
+    transport = GrpcTransport(args.worker)
+    scheduler = Scheduler(transport, config)
+    server, port, health_servicer = await build_server(scheduler, args.host, args.port)
+    health_follows_worker(scheduler, health_servicer)
+    stop = stop_event_on_signals()
+    await server.start()
+    loop_task = asyncio.create_task(scheduler.run())
+    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker})",
+          flush=True)
+    await stop.wait()
+    log.info("stopping: finishing in-flight requests for up to %.0fs", args.grace)
+    await graceful_stop(server, health_servicer, args.grace)
+    await scheduler.close()
+    loop_task.cancel()
+    await transport.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

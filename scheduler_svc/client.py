@@ -1,0 +1,66 @@
+"""A small streaming client: python -m scheduler_svc.client "Hello" --max-new-tokens 32"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import grpc
+
+from stepahead.v1 import generation_pb2, generation_pb2_grpc
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc.client")
+    p.add_argument("prompt")
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    return p.parse_args(argv)
+
+
+def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    sampling = generation_pb2.SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return generation_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+
+
+async def stream_reply(args: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(args.server) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        last: generation_pb2.GenerateResponse | None = None
+        try:
+            async for last in stub.Generate(build_request(args)):
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if last is not None:
+        reason = generation_pb2.FinishReason.Name(last.finish_reason)
+        print(f"\n[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
+              file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(asyncio.run(stream_reply(parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""A request's output text: incremental detokenization plus stop strings."""
+
+from __future__ import annotations
+
+from scheduler_svc.tokenizer import StopStringMatcher, Tokenizer
+
+
+class RequestText:
+    """Text the client may see: whole characters only, never any part of a
+    stop string, nothing after one."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self._decoder = tokenizer.new_decoder()
+        self._stops = StopStringMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """(text now safe to send, whether a stop string ended the output)."""
+        return self._stops.push(self._decoder.push((token_id,)))
+
+    def finish(self) -> str:
+        """What was held back, when the request ends other than on a stop string."""
+        text, stopped = self._stops.push(self._decoder.flush())
+        return text if stopped else text + self._stops.flush()

@@ -1,0 +1,145 @@
+"""How the scheduler reaches the worker: over gRPC (the product) or in-process.
+
+Both give the same contract: `connect()` performs the handshake; `launch()`
+sends a batch and returns at once with a future of its result; results
+resolve in launch order. The in-process transport skips serialization and the
+socket, which makes it the baseline for what the process boundary costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import uuid
+from typing import Protocol, TypeAlias, cast
+
+import grpc
+
+from stepahead.protocol import (
+    PROTOCOL_VERSION,
+    Launch,
+    StepResult,
+    WorkerInfo,
+    WorkerStepError,
+    info_from_proto,
+    launch_to_proto,
+    result_from_proto,
+)
+from stepahead.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.engine import WorkerEngine
+from worker_svc.server import GRPC_OPTIONS
+
+WorkerCall: TypeAlias = grpc.aio.StreamStreamCall[worker_pb2.SchedulerMessage, worker_pb2.WorkerMessage]
+
+
+class WorkerUnavailable(ConnectionError):
+    """The worker cannot be reached, or its session ended."""
+
+
+class WorkerTransport(Protocol):
+    async def connect(self) -> WorkerInfo: ...
+
+    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessTransport:
+    """The worker engine in this process: same ordered threads, no socket."""
+
+    def __init__(self, engine: WorkerEngine) -> None:
+        self._engine = engine
+
+    async def connect(self) -> WorkerInfo:
+        return await asyncio.wrap_future(self._engine.begin_session())
+
+    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
+        return asyncio.wrap_future(self._engine.submit(launch))
+
+    async def close(self) -> None:
+        """The engine belongs to whoever built it."""
+
+
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class GrpcTransport:
+    """One Connect stream: launches written in order, results matched in order."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._channel: grpc.aio.Channel | None = None
+        self._call: WorkerCall | None = None
+        self._pending: collections.deque[tuple[int, asyncio.Future[StepResult]]] = collections.deque()
+        self._reader: asyncio.Task[None] | None = None
+        self._failure: WorkerUnavailable | None = None
+
+    async def connect(self) -> WorkerInfo:
+        self._channel = grpc.aio.insecure_channel(self._target, options=GRPC_OPTIONS + KEEPALIVE_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._call = stub.Connect()
+        hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id=uuid.uuid4().hex)
+        try:
+            await self._call.write(worker_pb2.SchedulerMessage(hello=hello))
+            first = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}") from exc
+        if not isinstance(first, worker_pb2.WorkerMessage) or not first.HasField("welcome"):
+            raise WorkerUnavailable(f"{self._target}: no Welcome in the handshake")
+        self._failure = None
+        self._reader = asyncio.create_task(self._read_results())
+        return info_from_proto(first.welcome)
+
+    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
+        if self._failure is not None or self._call is None:
+            raise self._failure or WorkerUnavailable("not connected")
+        done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((launch.step_id, done))
+        try:
+            await self._call.write(worker_pb2.SchedulerMessage(launch=launch_to_proto(launch)))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            self._fail_pending(WorkerUnavailable(f"launch of step {launch.step_id}: {exc}"))
+        return done
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+        self._fail_pending(WorkerUnavailable("transport closed"))
+
+    async def _read_results(self) -> None:
+        assert self._call is not None
+        try:
+            while (message := await self._call.read()) is not grpc.aio.EOF:
+                self._deliver(cast(worker_pb2.WorkerMessage, message))
+            self._fail_pending(WorkerUnavailable(f"{self._target}: the worker ended the session"))
+        except grpc.aio.AioRpcError as exc:
+            self._fail_pending(WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}"))
+
+    def _deliver(self, message: worker_pb2.WorkerMessage) -> None:
+        step_id, done = self._pending.popleft()
+        if message.HasField("error"):
+            done.set_exception(WorkerStepError(message.error.step_id, message.error.message))
+            self._fail_pending(WorkerUnavailable(f"step {message.error.step_id} failed on the worker"))
+            return
+        result = result_from_proto(message.result)
+        if result.step_id != step_id:
+            done.set_exception(WorkerUnavailable(f"result of step {result.step_id}, expected {step_id}"))
+            self._fail_pending(WorkerUnavailable("results out of launch order"))
+            return
+        done.set_result(result)
+
+    def _fail_pending(self, failure: WorkerUnavailable) -> None:
+        self._failure = self._failure or failure
+        while self._pending:
+            _, done = self._pending.popleft()
+            if not done.done():
+                done.set_exception(failure)

@@ -1,0 +1,104 @@
+"""Real worker and scheduler processes on 127.0.0.1, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LISTEN_RE = re.compile(r"listening on [\d.]+:(\d+)")
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Service:
+    proc: subprocess.Popen[str]
+    port: int
+    output: list[str]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, then the exit code (SIGKILL if it does not stop in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def _spawn(module: str, args: list[str]) -> Service:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if match := LISTEN_RE.search(line):
+            threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
+            return Service(proc, int(match.group(1)), lines)
+    proc.kill()
+    raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
+
+
+def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    """Keep reading the child's output so it never blocks on a full pipe."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+
+
+def wait_serving(address: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                status = stub.Check(  # type: ignore[attr-defined]
+                    health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+
+
+@contextmanager
+def serving_pair(
+    worker_args: list[str], scheduler_args: list[str] = ()  # type: ignore[assignment]
+) -> Iterator[tuple[Service, Service]]:
+    """A worker and a scheduler connected to it, both SERVING; stopped on exit."""
+    worker = _spawn("worker_svc", worker_args)
+    scheduler = None
+    try:
+        wait_serving(worker.address)
+        scheduler = _spawn("scheduler_svc", ["--worker", worker.address, *scheduler_args])
+        wait_serving(scheduler.address)
+        yield worker, scheduler
+    finally:
+        for service in (scheduler, worker):
+            if service is not None and service.proc.poll() is None:
+                service.stop()

@@ -1,0 +1,173 @@
+"""Typed messages between scheduler and worker, and their protobuf forms.
+
+The scheduler and the worker speak these dataclasses; only the gRPC transport
+converts them to and from `stepahead.v1.worker_pb2`. The in-process transport
+hands them over as they are, which is what makes it the baseline for the cost
+of the process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stepahead.v1 import worker_pb2
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    kind: str  # "byte" or "hf"
+    hf_json: bytes = b""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the handshake tells the scheduler about the worker."""
+
+    model: str
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    kv_slots: int
+    request_slots: int
+    device: str
+    tokenizer: TokenizerSpec
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """Per-request constants, sent once with the launch that first uses the slot."""
+
+    req_slot: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+@dataclass
+class Launch:
+    """One batch, as deltas against the worker's per-slot state.
+
+    Row i brings row_num_tokens[i] tokens at positions row_start_pos[i]...;
+    a row_from_future row is one decode token read from the FutureMap on the
+    device, the other rows take their ids from prompt_ids in row order.
+    kv_slots holds one KV pool slot per token, in row order.
+    """
+
+    step_id: int
+    released_slots: list[int] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    row_req_slots: list[int] = field(default_factory=list)
+    row_start_pos: list[int] = field(default_factory=list)
+    row_num_tokens: list[int] = field(default_factory=list)
+    row_from_future: list[bool] = field(default_factory=list)
+    row_sample: list[bool] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_req_slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.kv_slots)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    token_ids: list[int]  # one per sampling row, in row order
+    forward_seconds: float
+
+
+class WorkerStepError(RuntimeError):
+    """The worker failed to execute a launched step."""
+
+    def __init__(self, step_id: int, message: str) -> None:
+        super().__init__(f"step {step_id}: {message}")
+        self.step_id = step_id
+
+
+def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:
+    welcome = worker_pb2.Welcome(
+        protocol_version=PROTOCOL_VERSION,
+        epoch=info.epoch,
+        model=info.model,
+        vocab_size=info.vocab_size,
+        max_context_len=info.max_context_len,
+        eos_token_ids=info.eos_token_ids,
+        kv_slots=info.kv_slots,
+        request_slots=info.request_slots,
+        device=info.device,
+        tokenizer=worker_pb2.TokenizerSpec(kind=info.tokenizer.kind, hf_json=info.tokenizer.hf_json),
+    )
+    if info.bos_token_id is not None:
+        welcome.bos_token_id = info.bos_token_id
+    return welcome
+
+
+def info_from_proto(welcome: worker_pb2.Welcome) -> WorkerInfo:
+    return WorkerInfo(
+        model=welcome.model,
+        vocab_size=welcome.vocab_size,
+        max_context_len=welcome.max_context_len,
+        eos_token_ids=tuple(welcome.eos_token_ids),
+        bos_token_id=welcome.bos_token_id if welcome.HasField("bos_token_id") else None,
+        kv_slots=welcome.kv_slots,
+        request_slots=welcome.request_slots,
+        device=welcome.device,
+        tokenizer=TokenizerSpec(welcome.tokenizer.kind, welcome.tokenizer.hf_json),
+        epoch=welcome.epoch,
+    )
+
+
+def launch_to_proto(launch: Launch) -> worker_pb2.Launch:
+    return worker_pb2.Launch(
+        step_id=launch.step_id,
+        released_slots=launch.released_slots,
+        new_requests=[
+            worker_pb2.NewRequest(
+                req_slot=r.req_slot, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed
+            )
+            for r in launch.new_requests
+        ],
+        row_req_slots=launch.row_req_slots,
+        row_start_pos=launch.row_start_pos,
+        row_num_tokens=launch.row_num_tokens,
+        row_from_future=launch.row_from_future,
+        row_sample=launch.row_sample,
+        prompt_ids=launch.prompt_ids,
+        kv_slots=launch.kv_slots,
+    )
+
+
+def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
+    return Launch(
+        step_id=msg.step_id,
+        released_slots=list(msg.released_slots),
+        new_requests=[
+            NewRequest(r.req_slot, r.temperature, r.top_p, r.top_k, r.seed) for r in msg.new_requests
+        ],
+        row_req_slots=list(msg.row_req_slots),
+        row_start_pos=list(msg.row_start_pos),
+        row_num_tokens=list(msg.row_num_tokens),
+        row_from_future=list(msg.row_from_future),
+        row_sample=list(msg.row_sample),
+        prompt_ids=list(msg.prompt_ids),
+        kv_slots=list(msg.kv_slots),
+    )
+
+
+def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
+    return worker_pb2.StepResult(
+        step_id=result.step_id, token_ids=result.token_ids, forward_seconds=result.forward_seconds
+    )
+
+
+def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
+    return StepResult(msg.step_id, list(msg.token_ids), msg.forward_seconds)

@@ -1,0 +1,141 @@
+"""Drive a Scheduler in this process and read what its clients receive."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler_svc.request import FinishReason, Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.transport import InProcessTransport, WorkerTransport
+from worker_svc.backends import load_backend
+from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.streams import CpuStreams
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of a test workload."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    delay_s: float  # arrival after the previous item
+    abort_after: int | None = None  # the client aborts once it holds this many tokens
+
+
+@dataclass
+class ClientView:
+    """Everything one client received."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    messages: int = 0
+    completion_tokens: list[int] = field(default_factory=list)
+
+
+def make_engine(model: str, kv_slots: int, request_slots: int, dtype: torch.dtype = torch.float32,
+                sim_step_ms: float = 1.0) -> WorkerEngine:
+    backend = load_backend(model, torch.device("cpu"), dtype, sim_step_ms, 0.0)
+    return WorkerEngine(backend, EngineConfig(kv_slots, request_slots, check_invariants=True), CpuStreams())
+
+
+async def start_scheduler(
+    transport: WorkerTransport, config: SchedulerConfig
+) -> tuple[Scheduler, asyncio.Task[None]]:
+    scheduler = Scheduler(transport, config)
+    task = asyncio.create_task(scheduler.run())
+    while not scheduler.ready:
+        await asyncio.sleep(0.001)
+    return scheduler, task
+
+
+async def consume(scheduler: Scheduler, req: Request, abort_after: int | None) -> ClientView:
+    view = ClientView()
+    while view.finish_reason is None:
+        await req.stream.ready.wait()
+        assert req.stream.error is None, req.stream.error
+        chunk = req.stream.take()
+        view.messages += 1
+        view.token_ids += chunk.token_ids
+        view.text += chunk.text
+        view.completion_tokens.append(chunk.completion_tokens)
+        view.finish_reason = chunk.finish_reason
+        if abort_after is not None and len(view.token_ids) >= abort_after and view.finish_reason is None:
+            scheduler.abort(req.rid)
+    return view
+
+
+async def run_workload(scheduler: Scheduler, items: list[WorkItem]) -> dict[str, ClientView]:
+    clients: dict[str, asyncio.Task[ClientView]] = {}
+    for item in items:
+        await asyncio.sleep(item.delay_s)
+        req = scheduler.new_request(item.rid, item.prompt_ids, item.params)
+        scheduler.add_request(req)
+        clients[item.rid] = asyncio.create_task(consume(scheduler, req, item.abort_after))
+    return {rid: await task for rid, task in clients.items()}
+
+
+async def serve_workload(
+    model: str, mode: str, items: list[WorkItem], *, kv_slots: int = 4096, request_slots: int = 64,
+    max_batch_tokens: int = 128, dtype: torch.dtype = torch.float32,
+) -> tuple[dict[str, ClientView], Scheduler, WorkerEngine]:
+    """Serve the workload with the in-process transport, wait for the drain."""
+    engine = make_engine(model, kv_slots, request_slots, dtype)
+    config = SchedulerConfig(mode=mode, max_batch_tokens=max_batch_tokens)  # type: ignore[arg-type]
+    scheduler, task = await start_scheduler(InProcessTransport(engine), config)
+    try:
+        views = await run_workload(scheduler, items)
+        await wait_drained(scheduler)
+    finally:
+        await scheduler.close()
+        task.cancel()
+        engine.shutdown()
+    return views, scheduler, engine
+
+
+async def wait_drained(scheduler: Scheduler) -> None:
+    """Until nothing is live, in flight, or waiting to be released on the worker."""
+    for _ in range(5000):
+        if scheduler.idle and not scheduler.requests:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the scheduler did not drain")
+
+
+def params(max_new_tokens: int, **kw: object) -> SamplingParams:
+    base: dict[str, object] = dict(
+        max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+        stop_token_ids=frozenset(), stop=(), ignore_eos=False,
+    )
+    base.update(kw)
+    return SamplingParams(**base)  # type: ignore[arg-type]
+
+
+def mixed_workload(n: int, seed: int, *, sampled: bool, vocab: int = 256) -> list[WorkItem]:
+    """Varied prompt and output lengths, EOS/stop-token/stop-string finishes,
+    aborts, arrivals spread over time."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        prompt_len = rng.choice((rng.randint(1, 24), rng.randint(100, 300)))
+        prompt = [rng.randrange(32, 127) for _ in range(prompt_len)]
+        kind = rng.random()
+        p = params(
+            rng.randint(1, 48),
+            temperature=rng.choice((0.7, 1.0, 1.3)) if sampled else 0.0,
+            top_p=rng.choice((1.0, 0.9)) if sampled else 1.0,
+            top_k=rng.choice((0, 0, 40)) if sampled else 0,
+            seed=rng.getrandbits(63),
+            ignore_eos=kind < 0.3,
+            stop_token_ids=frozenset(rng.sample(range(32, 127), 3)) if 0.3 <= kind < 0.45 else frozenset(),
+            stop=(chr(rng.randrange(65, 91)), "".join(chr(rng.randrange(97, 123)) for _ in range(2)))
+            if 0.45 <= kind < 0.65 else (),
+        )
+        abort_after = rng.randint(1, 6) if kind >= 0.9 else None
+        items.append(WorkItem(f"r{i}", prompt, p, rng.expovariate(1 / 0.003), abort_after))
+    return items

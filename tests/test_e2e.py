@@ -1,0 +1,219 @@
+"""Two real processes over gRPC on 127.0.0.1: streaming, abort, health, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from stepahead.processes import Service, serving_pair
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker_svc.backends import sim_next_token
+
+pytestmark = pytest.mark.anyio
+SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
+
+
+@pytest.fixture(scope="module")
+def sim_pair() -> Iterator[tuple[Service, Service]]:
+    with serving_pair(SIM, ["--max-batch-tokens", "256"]) as pair:
+        yield pair
+
+
+def request(text: str, max_new_tokens: int, rid: str = "", **sampling: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid, text=text,
+        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),  # type: ignore[arg-type]
+    )
+
+
+async def generate(address: str, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return [r async for r in stub.Generate(req, timeout=60)]
+
+
+def sim_expected(prompt: bytes, n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        seq.append(sim_next_token(seq[-1], len(seq)))
+        out.append(seq[-1])
+    return out
+
+
+async def server_info(address: str) -> pb.GetServerInfoResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await generation_pb2_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+
+
+async def wait_all_free(address: str) -> pb.GetServerInfoResponse:
+    for _ in range(200):
+        info = await server_info(address)
+        if info.kv_slots_free == info.kv_slots and info.request_slots_free == info.request_slots \
+                and not info.requests_running and not info.requests_waiting:
+            return info
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"slots still in use: {info}")
+
+
+async def test_health_reflection_and_info(sim_pair: tuple[Service, Service]) -> None:
+    worker, scheduler = sim_pair
+    for service, name in ((worker, "stepahead.v1.Worker"), (scheduler, "stepahead.v1.Generation")):
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for svc in ("", name):
+                got = await health.Check(  # type: ignore[attr-defined]
+                    health_pb2.HealthCheckRequest(service=svc))
+                assert got.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)  # type: ignore[arg-type]
+            replies = [r async for r in reflect.ServerReflectionInfo(  # type: ignore[operator]
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+            names = {s.name for s in replies[0].list_services_response.service}
+            assert {name, "grpc.health.v1.Health"} <= names
+    info = await server_info(scheduler.address)
+    assert (info.model, info.mode, info.vocab_size, info.tokenizer) == ("sim", "overlap", 258, "byte")
+    assert info.kv_slots == 4096 and info.request_slots == 256 and info.worker_connected
+
+
+async def test_concurrent_streams_get_the_sim_tokens(sim_pair: tuple[Service, Service]) -> None:
+    _, scheduler = sim_pair
+    prompts = [f"client {i} says hello" * (1 + i % 20) for i in range(24)]
+    reqs = [request(p, 10 + i, ignore_eos=True) for i, p in enumerate(prompts)]
+    replies = await asyncio.gather(*(generate(scheduler.address, r) for r in reqs))
+    for prompt, req, stream in zip(prompts, reqs, replies, strict=True):
+        ids = [t for r in stream for t in r.token_ids]
+        assert ids == sim_expected(prompt.encode(), req.sampling.max_new_tokens)
+        assert "".join(r.text for r in stream) == bytes(t for t in ids if t < 256).decode()
+        assert [r.finish_reason for r in stream[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(stream) - 1)
+        assert stream[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert stream[-1].completion_tokens == len(ids) and stream[-1].prompt_tokens == len(prompt)
+        assert len({r.request_id for r in stream}) == 1
+    await wait_all_free(scheduler.address)
+
+
+async def test_abort_rpc_and_client_cancel_free_everything(sim_pair: tuple[Service, Service]) -> None:
+    _, scheduler = sim_pair
+    async with grpc.aio.insecure_channel(scheduler.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request("abort me", 4000, rid="to-abort", ignore_eos=True))
+        first = await call.read()
+        assert isinstance(first, pb.GenerateResponse)
+        assert first.request_id == "to-abort"
+        assert (await stub.Abort(pb.AbortRequest(request_id="to-abort"))).aborted
+        rest = []
+        while isinstance(r := await call.read(), pb.GenerateResponse):
+            rest.append(r)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+        assert not (await stub.Abort(pb.AbortRequest(request_id="to-abort"))).aborted
+
+        cancelled = stub.Generate(request("cancel me", 4000, rid="to-cancel", ignore_eos=True))
+        await cancelled.read()
+        cancelled.cancel()
+    await wait_all_free(scheduler.address)
+
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(sampling=pb.SamplingParams(max_new_tokens=4)), "input"),
+    (request("", 4), "input.text"),
+    (pb.GenerateRequest(input_ids=pb.TokenIds(), sampling=pb.SamplingParams(max_new_tokens=4)),
+     "input.input_ids.ids"),
+    (pb.GenerateRequest(input_ids=pb.TokenIds(ids=[1, 999]), sampling=pb.SamplingParams(max_new_tokens=4)),
+     "input.input_ids.ids[1]"),
+    (request("hi", 0), "sampling.max_new_tokens"),
+    (request("hi", 8190), "sampling.max_new_tokens"),
+    (request("hi", 4, temperature=-0.5), "sampling.temperature"),
+    (request("hi", 4, temperature=float("nan")), "sampling.temperature"),
+    (request("hi", 4, top_p=0.0), "sampling.top_p"),
+    (request("hi", 4, top_p=1.5), "sampling.top_p"),
+    (request("hi", 4, stop_token_ids=[300]), "sampling.stop_token_ids[0]"),
+    (request("hi", 4, stop=["ok", ""]), "sampling.stop[1]"),
+    (request("hi", 4, rid="x" * 300), "request_id"),
+]
+
+
+@pytest.mark.parametrize(("bad", "field"), BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+async def test_bad_input_gets_invalid_argument_naming_the_field(
+    sim_pair: tuple[Service, Service], bad: pb.GenerateRequest, field: str
+) -> None:
+    _, scheduler = sim_pair
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(scheduler.address, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(err.value.details()).startswith(field + ":")
+    good = await generate(scheduler.address, request("after a bad one", 5, ignore_eos=True))
+    assert [t for r in good for t in r.token_ids] == sim_expected(b"after a bad one", 5)
+
+
+async def test_duplicate_live_request_id_is_already_exists(sim_pair: tuple[Service, Service]) -> None:
+    _, scheduler = sim_pair
+    async with grpc.aio.insecure_channel(scheduler.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        live = stub.Generate(request("first", 4000, rid="dup", ignore_eos=True))
+        await live.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in stub.Generate(request("second", 4, rid="dup"))]
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "request_id" in str(err.value.details())
+        live.cancel()
+    await wait_all_free(scheduler.address)
+
+
+async def test_worker_kept_its_invariants(sim_pair: tuple[Service, Service]) -> None:
+    worker, scheduler = sim_pair
+    await generate(scheduler.address, request("one more", 3))
+    await wait_all_free(scheduler.address)
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for _ in range(100):  # the releases reach the worker with an idle launch
+            stats = await stub.GetStats(worker_pb2.GetStatsRequest())
+            if stats.live_request_slots == 0:
+                break
+            await asyncio.sleep(0.02)
+    assert stats.steps_executed > 0 and stats.steps_executed == stats.last_step_id
+    assert stats.sentinel_reads == 0 and stats.out_of_order_launches == 0
+    assert stats.live_request_slots == 0
+
+
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones() -> None:
+    with serving_pair(SIM, ["--grace", "30"]) as (worker, scheduler):
+        async def scenario() -> tuple[list[pb.GenerateResponse], grpc.StatusCode]:
+            in_flight = asyncio.create_task(
+                generate(scheduler.address, request("long one", 300, ignore_eos=True)))
+            await asyncio.sleep(0.3)
+            scheduler.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            try:
+                await generate(scheduler.address, request("too late", 3))
+                refused = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code()
+            return await in_flight, refused
+
+        stream, refused = asyncio.run(scenario())
+        assert stream[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token_ids) for r in stream) == 300
+        assert refused == grpc.StatusCode.UNAVAILABLE
+        assert scheduler.proc.wait(30) == 0
+        assert worker.stop() == 0
+
+
+def test_tiny_model_served_to_the_cli_client() -> None:
+    with serving_pair(["--model", "tiny"]) as (_, scheduler):
+        started = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "scheduler_svc.client", "Hello", "--max-new-tokens", "16",
+             "--ignore-eos", "--server", scheduler.address],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "FINISH_REASON_LENGTH; 5 prompt + 16 completion tokens" in out.stderr
+        assert time.monotonic() - started < 60

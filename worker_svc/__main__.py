@@ -1,0 +1,84 @@
+"""python -m worker_svc --model tiny|sim|PATH --port 50061 [--device cpu|cuda]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import torch
+
+from stepahead.serving import graceful_stop, mark_serving, setup_logging, stop_event_on_signals
+from worker_svc.backends import load_backend
+from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.server import SERVICE_NAME, build_server
+from worker_svc.streams import make_streams
+
+log = logging.getLogger("stepahead.worker")
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m worker_svc", description="Stepahead worker")
+    p.add_argument("--model", default="tiny", help="tiny, sim, or a Llama checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--kv-slots", type=int, default=16384, help="KV pool size in tokens")
+    p.add_argument("--request-slots", type=int, default=256, help="concurrent requests at most")
+    p.add_argument("--sim-step-ms", type=float, default=10.0, help="sim: fixed time per step")
+    p.add_argument("--sim-token-us", type=float, default=2.0, help="sim: extra time per token")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--check-invariants", action="store_true",
+                   help="fail a step that reads an unwritten FutureMap entry (syncs the device)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def build_engine(args: argparse.Namespace) -> WorkerEngine:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = load_backend(args.model, device, dtype, args.sim_step_ms, args.sim_token_us)
+    config = EngineConfig(args.kv_slots, args.request_slots, args.check_invariants)
+    return WorkerEngine(backend, config, make_streams(device))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = build_engine(args)
+    server, port, health_servicer = await build_server(engine, args.host, args.port)
+    stop = stop_event_on_signals()
+    await server.start()
+    await mark_serving(health_servicer, SERVICE_NAME)
+    info = engine.info
+    log.info("model %s on %s, %d KV slots, %d request slots", info.model, info.device,
+             info.kv_slots, info.request_slots)
+    print(f"worker listening on {args.host}:{port}", flush=True)
+    await stop.wait()
+    log.info("stopping: draining launched batches")
+    await graceful_stop(server, health_servicer, args.grace)
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, OSError) as exc:  # a bad model or flag: say why, no traceback
+        sys.exit(f"worker: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""What computes a batch's next tokens: a Llama model, or the `sim` device."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from stepahead.protocol import TokenizerSpec
+from worker_svc.batch import ForwardBatch
+from worker_svc.model import TINY_CONFIG, KVCache, LlamaForCausalLM, build_tiny, load_hf_checkpoint
+from worker_svc.sampler import sample
+
+BYTE_TOKENIZER = TokenizerSpec("byte")
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling inputs of each sampling row, gathered from the slot table."""
+
+    temperature: torch.Tensor  # [R] float32
+    top_p: torch.Tensor  # [R] float32
+    top_k: torch.Tensor  # [R] int64
+    seeds: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64, position of the token being sampled
+    # Known on the host, so the sampler needs no device read to choose its path.
+    all_greedy: bool
+    any_filter: bool
+
+
+class ModelBackend(Protocol):
+    name: str
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    tokenizer: TokenizerSpec
+
+    def allocate_kv(self, num_slots: int) -> None: ...
+
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
+        """Sampled ids [R] of the batch's sampling rows, on the device."""
+        ...
+
+
+class LlamaBackend:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: TokenizerSpec) -> None:
+        config = model.config
+        self.model = model
+        self.name = config.name
+        self.vocab_size = config.vocab_size
+        self.max_context_len = config.max_context_len
+        self.eos_token_ids = config.eos_token_ids
+        self.bos_token_id = config.bos_token_id
+        self.tokenizer = tokenizer
+        self._kv: KVCache | None = None
+
+    def allocate_kv(self, num_slots: int) -> None:
+        weight = self.model.lm_head.weight
+        self._kv = KVCache.allocate(self.model.config, num_slots, weight.dtype, weight.device)
+
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
+        assert self._kv is not None, "allocate_kv() first"
+        logits = self.model(batch, self._kv)
+        return sample(
+            logits, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seeds,
+            sampling.positions, all_greedy=sampling.all_greedy, any_filter=sampling.any_filter,
+        )
+
+
+SIM_EOS_EVERY = 61  # the sim emits EOS for about one token in 61
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    mask = 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & mask
+    x = ((x >> 16) ^ x) * 0x45D9F3B & mask
+    return (x >> 16) ^ x
+
+
+def sim_next_token(last_token: int, position: int) -> int:
+    """The sim's next token, as plain Python: the reference the tests check against."""
+    h = int(_mix32(torch.tensor([last_token * 65536 + position]))[0])
+    return TINY_CONFIG.eos_token_ids[0] if h % SIM_EOS_EVERY == 0 else 32 + h % 95
+
+
+class SimBackend:
+    """A device for scheduler benchmarks: sleeps for the step time, returns
+    deterministic printable tokens (EOS about one in 61) that depend on each
+    row's last input token and position, so the FutureMap relay is exercised."""
+
+    def __init__(self, step_ms: float, token_us: float) -> None:
+        self.name = "sim"
+        self.vocab_size = TINY_CONFIG.vocab_size
+        self.max_context_len = 8192
+        self.eos_token_ids = TINY_CONFIG.eos_token_ids
+        self.bos_token_id = TINY_CONFIG.bos_token_id
+        self.tokenizer = BYTE_TOKENIZER
+        self._step_s = step_ms / 1e3
+        self._token_s = token_us / 1e6
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """The sim keeps no KV: only the scheduler's slot accounting matters."""
+
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
+        time.sleep(self._step_s + self._token_s * batch.num_tokens)
+        last = batch.input_ids[batch.sample_token_index]
+        h = _mix32(last * 65536 + sampling.positions)
+        printable = 32 + h % 95
+        return torch.where(h % SIM_EOS_EVERY == 0, self.eos_token_ids[0], printable)
+
+
+def load_backend(
+    model: str, device: torch.device, dtype: torch.dtype, sim_step_ms: float, sim_token_us: float
+) -> ModelBackend:
+    """`tiny`, `sim`, or a path to a Hugging Face Llama-style checkpoint directory."""
+    if model == "sim":
+        return SimBackend(sim_step_ms, sim_token_us)
+    if model == "tiny":
+        return LlamaBackend(build_tiny(dtype, device), BYTE_TOKENIZER)
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model: {model!r} is not tiny, sim, or a checkpoint directory")
+    llama = load_hf_checkpoint(path, dtype, device)
+    return LlamaBackend(llama, _checkpoint_tokenizer(path, llama.config.vocab_size))
+
+
+def _checkpoint_tokenizer(path: Path, vocab_size: int) -> TokenizerSpec:
+    tokenizer_json = path / "tokenizer.json"
+    if tokenizer_json.is_file():
+        return TokenizerSpec("hf", tokenizer_json.read_bytes())
+    if vocab_size < 256:
+        raise ValueError(f"{path}: no tokenizer.json and a vocabulary too small for bytes")
+    return BYTE_TOKENIZER

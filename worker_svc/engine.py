@@ -1,0 +1,279 @@
+"""The worker engine: executes launched batches strictly in launch order.
+
+A launch goes through two single-thread executors:
+  forward thread: apply slot deltas, build the batch (decode inputs gathered
+                  from the FutureMap on the device), forward, sample, store the
+                  sampled ids in the FutureMap, start the copy to the host;
+  copy thread:    wait for that copy, hand the ids back.
+Both are FIFO, so batches run and complete in launch order, and batch k+1 can
+be enqueued on the device while batch k's copy is awaited.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+
+import torch
+
+from stepahead.protocol import Launch, NewRequest, StepResult, WorkerInfo
+from worker_svc.backends import ModelBackend, RowSampling
+from worker_svc.batch import ForwardBatch
+from worker_svc.future_map import FutureMap
+from worker_svc.streams import DeviceStreams, PendingCopy
+
+
+class LaunchError(ValueError):
+    """A launch that does not fit the worker's capacities or state."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_slots: int
+    request_slots: int
+    check_invariants: bool = False
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    epoch: int
+    steps_executed: int
+    last_step_id: int
+    out_of_order_launches: int
+    sentinel_reads: int
+    live_request_slots: int
+
+
+class SlotTable:
+    """Per request slot: sampling constants (on the device) and liveness."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.host: dict[int, NewRequest] = {}  # the same constants, for host-side decisions
+
+    def register(self, requests: list[NewRequest], streams: DeviceStreams) -> None:
+        slots = streams.to_device([r.req_slot for r in requests])
+        self.temperature[slots] = torch.tensor([r.temperature for r in requests]).to(slots.device)
+        self.top_p[slots] = torch.tensor([r.top_p for r in requests]).to(slots.device)
+        self.top_k[slots] = streams.to_device([r.top_k for r in requests])
+        # Seeds are uint64 on the wire; the sampler mixes their 63 low bits.
+        self.seed[slots] = streams.to_device([r.seed & (2**63 - 1) for r in requests])
+        self.host.update((r.req_slot, r) for r in requests)
+
+    def release(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.host.pop(slot, None)
+
+    def clear(self) -> None:
+        self.host.clear()
+
+    def rows(self, host_slots: list[int], slots: torch.Tensor, positions: torch.Tensor) -> RowSampling:
+        params = [self.host[s] for s in host_slots]
+        return RowSampling(
+            self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots], positions,
+            all_greedy=all(p.temperature <= 0 for p in params),
+            any_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
+        )
+
+
+@dataclass
+class _HostRows:
+    """Host-side index lists of one launch, computed once per step."""
+
+    positions: list[int]
+    token_req_slots: list[int]
+    row_token_starts: list[int]
+    row_ctx_lens: list[int]
+    prompt_token_index: list[int]
+    future_token_index: list[int]
+    future_req_slots: list[int]
+    sample_token_index: list[int]
+    sample_req_slots: list[int]
+    sample_positions: list[int]
+
+
+def _host_rows(launch: Launch) -> _HostRows:
+    rows = _HostRows([], [], [], [], [], [], [], [], [], [])
+    t = 0
+    for slot, start, n, from_future, sample in zip(
+        launch.row_req_slots,
+        launch.row_start_pos,
+        launch.row_num_tokens,
+        launch.row_from_future,
+        launch.row_sample,
+        strict=True,
+    ):
+        rows.row_token_starts.append(t)
+        rows.row_ctx_lens.append(start + n)
+        rows.positions.extend(range(start, start + n))
+        rows.token_req_slots.extend([slot] * n)
+        if from_future:
+            rows.future_token_index.append(t)
+            rows.future_req_slots.append(slot)
+        else:
+            rows.prompt_token_index.extend(range(t, t + n))
+        if sample:
+            rows.sample_token_index.append(t + n - 1)
+            rows.sample_req_slots.append(slot)
+            rows.sample_positions.append(start + n)
+        t += n
+    return rows
+
+
+class WorkerEngine:
+    def __init__(self, backend: ModelBackend, config: EngineConfig, streams: DeviceStreams) -> None:
+        self.backend = backend
+        self.config = config
+        self.streams = streams
+        device = streams.device
+        backend.allocate_kv(config.kv_slots)
+        self._future = FutureMap(config.request_slots, device, config.check_invariants)
+        self._slots = SlotTable(config.request_slots, device)
+        self._req_to_token = torch.zeros(
+            (config.request_slots, backend.max_context_len), dtype=torch.int64, device=device
+        )
+        self._no_tokens = torch.empty(0, dtype=torch.int64, device=device)
+        self._forward_thread = concurrent.futures.ThreadPoolExecutor(1, "forward-stream")
+        self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, "copy-wait")
+        self._epoch = 0
+        self._last_step_id = 0
+        self._steps_executed = 0
+        self._out_of_order = 0
+
+    @property
+    def info(self) -> WorkerInfo:
+        b = self.backend
+        return WorkerInfo(
+            model=b.name,
+            vocab_size=b.vocab_size,
+            max_context_len=b.max_context_len,
+            eos_token_ids=b.eos_token_ids,
+            bos_token_id=b.bos_token_id,
+            kv_slots=self.config.kv_slots,
+            request_slots=self.config.request_slots,
+            device=str(self.streams.device),
+            tokenizer=b.tokenizer,
+            epoch=self._epoch,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            epoch=self._epoch,
+            steps_executed=self._steps_executed,
+            last_step_id=self._last_step_id,
+            out_of_order_launches=self._out_of_order,
+            sentinel_reads=self._future.sentinel_reads,
+            live_request_slots=len(self._slots.host),
+        )
+
+    def begin_session(self) -> concurrent.futures.Future[WorkerInfo]:
+        """Forget every request slot, after all batches launched so far."""
+        return self._forward_thread.submit(self._reset_for_session)
+
+    def submit(self, launch: Launch) -> concurrent.futures.Future[StepResult]:
+        """Enqueue a launch; the future resolves, in launch order, with its tokens."""
+        pending = self._forward_thread.submit(self._enqueue, launch)
+        return self._copy_thread.submit(self._complete, launch.step_id, pending)
+
+    def shutdown(self) -> None:
+        self._forward_thread.shutdown(wait=True, cancel_futures=True)
+        self._copy_thread.shutdown(wait=True, cancel_futures=True)
+
+    def _reset_for_session(self) -> WorkerInfo:
+        self._future.reset_all()
+        self._slots.clear()
+        self._epoch += 1
+        self._last_step_id = 0
+        return self.info
+
+    def _complete(
+        self, step_id: int, pending: concurrent.futures.Future[PendingCopy]
+    ) -> StepResult:
+        copy = pending.result()
+        tokens = copy.wait()
+        return StepResult(step_id, tokens, copy.forward_seconds())
+
+    @torch.inference_mode()
+    def _enqueue(self, launch: Launch) -> PendingCopy:
+        self._check_order(launch.step_id)
+        started = time.perf_counter()
+        with self.streams.forward():
+            self._apply_slot_deltas(launch)
+            self._steps_executed += 1
+            if not launch.num_rows:  # a launch that only releases slots
+                return self.streams.copy_to_host(self._no_tokens, started)
+            rows = _host_rows(launch)
+            self._validate(launch, rows)
+            batch = self._build_batch(launch, rows)
+            sample_slots = self.streams.to_device(rows.sample_req_slots)
+            sampling = self._slots.rows(
+                rows.sample_req_slots, sample_slots, self.streams.to_device(rows.sample_positions)
+            )
+            tokens = self.backend.compute(batch, sampling)
+            self._future.store(sample_slots, tokens)
+            return self.streams.copy_to_host(tokens, started)
+
+    def _check_order(self, step_id: int) -> None:
+        if step_id != self._last_step_id + 1:
+            self._out_of_order += 1
+            raise LaunchError(f"step {step_id} launched after step {self._last_step_id}")
+        self._last_step_id = step_id
+
+    def _apply_slot_deltas(self, launch: Launch) -> None:
+        if launch.released_slots:
+            self._future.reset(self.streams.to_device(launch.released_slots))
+            self._slots.release(launch.released_slots)
+        if launch.new_requests:
+            self._slots.register(launch.new_requests, self.streams)
+
+    def _validate(self, launch: Launch, rows: _HostRows) -> None:
+        cfg, ctx = self.config, self.backend.max_context_len
+        if len(launch.kv_slots) != len(rows.positions):
+            raise LaunchError(f"{len(launch.kv_slots)} kv_slots for {len(rows.positions)} tokens")
+        if len(launch.prompt_ids) != len(rows.prompt_token_index):
+            raise LaunchError("prompt_ids do not match the rows' token counts")
+        if any(n != 1 for i, n in enumerate(launch.row_num_tokens) if launch.row_from_future[i]):
+            raise LaunchError("a row_from_future row must carry exactly one token")
+        if launch.kv_slots and max(launch.kv_slots) >= cfg.kv_slots:
+            raise LaunchError(f"kv slot beyond the pool of {cfg.kv_slots}")
+        if rows.positions and max(rows.positions) >= ctx:
+            raise LaunchError(f"position beyond the context length {ctx}")
+        if launch.prompt_ids and max(launch.prompt_ids) >= self.backend.vocab_size:
+            raise LaunchError("prompt id beyond the vocabulary")
+        not_live = set(launch.row_req_slots) - self._slots.host.keys()
+        if not_live:
+            raise LaunchError(f"rows name unregistered request slots {sorted(not_live)[:8]}")
+
+    def _build_batch(self, launch: Launch, rows: _HostRows) -> ForwardBatch:
+        to_device = self.streams.to_device
+        positions = to_device(rows.positions)
+        out_kv_slots = to_device(launch.kv_slots)
+        self._req_to_token[to_device(rows.token_req_slots), positions] = out_kv_slots
+        return ForwardBatch(
+            input_ids=self._input_ids(launch, rows),
+            positions=positions,
+            out_kv_slots=out_kv_slots,
+            row_req_slots=to_device(launch.row_req_slots),
+            row_token_starts=rows.row_token_starts,
+            row_num_tokens=launch.row_num_tokens,
+            row_ctx_lens=rows.row_ctx_lens,
+            sample_token_index=to_device(rows.sample_token_index),
+            req_to_token=self._req_to_token,
+        )
+
+    def _input_ids(self, launch: Launch, rows: _HostRows) -> torch.Tensor:
+        """Prompt ids come from the host, decode ids from the FutureMap on the device."""
+        to_device = self.streams.to_device
+        if not rows.future_token_index:
+            return to_device(launch.prompt_ids)
+        from_future = self._future.read(to_device(rows.future_req_slots))
+        if not rows.prompt_token_index:
+            return from_future
+        ids = torch.empty(len(rows.positions), dtype=torch.int64, device=self.streams.device)
+        ids[to_device(rows.future_token_index)] = from_future
+        ids[to_device(rows.prompt_token_index)] = to_device(launch.prompt_ids)
+        return ids
