@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 import stepahead
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, random_seed
 from scheduler_svc.validation import InvalidRequest, validate_request
+from stepahead.serving import add_health_and_reflection, set_serving
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("stepahead.scheduler")
@@ -109,14 +109,7 @@ async def build_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(scheduler), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
     bound = server.add_insecure_port(f"{host}:{port}")
     return server, bound, health_servicer
 
@@ -125,16 +118,10 @@ def health_follows_worker(
     scheduler: Scheduler, health_servicer: health.aio.HealthServicer
 ) -> None:
     """SERVING while a worker session is up, NOT_SERVING otherwise."""
-    serving = health_pb2.HealthCheckResponse.SERVING
-    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     tasks: set[asyncio.Task[None]] = set()
 
-    async def set_all(status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, status)
-
     def on_ready(ready: bool) -> None:
-        task = asyncio.get_running_loop().create_task(set_all(serving if ready else not_serving))
+        task = asyncio.get_running_loop().create_task(set_serving(health_servicer, SERVICE_NAME, ready))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 

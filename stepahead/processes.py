@@ -42,10 +42,18 @@ class Service:
             raise
 
 
-def _spawn(module: str, args: list[str]) -> Service:
+def spawn_worker(args: list[str], port: int = 0) -> Service:
+    return _spawn("worker_svc", args, port)
+
+
+def spawn_scheduler(worker_address: str, args: list[str], port: int = 0) -> Service:
+    return _spawn("scheduler_svc", ["--worker", worker_address, *args], port)
+
+
+def _spawn(module: str, args: list[str], port: int) -> Service:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", "0", *args],
+        [sys.executable, "-m", module, "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     assert proc.stdout is not None
@@ -91,11 +99,11 @@ def serving_pair(
     worker_args: list[str], scheduler_args: list[str] = ()  # type: ignore[assignment]
 ) -> Iterator[tuple[Service, Service]]:
     """A worker and a scheduler connected to it, both SERVING; stopped on exit."""
-    worker = _spawn("worker_svc", worker_args)
+    worker = spawn_worker(worker_args)
     scheduler = None
     try:
         wait_serving(worker.address)
-        scheduler = _spawn("scheduler_svc", ["--worker", worker.address, *scheduler_args])
+        scheduler = spawn_scheduler(worker.address, list(scheduler_args))
         wait_serving(scheduler.address)
         yield worker, scheduler
     finally:

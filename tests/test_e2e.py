@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from stepahead.processes import Service, serving_pair
+from stepahead.processes import Service, serving_pair, spawn_scheduler, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.backends import sim_next_token
@@ -217,3 +218,62 @@ def test_tiny_model_served_to_the_cli_client() -> None:
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH; 5 prompt + 16 completion tokens" in out.stderr
         assert time.monotonic() - started < 60
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)  # type: ignore[attr-defined]
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_scheduler_follows_the_worker_and_never_drops_a_request_silently() -> None:
+    worker_address = f"127.0.0.1:{unused_port()}"
+    scheduler = spawn_scheduler(worker_address, [])
+    worker = None
+    try:
+        # No worker yet: not serving, and a request is refused outright.
+        assert health_status(scheduler.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(generate(scheduler.address, request("early", 3)))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        worker = spawn_worker(SIM, port=int(worker_address.rsplit(":", 1)[1]))
+        wait_serving(scheduler.address)
+
+        async def killed_mid_stream() -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                call = generation_pb2_grpc.GenerationStub(channel).Generate(
+                    request("killed", 4000, ignore_eos=True))
+                await call.read()
+                assert worker is not None
+                worker.proc.kill()
+                try:
+                    while isinstance(await call.read(), pb.GenerateResponse):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+        assert asyncio.run(killed_mid_stream()) == grpc.StatusCode.UNAVAILABLE
+        for _ in range(100):  # health follows the lost session
+            if health_status(scheduler.address) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.05)
+        assert health_status(scheduler.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        worker.proc.wait(10)
+
+        worker = spawn_worker(SIM, port=int(worker_address.rsplit(":", 1)[1]))
+        wait_serving(scheduler.address)
+        stream = asyncio.run(generate(scheduler.address, request("back again", 4, ignore_eos=True)))
+        assert [t for r in stream for t in r.token_ids] == sim_expected(b"back again", 4)
+        assert scheduler.stop() == 0
+    finally:
+        for service in (scheduler, worker):
+            if service is not None and service.proc.poll() is None:
+                service.stop()

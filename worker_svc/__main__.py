@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from stepahead.serving import graceful_stop, mark_serving, setup_logging, stop_event_on_signals
+from stepahead.serving import graceful_stop, set_serving, setup_logging, stop_event_on_signals
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.server import SERVICE_NAME, build_server
@@ -60,7 +60,7 @@ async def serve(args: argparse.Namespace) -> None:
     server, port, health_servicer = await build_server(engine, args.host, args.port)
     stop = stop_event_on_signals()
     await server.start()
-    await mark_serving(health_servicer, SERVICE_NAME)
+    await set_serving(health_servicer, SERVICE_NAME, True)
     info = engine.info
     log.info("model %s on %s, %d KV slots, %d request slots", info.model, info.device,
              info.kv_slots, info.request_slots)

@@ -7,8 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from stepahead.protocol import (
     PROTOCOL_VERSION,
@@ -17,6 +16,7 @@ from stepahead.protocol import (
     launch_from_proto,
     result_to_proto,
 )
+from stepahead.serving import add_health_and_reflection
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.engine import WorkerEngine
 
@@ -137,13 +137,6 @@ async def build_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
     bound = server.add_insecure_port(f"{host}:{port}")
     return server, bound, health_servicer
