@@ -336,7 +336,8 @@ class Scheduler:
                 self._start_session(await self.transport.connect())
                 return
             except WorkerUnavailable as exc:
-                log.warning("worker not reachable (%s); retrying in %.1fs", exc, delay)
+                level = logging.WARNING if delay >= max_delay else logging.INFO
+                log.log(level, "waiting for the worker (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)
 
