@@ -13,7 +13,7 @@ MODE ?= overlap
 WORKER_PORT ?= 50061
 PORT ?= 50051
 
-.PHONY: all venv proto run test lint typecheck clean
+.PHONY: all venv proto run test lint trace clean
 
 all: proto
 
@@ -38,6 +38,9 @@ run: proto
 
 test: proto
 	$(PY) -m pytest -q
+
+trace: proto
+	$(PY) -m bench.trace --out traces --png docs/images/timeline.png
 
 lint: proto
 	$(VENV)/bin/ruff check .

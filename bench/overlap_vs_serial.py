@@ -58,8 +58,9 @@ async def one_request(
     started = time.perf_counter()
     first = 0.0
     tokens = 0
-    req = pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt),
-                             sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
+    req = pb.GenerateRequest(
+        input_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    )
     async for response in stub.Generate(req):
         if not tokens:
             first = time.perf_counter() - started
@@ -107,8 +108,11 @@ def main() -> None:
         for mode in ("serial", "overlap"):
             got[mode] = run_config(model, mode, work)
             o = got[mode]
-            print(f"| {model} | {mode} | {work.num_requests} x {work.output_len} | {work.concurrency} "
-                  f"| {o.tokens_per_s:,.0f} | {o.ttft_p50_ms:.1f} |", flush=True)
+            print(
+                f"| {model} | {mode} | {work.num_requests} x {work.output_len} | {work.concurrency} "
+                f"| {o.tokens_per_s:,.0f} | {o.ttft_p50_ms:.1f} |",
+                flush=True,
+            )
         ratio = got["overlap"].tokens_per_s / got["serial"].tokens_per_s
         print(f"| {model} | overlap/serial | | | {ratio:.3f} | |", flush=True)
 

@@ -8,8 +8,16 @@ import logging
 
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.server import build_server, health_follows_worker
+from scheduler_svc.telemetry import SchedulerTelemetry
 from scheduler_svc.transport import GrpcTransport
-from stepahead.serving import graceful_stop, setup_logging, stop_event_on_signals
+from stepahead.serving import (
+    add_observability_args,
+    graceful_stop,
+    setup_logging,
+    start_metrics,
+    stop_event_on_signals,
+)
+from stepahead.trace import Tracer
 
 log = logging.getLogger("stepahead.scheduler")
 
@@ -20,32 +28,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--mode", choices=("overlap", "serial"), default="overlap")
-    p.add_argument("--max-batch-tokens", type=int, default=512,
-                   help="token budget of one step; longer prompts are prefilled in chunks")
-    p.add_argument("--max-running", type=int, default=0,
-                   help="concurrent requests at most (0: the worker's request slots)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="token budget of one step; longer prompts are prefilled in chunks",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=0,
+        help="concurrent requests at most (0: the worker's request slots)",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
+    add_observability_args(p, default_metrics_port=9400)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     config = SchedulerConfig(args.mode, args.max_batch_tokens, args.max_running)
     transport = GrpcTransport(args.worker)
-    scheduler = Scheduler(transport, config)
+    telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
+    scheduler = Scheduler(transport, config, telemetry)
     server, port, health_servicer = await build_server(scheduler, args.host, args.port)
     health_follows_worker(scheduler, health_servicer)
     stop = stop_event_on_signals()
     await server.start()
     loop_task = asyncio.create_task(scheduler.run())
-    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker})",
-          flush=True)
+    start_metrics(telemetry.registry, args)
+    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker})", flush=True)
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", args.grace)
     await graceful_stop(server, health_servicer, args.grace)
     await scheduler.close()
     loop_task.cancel()
     await transport.close()
+    telemetry.tracer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,6 @@ class SampledRow:
 class ScheduledBatch:
     launch: Launch
     sampled: list[SampledRow] = field(default_factory=list)
-    num_decode_rows: int = 0
-    num_prefill_rows: int = 0
 
     @property
     def step_id(self) -> int:
@@ -30,9 +28,7 @@ class ScheduledBatch:
 
     @property
     def forward_mode(self) -> str:
-        if not self.num_prefill_rows:
-            return "decode"
-        return "prefill" if not self.num_decode_rows else "mixed"
+        return self.launch.forward_mode
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +39,6 @@ class ScheduledBatch:
         assert req.req_slot is not None
         self._add_row(req, req.num_computed, 1, from_future=True, sample=True)
         self.launch.kv_slots.append(kv_slot)
-        self.num_decode_rows += 1
 
     def add_prefill(self, req: Request, ids: list[int], kv_slots: list[int], sample: bool) -> None:
         """A chunk of known tokens; the chunk that ends them samples the next token."""
@@ -51,14 +46,11 @@ class ScheduledBatch:
         self._add_row(req, req.num_computed, len(ids), from_future=False, sample=sample)
         self.launch.prompt_ids.extend(ids)
         self.launch.kv_slots.extend(kv_slots)
-        self.num_prefill_rows += 1
 
     def register(self, req: Request) -> None:
         assert req.req_slot is not None
         p = req.params
-        self.launch.new_requests.append(
-            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed)
-        )
+        self.launch.new_requests.append(NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed))
 
     def _add_row(self, req: Request, start: int, n: int, from_future: bool, sample: bool) -> None:
         launch = self.launch

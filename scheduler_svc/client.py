@@ -53,8 +53,10 @@ async def stream_reply(args: argparse.Namespace) -> int:
             return 1
     if last is not None:
         reason = generation_pb2.FinishReason.Name(last.finish_reason)
-        print(f"\n[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
-              file=sys.stderr)
+        print(
+            f"\n[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
+            file=sys.stderr,
+        )
     return 0
 
 

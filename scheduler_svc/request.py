@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -97,6 +98,9 @@ class Request:
     attempt: int = 0
     finish_reason: FinishReason | None = None
     stream: OutputStream = field(default_factory=OutputStream)
+    arrival_time: float = field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:

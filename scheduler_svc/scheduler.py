@@ -13,6 +13,7 @@ import asyncio
 import collections
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -22,6 +23,7 @@ import grpc
 from scheduler_svc.allocator import SlotAllocator
 from scheduler_svc.batch import SampledRow, ScheduledBatch
 from scheduler_svc.request import FinishReason, Request, SamplingParams
+from scheduler_svc.telemetry import SchedulerTelemetry
 from scheduler_svc.text import RequestText
 from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
 from scheduler_svc.transport import WorkerTransport, WorkerUnavailable
@@ -54,9 +56,12 @@ class SchedulerNotReady(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, transport: WorkerTransport, config: SchedulerConfig) -> None:
+    def __init__(
+        self, transport: WorkerTransport, config: SchedulerConfig, telemetry: SchedulerTelemetry | None = None
+    ) -> None:
         self.transport = transport
         self.config = config
+        self.telemetry = telemetry or SchedulerTelemetry(config.mode)
         self.stats = SchedulerStats()
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
@@ -162,14 +167,17 @@ class Scheduler:
     def pick_batch(self) -> ScheduledBatch | None:
         """Decode and continue prefills of running requests (in arrival order),
         then admit waiting ones, all under the step's token budget."""
-        batch = ScheduledBatch(Launch(step_id=self._next_step_id))
-        budget = self.config.max_batch_tokens
-        preempted = self._schedule_running(batch, budget)
-        if not preempted:
-            self._admit_waiting(batch, budget - batch.num_tokens)
+        with self.telemetry.phase("pick", self._next_step_id):
+            batch = ScheduledBatch(Launch(step_id=self._next_step_id))
+            budget = self.config.max_batch_tokens
+            preempted = self._schedule_running(batch, budget)
+            if not preempted:
+                self._admit_waiting(batch, budget - batch.num_tokens)
+            self._update_gauges()
         if not batch.launch.num_rows:
             return None
         self._take_step_id()
+        self.telemetry.observe_batch(batch.forward_mode, batch.launch.num_rows, batch.num_tokens)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
@@ -202,11 +210,18 @@ class Scheduler:
             if not self.kv.can_allocate(chunk + len(self.running)):
                 break
             self.waiting.popleft()
+            self._note_first_scheduled(req)
             req.req_slot = self.req_slots.allocate_one()
             self.running.append(req)
             batch.register(req)
             self._add_row(batch, req, chunk)
             budget -= chunk
+
+    def _note_first_scheduled(self, req: Request) -> None:
+        if req.first_scheduled_time is None:  # not again on a recompute
+            req.first_scheduled_time = time.time()
+            self.telemetry.queue_time.observe(req.first_scheduled_time - req.arrival_time)
+            self.telemetry.prompt_tokens.inc(len(req.prompt_ids))
 
     def _add_row(self, batch: ScheduledBatch, req: Request, num_tokens: int) -> None:
         kv_slots = self.kv.allocate(num_tokens)
@@ -238,6 +253,7 @@ class Scheduler:
         again on recompute; greedy and seeded sampling give the same token.
         """
         self.stats.preemptions += 1
+        self.telemetry.preemptions.inc()
         self._release(req)
         self.running.remove(req)
         req.attempt += 1
@@ -249,35 +265,47 @@ class Scheduler:
 
     async def launch_step(self, batch: ScheduledBatch) -> StepHandle:
         """Send the batch; returns at once with a handle on its result."""
-        batch.launch.released_slots = self._pending_releases
-        self._pending_releases = []
-        self.stats.steps += 1
-        return await self.transport.launch(batch.launch)
+        with self.telemetry.phase("launch", batch.step_id):
+            batch.launch.released_slots = self._pending_releases
+            self._pending_releases = []
+            self.stats.steps += 1
+            sent = time.time()
+            handle = await self.transport.launch(batch.launch)
+        handle.add_done_callback(lambda _: self.telemetry.worker_latency.observe(time.time() - sent))
+        return handle
 
     # ---- step 3: queue -----------------------------------------------------------------
 
     def queue_result(self, batch: ScheduledBatch, handle: StepHandle) -> None:
         self.result_queue.append((batch, handle))
+        self.telemetry.observe_result_queue(len(self.result_queue))
 
     # ---- step 4: process ---------------------------------------------------------------
 
     async def process_results(self, batch: ScheduledBatch, handle: StepHandle) -> None:
         """Wait for the batch's tokens, then update requests, check stops, stream."""
-        result = await handle
+        self.telemetry.observe_result_queue(len(self.result_queue))
+        with self.telemetry.phase("wait", batch.step_id):
+            result = await handle
         if result.step_id != batch.step_id:
             self.stats.results_out_of_order += 1
             raise WorkerUnavailable(f"result of step {result.step_id} for step {batch.step_id}")
-        for row, token in zip(batch.sampled, result.token_ids, strict=True):
-            self._process_row(row, token)
+        with self.telemetry.phase("process", batch.step_id):
+            now = time.time()
+            for row, token in zip(batch.sampled, result.token_ids, strict=True):
+                self._process_row(row, token, now)
+            self._update_gauges()
 
-    def _process_row(self, row: SampledRow, token: int) -> None:
+    def _process_row(self, row: SampledRow, token: int, now: float) -> None:
         req = row.request
         if req.finished or row.attempt != req.attempt:
             # Finished (or preempted) while this batch was in flight: never streamed.
             self.stats.dropped_inflight_tokens += 1
+            self.telemetry.dropped_inflight_tokens.inc()
             return
         req.num_inflight -= 1
         req.output_ids.append(token)
+        self._note_token_time(req, now)
         if self._is_stop_token(req, token):
             req.stream.put(token, "")
             self._finish(req, FinishReason.STOP)
@@ -288,6 +316,22 @@ class Scheduler:
             self._finish(req, FinishReason.STOP)
         elif len(req.output_ids) >= req.params.max_new_tokens:
             self._finish(req, FinishReason.LENGTH)
+
+    def _note_token_time(self, req: Request, now: float) -> None:
+        t = self.telemetry
+        if req.last_token_time is None:
+            t.ttft.observe(now - req.arrival_time)
+        else:
+            t.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        t.generation_tokens.inc()
+
+    def _update_gauges(self) -> None:
+        t = self.telemetry
+        t.running.set(len(self.running))
+        t.waiting.set(len(self.waiting))
+        if self.kv.capacity:
+            t.kv_usage.set(self.kv.num_used / self.kv.capacity)
 
     def _is_stop_token(self, req: Request, token: int) -> bool:
         assert self.info is not None
@@ -305,6 +349,8 @@ class Scheduler:
         self._release(req)
         self._forget(req)
         req.stream.close(reason)
+        self.telemetry.finished[reason.name.lower()].inc()
+        self.telemetry.e2e.observe(time.time() - req.arrival_time)
 
     def _release(self, req: Request) -> None:
         """Free the request's slots now, even if a batch in flight still holds it.
@@ -353,19 +399,31 @@ class Scheduler:
         self.req_slots = SlotAllocator(running_cap, "request slots")
         self._pending_releases = []
         self._next_step_id = 1
-        log.info("worker session %d: model %s, %d KV slots, %d request slots, mode %s",
-                 info.epoch, info.model, info.kv_slots, running_cap, self.config.mode)
+        log.info(
+            "worker session %d: model %s, %d KV slots, %d request slots, mode %s",
+            info.epoch,
+            info.model,
+            info.kv_slots,
+            running_cap,
+            self.config.mode,
+        )
+        self.telemetry.worker_connected.set(1)
+        # One-way delay ignored: good to well under a millisecond on one host.
+        offset = info.worker_unix_time - time.time()
+        self.telemetry.tracer.metadata("worker_clock_offset", {"seconds": offset, "epoch": info.epoch})
         self.on_ready(True)
 
     def _worker_lost(self, exc: Exception) -> None:
         """Every live request ends with UNAVAILABLE; none is dropped silently."""
         log.error("worker lost: %s", exc)
+        self.telemetry.worker_connected.set(0)
         self.on_ready(False)
         self.info = None
         self.result_queue.clear()
         for req in list(self.requests.values()):
             self._forget(req)
             req.stream.fail(grpc.StatusCode.UNAVAILABLE, f"the worker was lost: {exc}")
+            self.telemetry.finished["error"].inc()
         self.running.clear()
         self.waiting.clear()
 

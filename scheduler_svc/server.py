@@ -83,9 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         s.add_request(req)
         return req
 
-    async def _stream(
-        self, req: Request, context: Context
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _stream(self, req: Request, context: Context) -> AsyncIterator[generation_pb2.GenerateResponse]:
         prompt_tokens = len(req.prompt_ids)
         while True:
             await req.stream.ready.wait()
@@ -114,9 +112,7 @@ async def build_server(
     return server, bound, health_servicer
 
 
-def health_follows_worker(
-    scheduler: Scheduler, health_servicer: health.aio.HealthServicer
-) -> None:
+def health_follows_worker(scheduler: Scheduler, health_servicer: health.aio.HealthServicer) -> None:
     """SERVING while a worker session is up, NOT_SERVING otherwise."""
     tasks: set[asyncio.Task[None]] = set()
 

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 LISTEN_RE = re.compile(r"listening on [\d.]+:(\d+)")
+METRICS_RE = re.compile(r"metrics on http://[\d.]+:(\d+)/metrics")
 START_TIMEOUT_S = 60.0
 
 
@@ -29,6 +30,13 @@ class Service:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The /metrics endpoint (the service must run with --metrics-port >= 0)."""
+        ports = [m.group(1) for line in self.output if (m := METRICS_RE.search(line))]
+        assert ports, "this service serves no metrics"
+        return f"http://127.0.0.1:{ports[0]}/metrics"
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then the exit code (SIGKILL if it does not stop in time)."""
@@ -43,18 +51,26 @@ class Service:
 
 
 def spawn_worker(args: list[str], port: int = 0) -> Service:
-    return _spawn("worker_svc", args, port)
+    return _spawn("worker_svc", _with_free_metrics_port(args), port)
 
 
 def spawn_scheduler(worker_address: str, args: list[str], port: int = 0) -> Service:
-    return _spawn("scheduler_svc", ["--worker", worker_address, *args], port)
+    return _spawn("scheduler_svc", ["--worker", worker_address, *_with_free_metrics_port(args)], port)
+
+
+def _with_free_metrics_port(args: list[str]) -> list[str]:
+    """Tests run many services at once: their metrics take any free port unless told."""
+    return args if "--metrics-port" in args else [*args, "--metrics-port", "0"]
 
 
 def _spawn(module: str, args: list[str], port: int) -> Service:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -85,7 +101,8 @@ def wait_serving(address: str, timeout_s: float = START_TIMEOUT_S) -> None:
         while time.monotonic() < deadline:
             try:
                 status = stub.Check(  # type: ignore[attr-defined]
-                    health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                    health_pb2.HealthCheckRequest(service=""), timeout=2
+                ).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -96,7 +113,8 @@ def wait_serving(address: str, timeout_s: float = START_TIMEOUT_S) -> None:
 
 @contextmanager
 def serving_pair(
-    worker_args: list[str], scheduler_args: list[str] = ()  # type: ignore[assignment]
+    worker_args: list[str],
+    scheduler_args: list[str] = (),  # type: ignore[assignment]
 ) -> Iterator[tuple[Service, Service]]:
     """A worker and a scheduler connected to it, both SERVING; stopped on exit."""
     worker = spawn_worker(worker_args)

@@ -35,6 +35,7 @@ class WorkerInfo:
     device: str
     tokenizer: TokenizerSpec
     epoch: int = 0
+    worker_unix_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,25 @@ class Launch:
     def num_tokens(self) -> int:
         return len(self.kv_slots)
 
+    @property
+    def forward_mode(self) -> str:
+        """ "decode" (every row reads the FutureMap), "prefill" (none does) or "mixed"."""
+        decode_rows = sum(self.row_from_future)
+        if decode_rows == self.num_rows:
+            return "decode"
+        return "prefill" if decode_rows == 0 else "mixed"
+
 
 @dataclass(frozen=True)
 class StepResult:
     step_id: int
     token_ids: list[int]  # one per sampling row, in row order
-    forward_seconds: float
+    forward_start: float = 0.0  # worker clock, Unix seconds
+    forward_end: float = 0.0
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.forward_end - self.forward_start
 
 
 class WorkerStepError(RuntimeError):
@@ -105,6 +119,7 @@ def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:
         request_slots=info.request_slots,
         device=info.device,
         tokenizer=worker_pb2.TokenizerSpec(kind=info.tokenizer.kind, hf_json=info.tokenizer.hf_json),
+        worker_unix_time=info.worker_unix_time,
     )
     if info.bos_token_id is not None:
         welcome.bos_token_id = info.bos_token_id
@@ -123,6 +138,7 @@ def info_from_proto(welcome: worker_pb2.Welcome) -> WorkerInfo:
         device=welcome.device,
         tokenizer=TokenizerSpec(welcome.tokenizer.kind, welcome.tokenizer.hf_json),
         epoch=welcome.epoch,
+        worker_unix_time=welcome.worker_unix_time,
     )
 
 
@@ -165,9 +181,12 @@ def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     return worker_pb2.StepResult(
-        step_id=result.step_id, token_ids=result.token_ids, forward_seconds=result.forward_seconds
+        step_id=result.step_id,
+        token_ids=result.token_ids,
+        forward_start_unix_s=result.forward_start,
+        forward_end_unix_s=result.forward_end,
     )
 
 
 def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
-    return StepResult(msg.step_id, list(msg.token_ids), msg.forward_seconds)
+    return StepResult(msg.step_id, list(msg.token_ids), msg.forward_start_unix_s, msg.forward_end_unix_s)

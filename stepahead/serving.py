@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from stepahead.metrics import serve_metrics
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
@@ -32,6 +35,28 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_name: 
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):
         await health_servicer.set(name, status)
+
+
+def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port: int) -> None:
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics endpoint")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default_metrics_port,
+        help="Prometheus /metrics port (0: any free port, -1: off)",
+    )
+    parser.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="write a Chrome trace-event JSON timeline of every step here",
+    )
+
+
+def start_metrics(registry: CollectorRegistry, args: argparse.Namespace) -> None:
+    if args.metrics_port >= 0:
+        port = serve_metrics(registry, args.metrics_host, args.metrics_port)
+        print(f"metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
 
 
 def stop_event_on_signals() -> asyncio.Event:

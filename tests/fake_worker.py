@@ -27,8 +27,9 @@ class FakeWorker:
         self._held: collections.deque[tuple[asyncio.Future[StepResult], StepResult]] = collections.deque()
 
     async def connect(self) -> WorkerInfo:
-        return WorkerInfo("fake", 258, 8192, (257,), 256, self.kv_slots, self.request_slots, "host",
-                          TokenizerSpec("byte"))
+        return WorkerInfo(
+            "fake", 258, 8192, (257,), 256, self.kv_slots, self.request_slots, "host", TokenizerSpec("byte")
+        )
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
         expected_step = len(self.launches) + 1
@@ -60,8 +61,12 @@ class FakeWorker:
         prompt = iter(launch.prompt_ids)
         sampled = []
         for slot, start, n, from_future, sample in zip(
-            launch.row_req_slots, launch.row_start_pos, launch.row_num_tokens,
-            launch.row_from_future, launch.row_sample, strict=True,
+            launch.row_req_slots,
+            launch.row_start_pos,
+            launch.row_num_tokens,
+            launch.row_from_future,
+            launch.row_sample,
+            strict=True,
         ):
             assert slot in self.live_slots
             ids = [self.future_map[slot]] if from_future else [next(prompt) for _ in range(n)]

@@ -38,8 +38,13 @@ class ClientView:
     completion_tokens: list[int] = field(default_factory=list)
 
 
-def make_engine(model: str, kv_slots: int, request_slots: int, dtype: torch.dtype = torch.float32,
-                sim_step_ms: float = 1.0) -> WorkerEngine:
+def make_engine(
+    model: str,
+    kv_slots: int,
+    request_slots: int,
+    dtype: torch.dtype = torch.float32,
+    sim_step_ms: float = 1.0,
+) -> WorkerEngine:
     backend = load_backend(model, torch.device("cpu"), dtype, sim_step_ms, 0.0)
     return WorkerEngine(backend, EngineConfig(kv_slots, request_slots, check_invariants=True), CpuStreams())
 
@@ -81,8 +86,14 @@ async def run_workload(scheduler: Scheduler, items: list[WorkItem]) -> dict[str,
 
 
 async def serve_workload(
-    model: str, mode: str, items: list[WorkItem], *, kv_slots: int = 4096, request_slots: int = 64,
-    max_batch_tokens: int = 128, dtype: torch.dtype = torch.float32,
+    model: str,
+    mode: str,
+    items: list[WorkItem],
+    *,
+    kv_slots: int = 4096,
+    request_slots: int = 64,
+    max_batch_tokens: int = 128,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[dict[str, ClientView], Scheduler, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype)
@@ -109,8 +120,14 @@ async def wait_drained(scheduler: Scheduler) -> None:
 
 def params(max_new_tokens: int, **kw: object) -> SamplingParams:
     base: dict[str, object] = dict(
-        max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-        stop_token_ids=frozenset(), stop=(), ignore_eos=False,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=0,
+        stop_token_ids=frozenset(),
+        stop=(),
+        ignore_eos=False,
     )
     base.update(kw)
     return SamplingParams(**base)  # type: ignore[arg-type]
@@ -134,7 +151,8 @@ def mixed_workload(n: int, seed: int, *, sampled: bool, vocab: int = 256) -> lis
             ignore_eos=kind < 0.3,
             stop_token_ids=frozenset(rng.sample(range(32, 127), 3)) if 0.3 <= kind < 0.45 else frozenset(),
             stop=(chr(rng.randrange(65, 91)), "".join(chr(rng.randrange(97, 123)) for _ in range(2)))
-            if 0.45 <= kind < 0.65 else (),
+            if 0.45 <= kind < 0.65
+            else (),
         )
         abort_after = rng.randint(1, 6) if kind >= 0.9 else None
         items.append(WorkItem(f"r{i}", prompt, p, rng.expovariate(1 / 0.003), abort_after))

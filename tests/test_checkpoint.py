@@ -26,8 +26,9 @@ def write_tokenizer(directory: pathlib.Path) -> int:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
     return int(tokenizer.get_vocab_size())
@@ -36,11 +37,20 @@ def write_tokenizer(directory: pathlib.Path) -> int:
 def write_checkpoint(directory: pathlib.Path) -> None:
     vocab = write_tokenizer(directory)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
     (directory / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
@@ -49,8 +59,11 @@ def write_checkpoint(directory: pathlib.Path) -> None:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.1
 
-    weights = {"model.embed_tokens.weight": rand(vocab, HIDDEN), "model.norm.weight": torch.ones(HIDDEN),
-               "lm_head.weight": rand(vocab, HIDDEN)}
+    weights = {
+        "model.embed_tokens.weight": rand(vocab, HIDDEN),
+        "model.norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": rand(vocab, HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         weights |= {

@@ -32,7 +32,8 @@ def sim_pair() -> Iterator[tuple[Service, Service]]:
 
 def request(text: str, max_new_tokens: int, rid: str = "", **sampling: object) -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        request_id=rid, text=text,
+        request_id=rid,
+        text=text,
         sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),  # type: ignore[arg-type]
     )
 
@@ -59,8 +60,12 @@ async def server_info(address: str) -> pb.GetServerInfoResponse:
 async def wait_all_free(address: str) -> pb.GetServerInfoResponse:
     for _ in range(200):
         info = await server_info(address)
-        if info.kv_slots_free == info.kv_slots and info.request_slots_free == info.request_slots \
-                and not info.requests_running and not info.requests_waiting:
+        if (
+            info.kv_slots_free == info.kv_slots
+            and info.request_slots_free == info.request_slots
+            and not info.requests_running
+            and not info.requests_waiting
+        ):
             return info
         await asyncio.sleep(0.02)
     raise AssertionError(f"slots still in use: {info}")
@@ -73,11 +78,16 @@ async def test_health_reflection_and_info(sim_pair: tuple[Service, Service]) -> 
             health = health_pb2_grpc.HealthStub(channel)
             for svc in ("", name):
                 got = await health.Check(  # type: ignore[attr-defined]
-                    health_pb2.HealthCheckRequest(service=svc))
+                    health_pb2.HealthCheckRequest(service=svc)
+                )
                 assert got.status == health_pb2.HealthCheckResponse.SERVING
             reflect = reflection_pb2_grpc.ServerReflectionStub(channel)  # type: ignore[arg-type]
-            replies = [r async for r in reflect.ServerReflectionInfo(  # type: ignore[operator]
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+            replies = [
+                r
+                async for r in reflect.ServerReflectionInfo(  # type: ignore[operator]
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+            ]
             names = {s.name for s in replies[0].list_services_response.service}
             assert {name, "grpc.health.v1.Health"} <= names
     info = await server_info(scheduler.address)
@@ -125,10 +135,14 @@ async def test_abort_rpc_and_client_cancel_free_everything(sim_pair: tuple[Servi
 BAD_REQUESTS = [
     (pb.GenerateRequest(sampling=pb.SamplingParams(max_new_tokens=4)), "input"),
     (request("", 4), "input.text"),
-    (pb.GenerateRequest(input_ids=pb.TokenIds(), sampling=pb.SamplingParams(max_new_tokens=4)),
-     "input.input_ids.ids"),
-    (pb.GenerateRequest(input_ids=pb.TokenIds(ids=[1, 999]), sampling=pb.SamplingParams(max_new_tokens=4)),
-     "input.input_ids.ids[1]"),
+    (
+        pb.GenerateRequest(input_ids=pb.TokenIds(), sampling=pb.SamplingParams(max_new_tokens=4)),
+        "input.input_ids.ids",
+    ),
+    (
+        pb.GenerateRequest(input_ids=pb.TokenIds(ids=[1, 999]), sampling=pb.SamplingParams(max_new_tokens=4)),
+        "input.input_ids.ids[1]",
+    ),
     (request("hi", 0), "sampling.max_new_tokens"),
     (request("hi", 8190), "sampling.max_new_tokens"),
     (request("hi", 4, temperature=-0.5), "sampling.temperature"),
@@ -186,9 +200,11 @@ async def test_worker_kept_its_invariants(sim_pair: tuple[Service, Service]) -> 
 
 def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones() -> None:
     with serving_pair(SIM, ["--grace", "30"]) as (worker, scheduler):
+
         async def scenario() -> tuple[list[pb.GenerateResponse], grpc.StatusCode]:
             in_flight = asyncio.create_task(
-                generate(scheduler.address, request("long one", 300, ignore_eos=True)))
+                generate(scheduler.address, request("long one", 300, ignore_eos=True))
+            )
             await asyncio.sleep(0.3)
             scheduler.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -211,9 +227,20 @@ def test_tiny_model_served_to_the_cli_client() -> None:
     with serving_pair(["--model", "tiny"]) as (_, scheduler):
         started = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "scheduler_svc.client", "Hello", "--max-new-tokens", "16",
-             "--ignore-eos", "--server", scheduler.address],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "scheduler_svc.client",
+                "Hello",
+                "--max-new-tokens",
+                "16",
+                "--ignore-eos",
+                "--server",
+                scheduler.address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH; 5 prompt + 16 completion tokens" in out.stderr
@@ -249,7 +276,8 @@ def test_scheduler_follows_the_worker_and_never_drops_a_request_silently() -> No
         async def killed_mid_stream() -> grpc.StatusCode:
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 call = generation_pb2_grpc.GenerationStub(channel).Generate(
-                    request("killed", 4000, ignore_eos=True))
+                    request("killed", 4000, ignore_eos=True)
+                )
                 await call.read()
                 assert worker is not None
                 worker.proc.kill()

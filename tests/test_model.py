@@ -97,8 +97,10 @@ class SlotPool:
     seed: int
     free: list[int] = field(default_factory=list)
     req_to_token: torch.Tensor = field(
-        default_factory=lambda: torch.full((NUM_REQ_SLOTS, TINY_CONFIG.max_context_len),
-                                           UNUSED_SLOT, dtype=torch.int64))
+        default_factory=lambda: torch.full(
+            (NUM_REQ_SLOTS, TINY_CONFIG.max_context_len), UNUSED_SLOT, dtype=torch.int64
+        )
+    )
 
     def __post_init__(self) -> None:
         order = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(self.seed))
@@ -113,19 +115,21 @@ class SlotPool:
         for step in steps:
             seq, start = step.seq, step.seq.cached
             new_slots = [self.free.pop() for _ in range(step.num_new)]
-            self.req_to_token[seq.req_slot, start:start + step.num_new] = torch.tensor(new_slots)
+            self.req_to_token[seq.req_slot, start : start + step.num_new] = torch.tensor(new_slots)
             starts.append(len(ids))
-            ids += seq.tokens[start:start + step.num_new]
+            ids += seq.tokens[start : start + step.num_new]
             positions += range(start, start + step.num_new)
             slots += new_slots
             seq.cached += step.num_new
             if step.sample:
                 sample_index.append(len(ids) - 1)
         return ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(positions),
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
             out_kv_slots=torch.tensor(slots),
             row_req_slots=torch.tensor([s.seq.req_slot for s in steps]),
-            row_token_starts=starts, row_num_tokens=[s.num_new for s in steps],
+            row_token_starts=starts,
+            row_num_tokens=[s.num_new for s in steps],
             row_ctx_lens=[s.seq.cached for s in steps],
             sample_token_index=torch.tensor(sample_index, dtype=torch.int64),
             req_to_token=self.req_to_token,
@@ -147,7 +151,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def expected_last(model: LlamaForCausalLM, steps: list[Step]) -> torch.Tensor:
-    rows = [reference_logits(model, s.seq.tokens[:s.seq.cached])[-1] for s in steps if s.sample]
+    rows = [reference_logits(model, s.seq.tokens[: s.seq.cached])[-1] for s in steps if s.sample]
     return torch.stack(rows)
 
 
@@ -163,8 +167,7 @@ def model32() -> LlamaForCausalLM:
 def test_prefill_batch_of_different_lengths(model32: LlamaForCausalLM) -> None:
     pool = SlotPool(seed=0)
     kv = KVCache.allocate(model32.config, NUM_SLOTS, torch.float32, CPU)
-    seqs = [Seq(req_slot=r, tokens=random_tokens(n, r)) for r, n in [(3, 5), (0, 23), (5, 1),
-                                                                      (1, 40)]]
+    seqs = [Seq(req_slot=r, tokens=random_tokens(n, r)) for r, n in [(3, 5), (0, 23), (5, 1), (1, 40)]]
     steps = [Step(seq, len(seq.tokens)) for seq in seqs]
     logits = model32(pool.batch(steps), kv)
     assert logits.shape == (4, TINY_CONFIG.vocab_size) and logits.dtype == torch.float32
@@ -177,8 +180,7 @@ def test_all_positions_can_be_sampled(model32: LlamaForCausalLM) -> None:
     seq = Seq(req_slot=2, tokens=random_tokens(12, 9))
     batch = pool.batch([Step(seq, 12)])
     batch.sample_token_index = torch.arange(12)
-    torch.testing.assert_close(model32(batch, kv), reference_logits(model32, seq.tokens),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(model32(batch, kv), reference_logits(model32, seq.tokens), atol=1e-4, rtol=0)
 
 
 def test_chunked_prefill_then_mixed_decode(model32: LlamaForCausalLM) -> None:
@@ -252,20 +254,39 @@ PINNED_EMBED_SEED0 = [-0.31929007172584534, 1.0462011098861694, 0.14951597154140
 # ---------------------------------------------------------------------------------------------
 # HF checkpoints
 
-SMALL = replace(TINY_CONFIG, vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=8, max_context_len=128, name="small")
+SMALL = replace(
+    TINY_CONFIG,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_context_len=128,
+    name="small",
+)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, object]:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_context_len,
-        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "bos_token_id": 1, "eos_token_id": [2, 3], "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_context_len,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
     }
 
 
@@ -278,12 +299,14 @@ def random_model(cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
-def write_checkpoint(directory: pathlib.Path, config: dict[str, object],
-                     tensors: dict[str, torch.Tensor]) -> pathlib.Path:
+def write_checkpoint(
+    directory: pathlib.Path, config: dict[str, object], tensors: dict[str, torch.Tensor]
+) -> pathlib.Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
-    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()},
-                                str(directory / "model.safetensors"))
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors")
+    )
     return directory
 
 
@@ -293,9 +316,16 @@ def prefill_all_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tens
     slots = torch.randperm(n, generator=torch.Generator().manual_seed(0)) + 3
     req_to_token[0, :n] = slots
     batch = ForwardBatch(
-        input_ids=torch.tensor(tokens), positions=torch.arange(n), out_kv_slots=slots,
-        row_req_slots=torch.tensor([0]), row_token_starts=[0], row_num_tokens=[n],
-        row_ctx_lens=[n], sample_token_index=torch.arange(n), req_to_token=req_to_token)
+        input_ids=torch.tensor(tokens),
+        positions=torch.arange(n),
+        out_kv_slots=slots,
+        row_req_slots=torch.tensor([0]),
+        row_token_starts=[0],
+        row_num_tokens=[n],
+        row_ctx_lens=[n],
+        sample_token_index=torch.arange(n),
+        req_to_token=req_to_token,
+    )
     kv = KVCache.allocate(model.config, n + 3, torch.float32, CPU)
     logits: torch.Tensor = model(batch, kv)
     return logits
@@ -314,8 +344,9 @@ def test_load_hf_checkpoint_matches_in_memory_model(tmp_path: pathlib.Path, tied
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     tokens = random_tokens(20, 3)
     tokens = [t % cfg.vocab_size for t in tokens]
-    torch.testing.assert_close(prefill_all_logits(loaded, tokens),
-                               prefill_all_logits(model, tokens), atol=0, rtol=0)
+    torch.testing.assert_close(
+        prefill_all_logits(loaded, tokens), prefill_all_logits(model, tokens), atol=0, rtol=0
+    )
 
 
 @pytest.fixture
@@ -323,9 +354,9 @@ def good_checkpoint() -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     return hf_config_dict(SMALL), dict(random_model(SMALL, seed=8).state_dict())
 
 
-def test_load_rejects_missing_weight(tmp_path: pathlib.Path,
-                                     good_checkpoint: tuple[dict[str, object],
-                                                            dict[str, torch.Tensor]]) -> None:
+def test_load_rejects_missing_weight(
+    tmp_path: pathlib.Path, good_checkpoint: tuple[dict[str, object], dict[str, torch.Tensor]]
+) -> None:
     config, tensors = good_checkpoint
     del tensors["model.layers.1.mlp.up_proj.weight"]
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
@@ -335,9 +366,9 @@ def test_load_rejects_missing_weight(tmp_path: pathlib.Path,
     assert "model.layers.0.self_attn.q_proj.bias" in str(err.value)
 
 
-def test_load_rejects_wrong_shape(tmp_path: pathlib.Path,
-                                  good_checkpoint: tuple[dict[str, object],
-                                                         dict[str, torch.Tensor]]) -> None:
+def test_load_rejects_wrong_shape(
+    tmp_path: pathlib.Path, good_checkpoint: tuple[dict[str, object], dict[str, torch.Tensor]]
+) -> None:
     config, tensors = good_checkpoint
     tensors["model.norm.weight"] = torch.ones(31)
     path = write_checkpoint(tmp_path / "ckpt", config, tensors)
@@ -346,8 +377,8 @@ def test_load_rejects_wrong_shape(tmp_path: pathlib.Path,
 
 
 def test_load_rejects_unsupported_architecture(
-        tmp_path: pathlib.Path,
-        good_checkpoint: tuple[dict[str, object], dict[str, torch.Tensor]]) -> None:
+    tmp_path: pathlib.Path, good_checkpoint: tuple[dict[str, object], dict[str, torch.Tensor]]
+) -> None:
     config, tensors = good_checkpoint
     config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     path = write_checkpoint(tmp_path / "ckpt", config, tensors)
@@ -355,14 +386,19 @@ def test_load_rejects_unsupported_architecture(
         load_hf_checkpoint(path, torch.float32, CPU)
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
-      "sliding_window": 64}, "sliding_window"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        (
+            {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64},
+            "sliding_window",
+        ),
+    ],
+)
 def test_config_rejects_unsupported_options(override: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_from_hf_dict({**hf_config_dict(SMALL), **override})
@@ -372,10 +408,19 @@ def test_config_defaults_and_rope_parameters() -> None:
     d = hf_config_dict(SMALL)
     for key in ("num_key_value_heads", "rope_theta", "tie_word_embeddings"):
         del d[key]
-    d.update(eos_token_id=2, architectures=["MistralForCausalLM"], sliding_window=None,
-             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 32})
+    d.update(
+        eos_token_id=2,
+        architectures=["MistralForCausalLM"],
+        sliding_window=None,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
     cfg = config_from_hf_dict(d)
     assert cfg.num_kv_heads == cfg.num_heads == 4 and cfg.head_dim == 8
     assert cfg.rope_theta == 500000.0 and cfg.eos_token_ids == (2,)
@@ -387,18 +432,39 @@ def test_config_defaults_and_rope_parameters() -> None:
 # Against the transformers implementation, when it is installed
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0,
-                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 16}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
+)
 @pytest.mark.parametrize("tied", [False, True])
-def test_matches_transformers(tmp_path: pathlib.Path, rope_scaling: dict[str, object] | None,
-                              tied: bool) -> None:
+def test_matches_transformers(
+    tmp_path: pathlib.Path, rope_scaling: dict[str, object] | None, tied: bool
+) -> None:
     transformers = pytest.importorskip("transformers")
     hf_config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-        rope_theta=10000.0, rope_scaling=rope_scaling, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(11)
     hf_model = transformers.LlamaForCausalLM(hf_config).eval()
     with torch.no_grad():

@@ -19,9 +19,13 @@ Params = tuple[float, float, int, int, int]  # temperature, top_p, top_k, seed, 
 
 def param_tensors(params: list[Params]) -> tuple[torch.Tensor, ...]:
     temperature, top_p, top_k, seeds, positions = zip(*params, strict=True)
-    return (torch.tensor(temperature, dtype=torch.float32),
-            torch.tensor(top_p, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
-            torch.tensor(seeds, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+    return (
+        torch.tensor(temperature, dtype=torch.float32),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(top_k, dtype=torch.int64),
+        torch.tensor(seeds, dtype=torch.int64),
+        torch.tensor(positions, dtype=torch.int64),
+    )
 
 
 def draw_rows(logits: torch.Tensor, params: list[Params]) -> torch.Tensor:
@@ -63,7 +67,7 @@ def test_row_draw_is_independent_of_batch_composition() -> None:
     logits = random_logits(len(MIXED_PARAMS), 2)
     together = draw_rows(logits, MIXED_PARAMS)
     for i, params in enumerate(MIXED_PARAMS):
-        assert int(draw_rows(logits[i:i + 1], [params])) == int(together[i])
+        assert int(draw_rows(logits[i : i + 1], [params])) == int(together[i])
     for seed in range(3):
         order = torch.randperm(len(MIXED_PARAMS), generator=torch.Generator().manual_seed(seed))
         shuffled = draw_rows(logits[order], [MIXED_PARAMS[i] for i in order.tolist()])
@@ -93,8 +97,7 @@ def test_different_seeds_and_positions_give_different_draws() -> None:
 def test_same_seed_and_position_repeat_exactly() -> None:
     logits = random_logits(1, 5)
     first = draw_rows(logits, [(1.0, 0.95, 40, 1234, 56)])
-    assert all(torch.equal(first, draw_rows(logits, [(1.0, 0.95, 40, 1234, 56)]))
-               for _ in range(3))
+    assert all(torch.equal(first, draw_rows(logits, [(1.0, 0.95, 40, 1234, 56)])) for _ in range(3))
 
 
 def empirical(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -116,8 +119,7 @@ def test_draws_follow_softmax() -> None:
 def test_draws_across_positions_follow_softmax() -> None:
     logits = repeat_row(SMALL_LOGITS, NUM_DRAWS)
     tokens = draw_rows(logits, [(1.0, 1.0, 0, 77, pos) for pos in range(NUM_DRAWS)])
-    torch.testing.assert_close(empirical(tokens, 6), SMALL_LOGITS.double().softmax(-1),
-                               atol=0.01, rtol=0)
+    torch.testing.assert_close(empirical(tokens, 6), SMALL_LOGITS.double().softmax(-1), atol=0.01, rtol=0)
 
 
 def test_top_k_and_top_p_renormalise_over_the_kept_set() -> None:

@@ -19,7 +19,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(sim_next_token(seq[-1], len(seq)))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 async def connected(worker: FakeWorker, mode: str = "overlap", budget: int = 128) -> Scheduler:

@@ -239,11 +239,7 @@ def test_hf_encode_uses_post_processor_and_decode_skips_specials(
 
 def test_hf_incremental_decode_equals_full_decode(any_hf_tokenizer: HFTokenizer) -> None:
     rng = random.Random(3)
-    texts = (
-        ASCII_TRAINING_TEXT
-        + [MULTILINGUAL]
-        + [random_text(rng, rng.randint(0, 40)) for _ in range(60)]
-    )
+    texts = ASCII_TRAINING_TEXT + [MULTILINGUAL] + [random_text(rng, rng.randint(0, 40)) for _ in range(60)]
     for text in texts:
         ids = any_hf_tokenizer.encode(text)
         expected = any_hf_tokenizer.decode(ids)
@@ -340,9 +336,7 @@ def test_load_tokenizer_hf_reports_model_vocab_size() -> None:
     assert tokenizer.decode(tokenizer.encode("hello")) == "hello"
 
 
-@pytest.mark.parametrize(
-    ("kind", "hf_json"), [("sentencepiece", b""), ("hf", b""), ("hf", b"{not json")]
-)
+@pytest.mark.parametrize(("kind", "hf_json"), [("sentencepiece", b""), ("hf", b""), ("hf", b"{not json")])
 def test_load_tokenizer_rejects_bad_input(kind: str, hf_json: bytes) -> None:
     with pytest.raises(ValueError):
         load_tokenizer(kind, hf_json, 258, None, [])

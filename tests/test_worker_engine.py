@@ -35,15 +35,30 @@ def new(slot: int) -> NewRequest:
 
 
 def prefill(step: int, slot: int, ids: list[int], kv: list[int], **kw: object) -> Launch:
-    return Launch(step, row_req_slots=[slot], row_start_pos=[0], row_num_tokens=[len(ids)],
-                  row_from_future=[False], row_sample=[True], prompt_ids=ids, kv_slots=kv,
-                  **kw)  # type: ignore[arg-type]
+    return Launch(
+        step,
+        row_req_slots=[slot],
+        row_start_pos=[0],
+        row_num_tokens=[len(ids)],
+        row_from_future=[False],
+        row_sample=[True],
+        prompt_ids=ids,
+        kv_slots=kv,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def decode(step: int, slots: list[int], positions: list[int], kv: list[int]) -> Launch:
     n = len(slots)
-    return Launch(step, row_req_slots=slots, row_start_pos=positions, row_num_tokens=[1] * n,
-                  row_from_future=[True] * n, row_sample=[True] * n, kv_slots=kv)
+    return Launch(
+        step,
+        row_req_slots=slots,
+        row_start_pos=positions,
+        row_num_tokens=[1] * n,
+        row_from_future=[True] * n,
+        row_sample=[True] * n,
+        kv_slots=kv,
+    )
 
 
 @pytest.fixture
@@ -86,12 +101,15 @@ def test_out_of_order_launch_is_refused(engine: WorkerEngine) -> None:
     assert engine.stats().out_of_order_launches == 1
 
 
-@pytest.mark.parametrize(("launch", "message"), [
-    (prefill(1, 0, [1], [64], new_requests=[new(0)]), "kv slot beyond the pool"),
-    (prefill(1, 3, [1], [0]), "unregistered request slots"),
-    (prefill(1, 0, [1, 2], [0], new_requests=[new(0)]), "kv_slots for 2 tokens"),
-    (prefill(1, 0, [999], [0], new_requests=[new(0)]), "beyond the vocabulary"),
-])
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        (prefill(1, 0, [1], [64], new_requests=[new(0)]), "kv slot beyond the pool"),
+        (prefill(1, 3, [1], [0]), "unregistered request slots"),
+        (prefill(1, 0, [1, 2], [0], new_requests=[new(0)]), "kv_slots for 2 tokens"),
+        (prefill(1, 0, [999], [0], new_requests=[new(0)]), "beyond the vocabulary"),
+    ],
+)
 def test_malformed_launches_are_refused(engine: WorkerEngine, launch: Launch, message: str) -> None:
     with pytest.raises(LaunchError, match=message):
         engine.submit(launch).result()

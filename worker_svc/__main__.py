@@ -9,7 +9,15 @@ import sys
 
 import torch
 
-from stepahead.serving import graceful_stop, set_serving, setup_logging, stop_event_on_signals
+from stepahead.serving import (
+    add_observability_args,
+    graceful_stop,
+    set_serving,
+    setup_logging,
+    start_metrics,
+    stop_event_on_signals,
+)
+from stepahead.trace import Tracer
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.server import SERVICE_NAME, build_server
@@ -31,16 +39,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda"
+    )
     p.add_argument("--kv-slots", type=int, default=16384, help="KV pool size in tokens")
     p.add_argument("--request-slots", type=int, default=256, help="concurrent requests at most")
     p.add_argument("--sim-step-ms", type=float, default=10.0, help="sim: fixed time per step")
     p.add_argument("--sim-token-us", type=float, default=2.0, help="sim: extra time per token")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument("--check-invariants", action="store_true",
-                   help="fail a step that reads an unwritten FutureMap entry (syncs the device)")
+    p.add_argument(
+        "--check-invariants",
+        action="store_true",
+        help="fail a step that reads an unwritten FutureMap entry (syncs the device)",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
+    add_observability_args(p, default_metrics_port=9401)
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -52,7 +65,7 @@ def build_engine(args: argparse.Namespace) -> WorkerEngine:
         torch.set_num_threads(args.threads)
     backend = load_backend(args.model, device, dtype, args.sim_step_ms, args.sim_token_us)
     config = EngineConfig(args.kv_slots, args.request_slots, args.check_invariants)
-    return WorkerEngine(backend, config, make_streams(device))
+    return WorkerEngine(backend, config, make_streams(device), Tracer(args.trace_file, "worker"))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -62,13 +75,20 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     await set_serving(health_servicer, SERVICE_NAME, True)
     info = engine.info
-    log.info("model %s on %s, %d KV slots, %d request slots", info.model, info.device,
-             info.kv_slots, info.request_slots)
+    log.info(
+        "model %s on %s, %d KV slots, %d request slots",
+        info.model,
+        info.device,
+        info.kv_slots,
+        info.request_slots,
+    )
+    start_metrics(engine.metrics.registry, args)
     print(f"worker listening on {args.host}:{port}", flush=True)
     await stop.wait()
     log.info("stopping: draining launched batches")
     await graceful_stop(server, health_servicer, args.grace)
     engine.shutdown()
+    engine.tracer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

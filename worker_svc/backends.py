@@ -66,8 +66,14 @@ class LlamaBackend:
         assert self._kv is not None, "allocate_kv() first"
         logits = self.model(batch, self._kv)
         return sample(
-            logits, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seeds,
-            sampling.positions, all_greedy=sampling.all_greedy, any_filter=sampling.any_filter,
+            logits,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.seeds,
+            sampling.positions,
+            all_greedy=sampling.all_greedy,
+            any_filter=sampling.any_filter,
         )
 
 

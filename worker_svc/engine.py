@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from stepahead.protocol import Launch, NewRequest, StepResult, WorkerInfo
+from stepahead.trace import NO_TRACE, Tracer
 from worker_svc.backends import ModelBackend, RowSampling
 from worker_svc.batch import ForwardBatch
 from worker_svc.future_map import FutureMap
-from worker_svc.streams import DeviceStreams, PendingCopy
+from worker_svc.metrics import WorkerMetrics
+from worker_svc.streams import DeviceStreams, PendingCopy, StepTiming
 
 
 class LaunchError(ValueError):
@@ -74,7 +76,11 @@ class SlotTable:
     def rows(self, host_slots: list[int], slots: torch.Tensor, positions: torch.Tensor) -> RowSampling:
         params = [self.host[s] for s in host_slots]
         return RowSampling(
-            self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots], positions,
+            self.temperature[slots],
+            self.top_p[slots],
+            self.top_k[slots],
+            self.seed[slots],
+            positions,
             all_greedy=all(p.temperature <= 0 for p in params),
             any_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
         )
@@ -124,11 +130,23 @@ def _host_rows(launch: Launch) -> _HostRows:
     return rows
 
 
+@dataclass(frozen=True)
+class _Enqueued:
+    copy: PendingCopy
+    live_after: int  # request slots live once this launch has run
+
+
 class WorkerEngine:
-    def __init__(self, backend: ModelBackend, config: EngineConfig, streams: DeviceStreams) -> None:
+    def __init__(
+        self, backend: ModelBackend, config: EngineConfig, streams: DeviceStreams, tracer: Tracer = NO_TRACE
+    ) -> None:
         self.backend = backend
         self.config = config
         self.streams = streams
+        self.tracer = tracer
+        self.metrics = WorkerMetrics(backend.name, str(streams.device))
+        self._last_forward_end: float | None = None
+        self._live_after_last_step = False
         device = streams.device
         backend.allocate_kv(config.kv_slots)
         self._future = FutureMap(config.request_slots, device, config.check_invariants)
@@ -158,6 +176,7 @@ class WorkerEngine:
             device=str(self.streams.device),
             tokenizer=b.tokenizer,
             epoch=self._epoch,
+            worker_unix_time=time.time(),
         )
 
     def stats(self) -> EngineStats:
@@ -177,7 +196,7 @@ class WorkerEngine:
     def submit(self, launch: Launch) -> concurrent.futures.Future[StepResult]:
         """Enqueue a launch; the future resolves, in launch order, with its tokens."""
         pending = self._forward_thread.submit(self._enqueue, launch)
-        return self._copy_thread.submit(self._complete, launch.step_id, pending)
+        return self._copy_thread.submit(self._complete, launch, pending)
 
     def shutdown(self) -> None:
         self._forward_thread.shutdown(wait=True, cancel_futures=True)
@@ -186,26 +205,44 @@ class WorkerEngine:
     def _reset_for_session(self) -> WorkerInfo:
         self._future.reset_all()
         self._slots.clear()
+        self._live_after_last_step = False
         self._epoch += 1
         self._last_step_id = 0
         return self.info
 
-    def _complete(
-        self, step_id: int, pending: concurrent.futures.Future[PendingCopy]
-    ) -> StepResult:
-        copy = pending.result()
-        tokens = copy.wait()
-        return StepResult(step_id, tokens, copy.forward_seconds())
+    def _complete(self, launch: Launch, pending: concurrent.futures.Future[_Enqueued]) -> StepResult:
+        enqueued = pending.result()
+        tokens, timing = enqueued.copy.wait()
+        self._account(launch, timing, enqueued.live_after)
+        return StepResult(launch.step_id, tokens, timing.forward_start, timing.forward_end)
+
+    def _account(self, launch: Launch, timing: StepTiming, live_after: int) -> None:
+        """Busy time per forward; the gap before it counts as idle if requests
+        were live on the worker across it (the scheduler had work in hand)."""
+        if self._live_after_last_step and self._last_forward_end is not None:
+            gap = max(timing.forward_start - self._last_forward_end, 0.0)
+            self.metrics.observe_gap(gap)
+        self._last_forward_end = timing.forward_end
+        self._live_after_last_step = live_after > 0
+        self.metrics.live_slots.set(live_after)
+        if not launch.num_rows:  # only released slots: no forward ran
+            return
+        mode = launch.forward_mode
+        self.metrics.observe_forward(mode, timing.forward_seconds, timing.copy_seconds, launch.num_tokens)
+        args = {"rows": launch.num_rows, "tokens": launch.num_tokens, "mode": mode}
+        self.tracer.span(
+            "device", f"forward {launch.step_id}", timing.forward_start, timing.forward_end, args
+        )
+        self.tracer.span("copy", f"copy {launch.step_id}", timing.forward_end, timing.copy_end)
 
     @torch.inference_mode()
-    def _enqueue(self, launch: Launch) -> PendingCopy:
+    def _enqueue(self, launch: Launch) -> _Enqueued:
         self._check_order(launch.step_id)
-        started = time.perf_counter()
         with self.streams.forward():
             self._apply_slot_deltas(launch)
             self._steps_executed += 1
             if not launch.num_rows:  # a launch that only releases slots
-                return self.streams.copy_to_host(self._no_tokens, started)
+                return _Enqueued(self.streams.copy_to_host(self._no_tokens), len(self._slots.host))
             rows = _host_rows(launch)
             self._validate(launch, rows)
             batch = self._build_batch(launch, rows)
@@ -215,7 +252,7 @@ class WorkerEngine:
             )
             tokens = self.backend.compute(batch, sampling)
             self._future.store(sample_slots, tokens)
-            return self.streams.copy_to_host(tokens, started)
+            return _Enqueued(self.streams.copy_to_host(tokens), len(self._slots.host))
 
     def _check_order(self, step_id: int) -> None:
         if step_id != self._last_step_id + 1:

@@ -18,8 +18,7 @@ from worker_svc.batch import ForwardBatch
 
 RopeScaling = tuple[tuple[str, float | int | str], ...]
 
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
@@ -60,9 +60,20 @@ class ModelConfig:
 
 # Byte-level vocabulary: ids 0..255 are bytes, 256 is BOS, 257 is EOS.
 TINY_CONFIG = ModelConfig(
-    vocab_size=258, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8,
-    num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5, max_context_len=2048,
-    tie_word_embeddings=False, eos_token_ids=(257,), bos_token_id=256, rope_scaling=None,
+    vocab_size=258,
+    hidden_size=256,
+    intermediate_size=688,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_context_len=2048,
+    tie_word_embeddings=False,
+    eos_token_ids=(257,),
+    bos_token_id=256,
+    rope_scaling=None,
     name="tiny",
 )
 
@@ -88,11 +99,13 @@ class KVCache:
     v: torch.Tensor
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> KVCache:
+    def allocate(
+        cls, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
         shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
-        return cls(k=torch.zeros(shape, dtype=dtype, device=device),
-                   v=torch.zeros(shape, dtype=dtype, device=device))
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device)
+        )
 
     @property
     def num_slots(self) -> int:
@@ -209,7 +222,7 @@ def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
 def _prefill_row(batch: ForwardBatch, row: int, query_group: int) -> PrefillRow:
     device = batch.input_ids.device
     num_tokens, ctx_len = batch.row_num_tokens[row], batch.row_ctx_lens[row]
-    req_slot = batch.row_req_slots[row:row + 1]
+    req_slot = batch.row_req_slots[row : row + 1]
     kv_slots = batch.req_to_token.index_select(0, req_slot)[:, :ctx_len]
     prefix_len = ctx_len - num_tokens
     mask = None
@@ -220,8 +233,9 @@ def _prefill_row(batch: ForwardBatch, row: int, query_group: int) -> PrefillRow:
     return PrefillRow(batch.row_token_starts[row], num_tokens, kv_slots, mask)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | None) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Attention of q [B, n, H, d] over k, v [B, L, kvh, d] -> [B, n, H * d].
 
     With a mask, the query heads sharing a KV head are folded into the query axis so the KV heads
@@ -287,9 +301,14 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(config.hidden_size, config.kv_size)
         self.o_proj = Linear(config.q_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv: tuple[torch.Tensor, torch.Tensor], out_kv_slots: torch.Tensor,
-                plan: AttentionPlan) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        out_kv_slots: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -302,27 +321,27 @@ class LlamaAttention(nn.Module):
         projected: torch.Tensor = self.o_proj(self._attend(q, k_pool, v_pool, plan))
         return projected
 
-    def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                plan: AttentionPlan) -> torch.Tensor:
-        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
-                          device=q.device)
+    def _attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if plan.decode is not None:
-            out.index_copy_(0, plan.decode.token_index,
-                            self._attend_decode(q, k_pool, v_pool, plan.decode))
+            out.index_copy_(0, plan.decode.token_index, self._attend_decode(q, k_pool, v_pool, plan.decode))
         for row in plan.prefills:
             end = row.token_start + row.num_tokens
-            out[row.token_start:end] = self._attend_prefill(q[row.token_start:end], k_pool,
-                                                            v_pool, row)
+            out[row.token_start : end] = self._attend_prefill(q[row.token_start : end], k_pool, v_pool, row)
         return out
 
-    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       group: DecodeGroup) -> torch.Tensor:
+    def _attend_decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: DecodeGroup
+    ) -> torch.Tensor:
         q_rows = q.index_select(0, group.token_index)[:, None]
         k, v = _gather(k_pool, group.kv_slots, q.dtype), _gather(v_pool, group.kv_slots, q.dtype)
         return grouped_attention(q_rows, k, v, group.mask)[:, 0]
 
-    def _attend_prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                        row: PrefillRow) -> torch.Tensor:
+    def _attend_prefill(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row: PrefillRow
+    ) -> torch.Tensor:
         k, v = _gather(k_pool, row.kv_slots, q.dtype), _gather(v_pool, row.kv_slots, q.dtype)
         return grouped_attention(q[None], k, v, row.mask)[0]
 
@@ -353,9 +372,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv: tuple[torch.Tensor, torch.Tensor], out_kv_slots: torch.Tensor,
-                plan: AttentionPlan) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        out_kv_slots: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, out_kv_slots, plan)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
@@ -462,15 +486,21 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     num_heads = int(d["num_attention_heads"])
     rope_theta, rope_scaling = _rope_settings(d)
     return ModelConfig(
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
-        num_heads=num_heads, num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
         head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
-        rope_theta=rope_theta, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_context_len=int(d["max_position_embeddings"]),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        eos_token_ids=_token_ids(d.get("eos_token_id")), bos_token_id=d.get("bos_token_id"),
-        rope_scaling=rope_scaling, name=name,
+        eos_token_ids=_token_ids(d.get("eos_token_id")),
+        bos_token_id=d.get("bos_token_id"),
+        rope_scaling=rope_scaling,
+        name=name,
     )
 
 
@@ -482,9 +512,11 @@ def _check_architecture(d: dict[str, Any]) -> None:
     architectures = set(d.get("architectures") or [])
     if architectures & SUPPORTED_ARCHITECTURES or d.get("model_type") in SUPPORTED_MODEL_TYPES:
         return
-    raise ValueError(f"unsupported architecture {sorted(architectures)} "
-                     f"(model_type {d.get('model_type')!r}); expected one of "
-                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported architecture {sorted(architectures)} "
+        f"(model_type {d.get('model_type')!r}); expected one of "
+        f"{sorted(SUPPORTED_ARCHITECTURES)}"
+    )
 
 
 def _check_unsupported_options(d: dict[str, Any]) -> None:
@@ -517,8 +549,7 @@ def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def load_hf_checkpoint(path: pathlib.Path, dtype: torch.dtype,
-                       device: torch.device) -> LlamaForCausalLM:
+def load_hf_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Load config.json and every *.safetensors file of a HF Llama checkpoint directory."""
     path = pathlib.Path(path)
     config = config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
@@ -549,13 +580,13 @@ def _load_weights(model: LlamaForCausalLM, shards: Iterable[dict[str, torch.Tens
                 loaded.add(name)
     missing = sorted(required - loaded)
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing}, "
-                         f"unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}"
+        )
 
 
 def _copy_weight(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(param.shape)}")
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(tensor)

@@ -17,9 +17,17 @@ SEED_SALT = 0x9E3779B9
 ROW_SALT = 0x7F4A7C15
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
-           all_greedy: bool | None = None, any_filter: bool | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    all_greedy: bool | None = None,
+    any_filter: bool | None = None,
+) -> torch.Tensor:
     """Next token [R] int64 for logits [R, V] float32.
 
     temperature <= 0 is greedy; top_k of 0 or >= V and top_p >= 1 disable those cuts.
@@ -47,16 +55,21 @@ def _cuts_vocab(top_p: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.T
     return (top_p < 1.0) | ((top_k > 0) & (top_k < vocab))
 
 
-def _draw(scores: torch.Tensor, token_ids: torch.Tensor,
-          row_keys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _draw(
+    scores: torch.Tensor, token_ids: torch.Tensor, row_keys: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """Gumbel-max over candidate scores [R, N] whose vocabulary ids are token_ids [R or 1, N]."""
     noisy = gumbel_noise(row_keys, token_ids).add_(scores)
     best = noisy.argmax(dim=-1, keepdim=True)
     return token_ids.expand_as(scores).gather(1, best)[:, 0]
 
 
-def _draw_filtered(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                   row_keys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _draw_filtered(
+    scaled: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    row_keys: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     sorted_scores, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
     keep = _keep_mask(sorted_scores, top_p, top_k)
     width = _candidate_width(keep)
@@ -72,8 +85,7 @@ def _candidate_width(keep: torch.Tensor) -> int:
     return int(keep.sum(dim=-1).max())
 
 
-def _keep_mask(sorted_scores: torch.Tensor, top_p: torch.Tensor,
-               top_k: torch.Tensor) -> torch.Tensor:
+def _keep_mask(sorted_scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Which of the descending-sorted candidates survive top-k, then top-p over the top-k."""
     vocab = sorted_scores.shape[-1]
     ranks = torch.arange(vocab, device=sorted_scores.device)[None, :]
@@ -116,16 +128,14 @@ def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tenso
     return key[:, None], _fmix32_(key ^ ROW_SALT)[:, None]
 
 
-def uniform_bits(row_keys: tuple[torch.Tensor, torch.Tensor],
-                 token_ids: torch.Tensor) -> torch.Tensor:
+def uniform_bits(row_keys: tuple[torch.Tensor, torch.Tensor], token_ids: torch.Tensor) -> torch.Tensor:
     """32 random bits per (row, token id), a pure function of the row keys and the id."""
     first, second = row_keys
     bits = _fmix32_((token_ids + first).bitwise_and_(MASK32))
     return _fmix32_(bits.bitwise_xor_(second))
 
 
-def gumbel_noise(row_keys: tuple[torch.Tensor, torch.Tensor],
-                 token_ids: torch.Tensor) -> torch.Tensor:
+def gumbel_noise(row_keys: tuple[torch.Tensor, torch.Tensor], token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise -log(-log(u)) in float64; u lies strictly inside (0, 1)."""
     u = uniform_bits(row_keys, token_ids).double().add_(0.5).div_(float(1 << 32))
     return u.log_().neg_().log_().neg_()

@@ -6,6 +6,9 @@ on only when the result is sent.
 CPU: torch has no streams or events there, so the worker's single ordered
 forward thread plays the forward stream; the forward has finished when the
 thread returns, and the "copy" is a plain host read.
+
+Both report when each forward ran, in Unix seconds, so that device gaps and
+traces line up with the scheduler's clock.
 """
 
 from __future__ import annotations
@@ -13,17 +16,31 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    forward_start: float  # Unix seconds
+    forward_end: float
+    copy_end: float
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.forward_end - self.forward_start
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.copy_end - self.forward_end
+
+
 class PendingCopy(Protocol):
     """Sampled ids on their way to the host."""
 
-    def wait(self) -> list[int]: ...
-
-    def forward_seconds(self) -> float: ...
+    def wait(self) -> tuple[list[int], StepTiming]: ...
 
 
 class DeviceStreams(Protocol):
@@ -31,21 +48,18 @@ class DeviceStreams(Protocol):
 
     def forward(self) -> contextlib.AbstractContextManager[None]: ...
 
-    def copy_to_host(self, tokens: torch.Tensor, started: float) -> PendingCopy: ...
+    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy: ...
 
     def to_device(self, values: list[int]) -> torch.Tensor: ...
 
 
 class _ReadyCopy:
-    def __init__(self, tokens: list[int], seconds: float) -> None:
+    def __init__(self, tokens: list[int], timing: StepTiming) -> None:
         self._tokens = tokens
-        self._seconds = seconds
+        self._timing = timing
 
-    def wait(self) -> list[int]:
-        return self._tokens
-
-    def forward_seconds(self) -> float:
-        return self._seconds
+    def wait(self) -> tuple[list[int], StepTiming]:
+        return self._tokens, self._timing
 
 
 class CpuStreams:
@@ -53,31 +67,50 @@ class CpuStreams:
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
+        self._started = 0.0
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
+        self._started = time.time()
         yield
 
-    def copy_to_host(self, tokens: torch.Tensor, started: float) -> PendingCopy:
-        return _ReadyCopy(tokens.tolist(), time.perf_counter() - started)
+    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
+        forward_end = time.time()
+        host: list[int] = tokens.tolist()
+        return _ReadyCopy(host, StepTiming(self._started, forward_end, time.time()))
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64)
 
 
+class _DeviceClock:
+    """Maps CUDA events to Unix seconds through one event recorded at a known time."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        torch.cuda.synchronize(stream.device)
+        self._origin = _timing_event()
+        self._origin.record(stream)
+        self._origin.synchronize()
+        self._origin_unix = time.time()
+
+    def unix(self, event: torch.cuda.Event) -> float:
+        return self._origin_unix + float(self._origin.elapsed_time(event)) / 1000.0
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
 class _CudaCopy:
-    def __init__(
-        self, host: torch.Tensor, start: torch.cuda.Event, end: torch.cuda.Event, done: torch.cuda.Event
-    ) -> None:
-        self._host, self._start, self._end, self._done = host, start, end, done
+    def __init__(self, host: torch.Tensor, events: tuple[torch.cuda.Event, ...], clock: _DeviceClock) -> None:
+        self._host, self._events, self._clock = host, events, clock
 
-    def wait(self) -> list[int]:
-        self._done.synchronize()
+    def wait(self) -> tuple[list[int], StepTiming]:
+        start, end, done = self._events
+        done.synchronize()
         tokens: list[int] = self._host.tolist()
-        return tokens
-
-    def forward_seconds(self) -> float:
-        return float(self._start.elapsed_time(self._end)) / 1000.0
+        timing = StepTiming(self._clock.unix(start), self._clock.unix(end), self._clock.unix(done))
+        return tokens, timing
 
 
 class CudaStreams:
@@ -87,28 +120,28 @@ class CudaStreams:
         self.device = device
         self._forward_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self._start: torch.cuda.Event | None = None
+        self._clock = _DeviceClock(self._forward_stream)
+        self._start = _timing_event()
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         with torch.cuda.stream(self._forward_stream):
-            self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._start = _timing_event()
             self._start.record()
             yield
 
-    def copy_to_host(self, tokens: torch.Tensor, started: float) -> PendingCopy:
-        assert self._start is not None, "copy_to_host outside forward()"
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
+        end = _timing_event()
         end.record(self._forward_stream)
         self._copy_stream.wait_stream(self._forward_stream)
         with torch.cuda.stream(self._copy_stream):
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done = _timing_event()
             done.record()
         # NOTE: the copy stream reads `tokens` after the forward stream may free them.
         tokens.record_stream(self._copy_stream)
-        return _CudaCopy(host, self._start, end, done)
+        return _CudaCopy(host, (self._start, end, done), self._clock)
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.int64).pin_memory()

@@ -1,0 +1,125 @@
+"""What the scheduler reports: Prometheus metrics and the step timeline."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stepahead.metrics import new_registry
+from stepahead.trace import NO_TRACE, Tracer
+
+FORWARD_MODES = ("prefill", "decode", "mixed")
+PHASES = ("pick", "launch", "wait", "process")
+FINISH_REASONS = ("length", "stop", "abort", "error")
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+PHASE_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BATCH_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class SchedulerTelemetry:
+    """Metrics under the constant label `mode`, plus optional trace spans."""
+
+    def __init__(self, mode: str, tracer: Tracer = NO_TRACE) -> None:
+        self.tracer = tracer
+        self.registry: CollectorRegistry = new_registry({"mode": mode})
+        r, m = self.registry, [mode]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: str) -> Histogram:
+            return Histogram(name, doc, ["mode", extra], buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["mode"], registry=r).labels(*m)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["mode"], registry=r).labels(*m)
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=r).labels(*m)
+
+        self.running = gauge("stepahead_requests_running", "Requests holding a request slot.")
+        self.waiting = gauge("stepahead_requests_waiting", "Requests queued for admission.")
+        self.result_queue_depth = gauge("stepahead_result_queue_depth", "Batches launched, not processed.")
+        self.kv_usage = gauge("stepahead_kv_cache_usage_ratio", "KV slots in use / KV slots.")
+        self.worker_connected = gauge("stepahead_worker_connected", "1 while a worker session is up.")
+        self.prompt_tokens = counter("stepahead_prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("stepahead_generation_tokens", "Tokens streamed to clients.")
+        self.preemptions = counter("stepahead_preemptions", "Requests preempted for KV and recomputed.")
+        self.dropped_inflight_tokens = counter(
+            "stepahead_dropped_inflight_tokens",
+            "Tokens sampled for requests that ended while their batch was in flight (never streamed).",
+        )
+        self.ttft = latency("stepahead_time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = latency("stepahead_inter_token_latency_seconds", "Between consecutive tokens.")
+        self.e2e = latency("stepahead_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = latency("stepahead_request_queue_time_seconds", "Arrival to first scheduled.")
+        self.worker_latency = latency(
+            "stepahead_worker_step_latency_seconds", "Launch sent to result received (device time included)."
+        )
+        finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
+        self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}
+        batch_size = histogram("stepahead_batch_size", "Rows per batch.", BATCH_SIZE_BUCKETS, "forward_mode")
+        batch_tokens = histogram(
+            "stepahead_batch_tokens", "Tokens per batch.", BATCH_TOKEN_BUCKETS, "forward_mode"
+        )
+        self.batch_size = {f: batch_size.labels(mode, f) for f in FORWARD_MODES}
+        self.batch_tokens = {f: batch_tokens.labels(mode, f) for f in FORWARD_MODES}
+        phase = histogram("stepahead_step_phase_seconds", "Time of each loop phase.", PHASE_BUCKETS, "phase")
+        self._phase = {p: phase.labels(mode, p) for p in PHASES}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step_id: int) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            self._phase[name].observe(end - start)
+            self.tracer.span("scheduler", f"{name} {step_id}", start, end)
+
+    def observe_batch(self, forward_mode: str, rows: int, tokens: int) -> None:
+        self.batch_size[forward_mode].observe(rows)
+        self.batch_tokens[forward_mode].observe(tokens)
+
+    def observe_result_queue(self, depth: int) -> None:
+        self.result_queue_depth.set(depth)
+        self.tracer.counter("result_queue", time.time(), {"depth": depth})
