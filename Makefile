@@ -44,6 +44,7 @@ trace: proto
 
 lint: proto
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 clean:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.server import build_server, health_follows_worker
 from scheduler_svc.telemetry import SchedulerTelemetry
-from scheduler_svc.transport import GrpcTransport
+from scheduler_svc.transport import GrpcTransport, InProcessTransport, WorkerTransport
 from stepahead.serving import (
     add_observability_args,
     graceful_stop,
@@ -18,6 +19,7 @@ from stepahead.serving import (
     stop_event_on_signals,
 )
 from stepahead.trace import Tracer
+from worker_svc import __main__ as worker_main
 
 log = logging.getLogger("stepahead.scheduler")
 
@@ -25,6 +27,14 @@ log = logging.getLogger("stepahead.scheduler")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description="Stepahead scheduler")
     p.add_argument("--worker", default="127.0.0.1:50061", help="worker address host:port")
+    p.add_argument(
+        "--in-process-worker",
+        metavar="WORKER_FLAGS",
+        default=None,
+        help="run the worker engine in this process instead (no gRPC to it), built from these "
+        "worker flags, e.g. '--model sim --sim-step-ms 10': the baseline for the cost of the "
+        "process boundary",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--mode", choices=("overlap", "serial"), default="overlap")
@@ -48,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     config = SchedulerConfig(args.mode, args.max_batch_tokens, args.max_running)
-    transport = GrpcTransport(args.worker)
+    transport, worker_name = make_transport(args)
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
     scheduler = Scheduler(transport, config, telemetry)
     server, port, health_servicer = await build_server(scheduler, args.host, args.port)
@@ -56,8 +66,8 @@ async def serve(args: argparse.Namespace) -> None:
     stop = stop_event_on_signals()
     await server.start()
     loop_task = asyncio.create_task(scheduler.run())
-    start_metrics(telemetry.registry, args)
-    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker})", flush=True)
+    start_metrics(telemetry.registry, args, "scheduler")
+    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {worker_name})", flush=True)
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", args.grace)
     await graceful_stop(server, health_servicer, args.grace)
@@ -65,6 +75,15 @@ async def serve(args: argparse.Namespace) -> None:
     loop_task.cancel()
     await transport.close()
     telemetry.tracer.close()
+
+
+def make_transport(args: argparse.Namespace) -> tuple[WorkerTransport, str]:
+    if args.in_process_worker is None:
+        return GrpcTransport(args.worker), args.worker
+    worker_args = worker_main.parse_args(shlex.split(args.in_process_worker))
+    engine = worker_main.build_engine(worker_args)
+    start_metrics(engine.metrics.registry, worker_args, "worker")
+    return InProcessTransport(engine), "in-process"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 LISTEN_RE = re.compile(r"listening on [\d.]+:(\d+)")
-METRICS_RE = re.compile(r"metrics on http://[\d.]+:(\d+)/metrics")
+METRICS_RE = re.compile(r"(\w+) metrics on http://[\d.]+:(\d+)/metrics")
 START_TIMEOUT_S = 60.0
 
 
@@ -26,6 +27,7 @@ class Service:
     proc: subprocess.Popen[str]
     port: int
     output: list[str]
+    name: str  # "worker" or "scheduler"
 
     @property
     def address(self) -> str:
@@ -33,10 +35,15 @@ class Service:
 
     @property
     def metrics_url(self) -> str:
-        """The /metrics endpoint (the service must run with --metrics-port >= 0)."""
-        ports = [m.group(1) for line in self.output if (m := METRICS_RE.search(line))]
-        assert ports, "this service serves no metrics"
-        return f"http://127.0.0.1:{ports[0]}/metrics"
+        """The service's own /metrics endpoint (it must run with --metrics-port >= 0)."""
+        return self.metrics_urls[self.name]
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Every /metrics endpoint the process serves, by service: "worker" and "scheduler"
+        for a scheduler with an in-process worker."""
+        found = (METRICS_RE.search(line) for line in self.output)
+        return {m.group(1): f"http://127.0.0.1:{m.group(2)}/metrics" for m in found if m}
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then the exit code (SIGKILL if it does not stop in time)."""
@@ -56,6 +63,14 @@ def spawn_worker(args: list[str], port: int = 0) -> Service:
 
 def spawn_scheduler(worker_address: str, args: list[str], port: int = 0) -> Service:
     return _spawn("scheduler_svc", ["--worker", worker_address, *_with_free_metrics_port(args)], port)
+
+
+def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: int = 0) -> Service:
+    """A scheduler running the worker engine in its own process (no gRPC between them)."""
+    worker_flags = shlex.join(_with_free_metrics_port(worker_args))
+    return _spawn(
+        "scheduler_svc", ["--in-process-worker", worker_flags, *_with_free_metrics_port(args)], port
+    )
 
 
 def _with_free_metrics_port(args: list[str]) -> list[str]:
@@ -82,7 +97,7 @@ def _spawn(module: str, args: list[str], port: int) -> Service:
         lines.append(line)
         if match := LISTEN_RE.search(line):
             threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
-            return Service(proc, int(match.group(1)), lines)
+            return Service(proc, int(match.group(1)), lines, module.removesuffix("_svc"))
     proc.kill()
     raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
 

@@ -53,10 +53,10 @@ def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port
     )
 
 
-def start_metrics(registry: CollectorRegistry, args: argparse.Namespace) -> None:
+def start_metrics(registry: CollectorRegistry, args: argparse.Namespace, service: str) -> None:
     if args.metrics_port >= 0:
         port = serve_metrics(registry, args.metrics_host, args.metrics_port)
-        print(f"metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
+        print(f"{service} metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
 
 
 def stop_event_on_signals() -> asyncio.Event:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -15,7 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from stepahead.processes import Service, serving_pair, spawn_scheduler, spawn_worker, wait_serving
+from stepahead.processes import (
+    Service,
+    serving_pair,
+    spawn_scheduler,
+    spawn_scheduler_in_process,
+    spawn_worker,
+    wait_serving,
+)
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.backends import sim_next_token
@@ -305,3 +313,18 @@ def test_scheduler_follows_the_worker_and_never_drops_a_request_silently() -> No
         for service in (scheduler, worker):
             if service is not None and service.proc.poll() is None:
                 service.stop()
+
+
+def test_scheduler_with_an_in_process_worker_serves_and_reports_both_metrics() -> None:
+    scheduler = spawn_scheduler_in_process(SIM, [])
+    try:
+        wait_serving(scheduler.address)
+        stream = asyncio.run(generate(scheduler.address, request("no boundary", 6, ignore_eos=True)))
+        assert [t for r in stream for t in r.token_ids] == sim_expected(b"no boundary", 6)
+        assert set(scheduler.metrics_urls) == {"scheduler", "worker"}
+        with urllib.request.urlopen(scheduler.metrics_urls["worker"], timeout=10) as response:
+            assert b"stepahead_batches_total" in response.read()
+        assert scheduler.stop() == 0
+    finally:
+        if scheduler.proc.poll() is None:
+            scheduler.stop()

@@ -82,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
         info.kv_slots,
         info.request_slots,
     )
-    start_metrics(engine.metrics.registry, args)
+    start_metrics(engine.metrics.registry, args, "worker")
     print(f"worker listening on {args.host}:{port}", flush=True)
     await stop.wait()
     log.info("stopping: draining launched batches")

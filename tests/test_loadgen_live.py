@@ -1,0 +1,179 @@
+"""The load generator against a real worker + scheduler pair (sim model) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadgen import BenchmarkConfig, JsonlDataset, RandomDataset, run_benchmark
+from loadgen.workload import RandomWorkload
+from stepahead.processes import Service, serving_pair
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parent.parent
+SIM = ["--model", "sim", "--sim-step-ms", "2"]
+SIM_CONTEXT = 8192
+
+
+@pytest.fixture(scope="module")
+def scheduler() -> Iterator[Service]:
+    with serving_pair(SIM) as (_, scheduler):
+        yield scheduler
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """Samples by (name, reason label); the service's constant labels are left out."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, sample.labels.get("reason", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape_when_finished(port: int, requests: int) -> dict[tuple[str, str], float]:
+    """The scheduler counts a request right after its last message; wait for the count to land."""
+    for _ in range(100):
+        samples = scrape(port)
+        if samples.get(("stepahead_requests_finished_total", "length")) == requests:
+            return samples
+        time.sleep(0.05)
+    return samples
+
+
+async def test_tokens_received_match_the_scheduler_metrics() -> None:
+    dataset = RandomDataset(input_len=24, output_len=16, range_ratio=0.5)
+    config = BenchmarkConfig(
+        dataset=dataset, num_prompts=24, request_rate=200.0, max_concurrency=8, seed=3, ignore_eos=True
+    )
+    requested = [RandomWorkload(dataset, config.seed).prompt(i) for i in range(config.num_prompts or 0)]
+    metrics_port = free_port()
+    with serving_pair(SIM, ["--metrics-port", str(metrics_port)]) as (_, scheduler):
+        result = await run_benchmark(replace(config, server=scheduler.address))
+        samples = scrape_when_finished(metrics_port, len(requested))
+    s = result.summary
+    assert (s.completed, s.failed, s.errors) == (24, 0, {})
+    assert s.total_output_tokens == sum(spec.output_len for spec in requested)
+    assert s.total_input_tokens == sum(len(spec.prompt) for spec in requested)
+    assert [r.output_len for r in result.records] == [spec.output_len for spec in requested]
+    assert samples[("stepahead_generation_tokens_total", "")] == s.total_output_tokens
+    assert samples[("stepahead_prompt_tokens_total", "")] == s.total_input_tokens
+    assert samples[("stepahead_requests_finished_total", "length")] == s.completed
+    assert 1 <= s.peak_concurrency <= 8 and s.finish_reasons == {"LENGTH": 24}
+    assert s.ttft.count == 24 and s.e2el.p99 >= s.e2el.median > 0
+
+
+async def test_a_request_the_server_refuses_is_counted_under_its_status(
+    scheduler: Service, tmp_path: Path
+) -> None:
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "short one", "output_len": 4},
+        {"prompt": "too long", "output_len": SIM_CONTEXT + 1},
+        {"prompt": "another", "output_len": 6},
+        {"prompt": "last"},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = BenchmarkConfig(
+        server=scheduler.address,
+        dataset=JsonlDataset(path, default_output_len=5),
+        num_prompts=4,
+        ignore_eos=True,
+    )
+    result = await run_benchmark(config)
+    s = result.summary
+    assert (s.completed, s.failed, s.errors) == (3, 1, {"INVALID_ARGUMENT": 1})
+    assert result.records[1].error_detail.startswith("sampling.max_new_tokens:")
+    assert s.total_output_tokens == 4 + 6 + 5
+    assert s.total_input_tokens == len("short one") + len("another") + len("last")
+
+
+def loadgen_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "loadgen", *args]
+
+
+def test_cli_prints_the_table_and_saves_the_result(scheduler: Service, tmp_path: Path) -> None:
+    saved = tmp_path / "result.json"
+    out = subprocess.run(
+        loadgen_cli(
+            "--server",
+            scheduler.address,
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "5",
+            "--prompt-as-text",
+            "--ignore-eos",
+            "--warmup",
+            "2",
+            "--goodput",
+            "e2el:60000",
+            "--save-result",
+            str(saved),
+            "--save-detailed",
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Successful requests:                    6" in out.stdout.splitlines()
+    data = json.loads(saved.read_text())
+    assert (data["completed"], data["failed"], data["errors"]) == (6, 0, {})
+    assert (data["total_input_tokens"], data["total_output_tokens"]) == (6 * 12, 6 * 5)
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"])
+    assert data["output_lens"] == [5] * 6 and [len(itl) for itl in data["itls"]] == [4] * 6
+    assert data["request_errors"] == [""] * 6
+
+
+def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Service) -> None:
+    proc = subprocess.Popen(
+        loadgen_cli(
+            "--server",
+            scheduler.address,
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4000",
+            "--ignore-eos",
+        ),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().startswith("Starting benchmark")  # Ctrl-C is handled from here
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    lines = stdout.splitlines()
+    assert "Successful requests:                    0" in lines
+    assert any(line.startswith("Interrupted:") for line in lines)
