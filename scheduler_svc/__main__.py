@@ -7,6 +7,7 @@ import asyncio
 import logging
 import shlex
 
+from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.server import build_server, health_follows_worker
 from scheduler_svc.telemetry import SchedulerTelemetry
@@ -50,6 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="concurrent requests at most (0: the worker's request slots)",
     )
+    p.add_argument(
+        "--late-pick",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="overlap: pick batch k+1 shortly before forward k ends rather than when it starts, so "
+        "requests arriving meanwhile ride in k+1: time to first token closer to serial, paid for with "
+        "device idle when the event loop wakes late (see docs/BENCHMARKS.md)",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
     add_observability_args(p, default_metrics_port=9400)
@@ -57,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = SchedulerConfig(args.mode, args.max_batch_tokens, args.max_running)
+    config = SchedulerConfig(
+        args.mode, args.max_batch_tokens, args.max_running, late_pick=LatePickConfig(enabled=args.late_pick)
+    )
     transport, worker_name = make_transport(args)
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
     scheduler = Scheduler(transport, config, telemetry)

@@ -15,13 +15,14 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
 
 from scheduler_svc.allocator import SlotAllocator
 from scheduler_svc.batch import SampledRow, ScheduledBatch
+from scheduler_svc.late_pick import LatePick, LatePickConfig
 from scheduler_svc.request import FinishReason, Request, SamplingParams
 from scheduler_svc.telemetry import SchedulerTelemetry
 from scheduler_svc.text import RequestText
@@ -41,6 +42,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # token budget of one step; longer prompts are chunked
     max_running: int = 0  # 0: as many as the worker has request slots
     reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
+    late_pick: LatePickConfig = field(default_factory=LatePickConfig)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class Scheduler:
         self._arrivals = 0
         self._work = asyncio.Event()
         self._closing = False
+        self._worker_clock_offset = 0.0  # worker clock minus ours
+        self.late_pick = LatePick(config.late_pick)
         self.idle = False  # parked with nothing live, in flight, or unreleased
 
     # ---- requests in and out ---------------------------------------------------------
@@ -144,8 +148,19 @@ class Scheduler:
                 self.queue_result(batch, handle)
             if len(self.result_queue) > 1 or (batch is None and self.result_queue):
                 await self.process_results(*self.result_queue.popleft())
+                await self._until_late_pick()
             elif batch is None:
                 await self._wait_for_work()
+
+    async def _until_late_pick(self) -> None:
+        """Hold the pick of k+1 until shortly before forward k ends (see LatePick)."""
+        if len(self.result_queue) != 1:
+            return
+        in_flight, handle = self.result_queue[0]
+        worker_now = time.time() + self._worker_clock_offset
+        delay = self.late_pick.delay(in_flight.forward_mode, worker_now, self._next_step_id)
+        if delay > 0:
+            await asyncio.wait({handle}, timeout=delay)
 
     async def _wait_for_work(self) -> None:
         """Idle: first tell the worker about released slots, then sleep until work comes."""
@@ -290,6 +305,7 @@ class Scheduler:
         if result.step_id != batch.step_id:
             self.stats.results_out_of_order += 1
             raise WorkerUnavailable(f"result of step {result.step_id} for step {batch.step_id}")
+        self.late_pick.observe(batch.forward_mode, result)
         with self.telemetry.phase("process", batch.step_id):
             now = time.time()
             for row, token in zip(batch.sampled, result.token_ids, strict=True):
@@ -409,8 +425,11 @@ class Scheduler:
         )
         self.telemetry.worker_connected.set(1)
         # One-way delay ignored: good to well under a millisecond on one host.
-        offset = info.worker_unix_time - time.time()
-        self.telemetry.tracer.metadata("worker_clock_offset", {"seconds": offset, "epoch": info.epoch})
+        self._worker_clock_offset = info.worker_unix_time - time.time()
+        self.late_pick = LatePick(self.config.late_pick)
+        self.telemetry.tracer.metadata(
+            "worker_clock_offset", {"seconds": self._worker_clock_offset, "epoch": info.epoch}
+        )
         self.on_ready(True)
 
     def _worker_lost(self, exc: Exception) -> None:

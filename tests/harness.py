@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.request import FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.transport import InProcessTransport, WorkerTransport
@@ -94,10 +95,15 @@ async def serve_workload(
     request_slots: int = 64,
     max_batch_tokens: int = 128,
     dtype: torch.dtype = torch.float32,
+    late_pick: bool = False,
 ) -> tuple[dict[str, ClientView], Scheduler, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype)
-    config = SchedulerConfig(mode=mode, max_batch_tokens=max_batch_tokens)  # type: ignore[arg-type]
+    config = SchedulerConfig(
+        mode=mode,  # type: ignore[arg-type]
+        max_batch_tokens=max_batch_tokens,
+        late_pick=LatePickConfig(enabled=late_pick),
+    )
     scheduler, task = await start_scheduler(InProcessTransport(engine), config)
     try:
         views = await run_workload(scheduler, items)

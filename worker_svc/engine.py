@@ -136,6 +136,12 @@ class _Enqueued:
     live_after: int  # request slots live once this launch has run
 
 
+def _enter_inference_mode() -> None:
+    """For the forward thread's whole life: no autograd bookkeeping, and no
+    per-step enter/exit between two forwards (it shows in the device gap)."""
+    torch.inference_mode().__enter__()
+
+
 class WorkerEngine:
     def __init__(
         self, backend: ModelBackend, config: EngineConfig, streams: DeviceStreams, tracer: Tracer = NO_TRACE
@@ -155,7 +161,9 @@ class WorkerEngine:
             (config.request_slots, backend.max_context_len), dtype=torch.int64, device=device
         )
         self._no_tokens = torch.empty(0, dtype=torch.int64, device=device)
-        self._forward_thread = concurrent.futures.ThreadPoolExecutor(1, "forward-stream")
+        self._forward_thread = concurrent.futures.ThreadPoolExecutor(
+            1, "forward-stream", initializer=_enter_inference_mode
+        )
         self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, "copy-wait")
         self._epoch = 0
         self._last_step_id = 0
@@ -235,7 +243,6 @@ class WorkerEngine:
         )
         self.tracer.span("copy", f"copy {launch.step_id}", timing.forward_end, timing.copy_end)
 
-    @torch.inference_mode()
     def _enqueue(self, launch: Launch) -> _Enqueued:
         self._check_order(launch.step_id)
         with self.streams.forward():

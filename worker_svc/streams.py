@@ -53,17 +53,25 @@ class DeviceStreams(Protocol):
     def to_device(self, values: list[int]) -> torch.Tensor: ...
 
 
-class _ReadyCopy:
-    def __init__(self, tokens: list[int], timing: StepTiming) -> None:
+class _HostCopy:
+    """The copy thread reads the ids, so the forward thread is free for the next batch."""
+
+    def __init__(self, tokens: torch.Tensor, forward_start: float, forward_end: float) -> None:
         self._tokens = tokens
-        self._timing = timing
+        self._forward_start = forward_start
+        self._forward_end = forward_end
 
     def wait(self) -> tuple[list[int], StepTiming]:
-        return self._tokens, self._timing
+        host: list[int] = self._tokens.tolist()
+        return host, StepTiming(self._forward_start, self._forward_end, time.time())
 
 
 class CpuStreams:
-    """The calling (forward) thread is the stream: work is done on return."""
+    """The calling (forward) thread is the stream: work is done on return.
+
+    NOTE: the sampled ids tensor is never written after its forward, so the
+    copy thread may read it while the next forward runs.
+    """
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -75,9 +83,7 @@ class CpuStreams:
         yield
 
     def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
-        forward_end = time.time()
-        host: list[int] = tokens.tolist()
-        return _ReadyCopy(host, StepTiming(self._started, forward_end, time.time()))
+        return _HostCopy(tokens, self._started, time.time())
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64)
