@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="concurrent requests at most (0: the worker's request slots)",
     )
     p.add_argument(
+        "--worker-retry-timeout",
+        type=float,
+        default=30.0,
+        help="seconds live requests wait for a lost worker to come back before ending with UNAVAILABLE",
+    )
+    p.add_argument(
         "--late-pick",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -67,7 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     config = SchedulerConfig(
-        args.mode, args.max_batch_tokens, args.max_running, late_pick=LatePickConfig(enabled=args.late_pick)
+        args.mode,
+        args.max_batch_tokens,
+        args.max_running,
+        worker_retry_timeout_s=args.worker_retry_timeout,
+        late_pick=LatePickConfig(enabled=args.late_pick),
     )
     transport, worker_name = make_transport(args)
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))

@@ -21,6 +21,7 @@ class SampledRow:
 class ScheduledBatch:
     launch: Launch
     sampled: list[SampledRow] = field(default_factory=list)
+    epoch: int = 0  # the worker session it is launched in
 
     @property
     def step_id(self) -> int:

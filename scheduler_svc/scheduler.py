@@ -42,6 +42,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # token budget of one step; longer prompts are chunked
     max_running: int = 0  # 0: as many as the worker has request slots
     reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
+    worker_retry_timeout_s: float = 30.0  # live requests wait this long for a worker to come back
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
 
 
@@ -81,6 +82,8 @@ class Scheduler:
         self._work = asyncio.Event()
         self._closing = False
         self._worker_clock_offset = 0.0  # worker clock minus ours
+        self._lost_at: float | None = None  # when the worker session was lost
+        self._model_identity: tuple[str, int, tuple[int, ...], bytes] | None = None
         self.late_pick = LatePick(config.late_pick)
         self.idle = False  # parked with nothing live, in flight, or unreleased
 
@@ -262,13 +265,16 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Back to waiting, to be recomputed from prompt + processed output.
+        self.stats.preemptions += 1
+        self.telemetry.preemptions.inc()
+        self._requeue_for_recompute(req)
+
+    def _requeue_for_recompute(self, req: Request) -> None:
+        """Back to the head of the queue, to be recomputed from prompt + processed output.
 
         NOTE: its in-flight token is dropped (the attempt changes) and sampled
         again on recompute; greedy and seeded sampling give the same token.
         """
-        self.stats.preemptions += 1
-        self.telemetry.preemptions.inc()
         self._release(req)
         self.running.remove(req)
         req.attempt += 1
@@ -281,6 +287,8 @@ class Scheduler:
     async def launch_step(self, batch: ScheduledBatch) -> StepHandle:
         """Send the batch; returns at once with a handle on its result."""
         with self.telemetry.phase("launch", batch.step_id):
+            assert self.info is not None
+            batch.epoch = self.info.epoch
             batch.launch.released_slots = self._pending_releases
             self._pending_releases = []
             self.stats.steps += 1
@@ -302,9 +310,12 @@ class Scheduler:
         self.telemetry.observe_result_queue(len(self.result_queue))
         with self.telemetry.phase("wait", batch.step_id):
             result = await handle
-        if result.step_id != batch.step_id:
+        if (result.step_id, result.epoch) != (batch.step_id, batch.epoch):
             self.stats.results_out_of_order += 1
-            raise WorkerUnavailable(f"result of step {result.step_id} for step {batch.step_id}")
+            raise WorkerUnavailable(
+                f"result of step {result.step_id} (session {result.epoch}) for step {batch.step_id} "
+                f"(session {batch.epoch}): never applied"
+            )
         self.late_pick.observe(batch.forward_mode, result)
         with self.telemetry.phase("process", batch.step_id):
             now = time.time()
@@ -400,10 +411,16 @@ class Scheduler:
             except WorkerUnavailable as exc:
                 level = logging.WARNING if delay >= max_delay else logging.INFO
                 log.log(level, "waiting for the worker (%s); retrying in %.1fs", exc, delay)
+                self._expire_if_lost_too_long()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)
 
     def _start_session(self, info: WorkerInfo) -> None:
+        if self._model_identity is not None and self._model_identity != _model_identity(info):
+            self._fail_all(f"the worker came back serving another model ({info.model})")
+            self.tokenizer = None
+        self._model_identity = _model_identity(info)
+        self._lost_at = None
         self.info = info
         if self.tokenizer is None:
             spec = info.tokenizer
@@ -433,18 +450,38 @@ class Scheduler:
         self.on_ready(True)
 
     def _worker_lost(self, exc: Exception) -> None:
-        """Every live request ends with UNAVAILABLE; none is dropped silently."""
-        log.error("worker lost: %s", exc)
+        """Every live request waits for the next session, to be recomputed from
+        its prompt plus the tokens its client already has.
+
+        NOTE: results of the lost session's batches never arrive (its stream is
+        gone) and their requests' attempts change, so none of them is applied.
+        """
+        log.error("worker lost (%s); %d requests wait for a worker", exc, len(self.requests))
         self.telemetry.worker_connected.set(0)
         self.on_ready(False)
         self.info = None
+        self._lost_at = self._lost_at or time.time()
         self.result_queue.clear()
+        for req in reversed(list(self.running)):
+            self._requeue_for_recompute(req)
+
+    def _expire_if_lost_too_long(self) -> None:
+        if self._lost_at is not None and time.time() - self._lost_at > self.config.worker_retry_timeout_s:
+            self._fail_all(f"no worker for {self.config.worker_retry_timeout_s:.0f}s")
+
+    def _fail_all(self, why: str) -> None:
+        """End every live request with UNAVAILABLE: none is dropped silently."""
         for req in list(self.requests.values()):
             self._forget(req)
-            req.stream.fail(grpc.StatusCode.UNAVAILABLE, f"the worker was lost: {exc}")
+            req.stream.fail(grpc.StatusCode.UNAVAILABLE, why)
             self.telemetry.finished["error"].inc()
         self.running.clear()
         self.waiting.clear()
+
+
+def _model_identity(info: WorkerInfo) -> tuple[str, int, tuple[int, ...], bytes]:
+    """What must not change under a live request for its recompute to be the same."""
+    return info.model, info.vocab_size, info.eos_token_ids, info.tokenizer.hf_json
 
 
 def random_seed() -> int:

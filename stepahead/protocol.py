@@ -93,6 +93,7 @@ class StepResult:
     token_ids: list[int]  # one per sampling row, in row order
     forward_start: float = 0.0  # worker clock, Unix seconds
     forward_end: float = 0.0
+    epoch: int = 0  # the worker session that executed the step
 
     @property
     def forward_seconds(self) -> float:
@@ -185,8 +186,11 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         token_ids=result.token_ids,
         forward_start_unix_s=result.forward_start,
         forward_end_unix_s=result.forward_end,
+        epoch=result.epoch,
     )
 
 
 def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
-    return StepResult(msg.step_id, list(msg.token_ids), msg.forward_start_unix_s, msg.forward_end_unix_s)
+    return StepResult(
+        msg.step_id, list(msg.token_ids), msg.forward_start_unix_s, msg.forward_end_unix_s, msg.epoch
+    )

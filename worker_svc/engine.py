@@ -134,6 +134,7 @@ def _host_rows(launch: Launch) -> _HostRows:
 class _Enqueued:
     copy: PendingCopy
     live_after: int  # request slots live once this launch has run
+    epoch: int  # the session it ran in
 
 
 def _enter_inference_mode() -> None:
@@ -222,7 +223,7 @@ class WorkerEngine:
         enqueued = pending.result()
         tokens, timing = enqueued.copy.wait()
         self._account(launch, timing, enqueued.live_after)
-        return StepResult(launch.step_id, tokens, timing.forward_start, timing.forward_end)
+        return StepResult(launch.step_id, tokens, timing.forward_start, timing.forward_end, enqueued.epoch)
 
     def _account(self, launch: Launch, timing: StepTiming, live_after: int) -> None:
         """Busy time per forward; the gap before it counts as idle if requests
@@ -249,7 +250,9 @@ class WorkerEngine:
             self._apply_slot_deltas(launch)
             self._steps_executed += 1
             if not launch.num_rows:  # a launch that only releases slots
-                return _Enqueued(self.streams.copy_to_host(self._no_tokens), len(self._slots.host))
+                return _Enqueued(
+                    self.streams.copy_to_host(self._no_tokens), len(self._slots.host), self._epoch
+                )
             rows = _host_rows(launch)
             self._validate(launch, rows)
             batch = self._build_batch(launch, rows)
@@ -259,7 +262,7 @@ class WorkerEngine:
             )
             tokens = self.backend.compute(batch, sampling)
             self._future.store(sample_slots, tokens)
-            return _Enqueued(self.streams.copy_to_host(tokens), len(self._slots.host))
+            return _Enqueued(self.streams.copy_to_host(tokens), len(self._slots.host), self._epoch)
 
     def _check_order(self, step_id: int) -> None:
         if step_id != self._last_step_id + 1:

@@ -1,0 +1,207 @@
+"""Faults under load: a dead worker, cancel storms, overload, an oversubscribed KV pool."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import socket
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stepahead.processes import Service, serving_pair, spawn_scheduler, spawn_worker, wait_serving
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc
+from worker_svc.backends import sim_next_token
+
+LOST_RE = re.compile(r"worker lost .*; (\d+) requests wait for a worker")
+SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-invariants"]
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sim_expected(prompt: bytes, n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        seq.append(sim_next_token(seq[-1], len(seq)))
+        out.append(seq[-1])
+    return out
+
+
+async def server_info(address: str) -> pb.GetServerInfoResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await generation_pb2_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+
+
+async def wait_all_free(address: str) -> pb.GetServerInfoResponse:
+    for _ in range(500):
+        info = await server_info(address)
+        free = info.kv_slots_free == info.kv_slots and info.request_slots_free == info.request_slots
+        if free and not info.requests_running and not info.requests_waiting:
+            return info
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"slots still in use: {info}")
+
+
+def stop_all(*services: Service | None) -> None:
+    for service in services:
+        if service is not None and service.proc.poll() is None:
+            service.stop()
+
+
+async def stream_tokens(stub: generation_pb2_grpc.GenerationAsyncStub, i: int, n: int) -> list[int]:
+    request = pb.GenerateRequest(
+        request_id=f"f{i}",
+        text=f"fault {i} " * (1 + i % 7),
+        sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True),
+    )
+    return [t async for r in stub.Generate(request, timeout=120) for t in r.token_ids]
+
+
+def test_kill_9_the_worker_mid_load_and_every_request_completes_identically() -> None:
+    rng = random.Random(5)
+    port = unused_port()
+    worker: Service | None = spawn_worker(SIM, port=port)
+    scheduler = spawn_scheduler(f"127.0.0.1:{port}", ["--max-batch-tokens", "256"])
+    try:
+        wait_serving(scheduler.address)
+        lengths = [rng.randint(40, 160) for _ in range(100)]
+
+        async def load_with_a_crash() -> list[list[int]]:
+            nonlocal worker
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                clients = [asyncio.create_task(stream_tokens(stub, i, n)) for i, n in enumerate(lengths)]
+                await asyncio.sleep(rng.uniform(0.3, 1.0))
+                assert worker is not None
+                worker.proc.kill()  # SIGKILL: no goodbye on the stream
+                worker.proc.wait(10)
+                worker = spawn_worker(SIM, port=port)
+                return await asyncio.gather(*clients)
+
+        outputs = asyncio.run(load_with_a_crash())
+        for i, (tokens, n) in enumerate(zip(outputs, lengths, strict=True)):
+            assert tokens == sim_expected(f"fault {i} ".encode() * (1 + i % 7), n), i
+        waiting = [int(m.group(1)) for line in scheduler.output if (m := LOST_RE.search(line))]
+        assert waiting and waiting[0] > 0, "the worker must die while requests are live"
+        assert scheduler.stop() == 0
+    finally:
+        stop_all(scheduler, worker)
+
+
+def test_requests_end_with_unavailable_when_no_worker_comes_back_in_time() -> None:
+    port = unused_port()
+    worker = spawn_worker(SIM, port=port)
+    scheduler = spawn_scheduler(f"127.0.0.1:{port}", ["--worker-retry-timeout", "1"])
+    try:
+        wait_serving(scheduler.address)
+
+        async def orphaned() -> tuple[grpc.StatusCode, float]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                client = asyncio.create_task(stream_tokens(stub, 0, 100_000 // 20))
+                await asyncio.sleep(0.3)
+                worker.proc.kill()
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client
+                return err.value.code(), time.monotonic() - started
+
+        code, waited = asyncio.run(orphaned())
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert waited >= 1.0  # it waited for a worker before giving up
+        assert scheduler.stop() == 0
+    finally:
+        stop_all(scheduler, worker)
+
+
+async def storm(address: str, n: int, seed: int) -> dict[str, int]:
+    """n requests, 100 in flight; 30% end early: cancelled, past a deadline, or aborted."""
+    rng = random.Random(seed)
+    outcomes = {"completed": 0, "cancelled": 0, "deadline": 0, "aborted": 0}
+    limit = asyncio.Semaphore(100)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(i: int) -> None:
+            how = rng.choices(["complete", "cancel", "deadline", "abort"], [70, 12, 6, 12])[0]
+            after = rng.randint(0, 6)
+            request = pb.GenerateRequest(
+                request_id=f"s{seed}-{i}",
+                text="storm " * rng.randint(1, 30),
+                sampling=pb.SamplingParams(max_new_tokens=rng.randint(4, 40), ignore_eos=True),
+            )
+            async with limit:
+                call = stub.Generate(request, timeout=0.05 if how == "deadline" else 60)
+                try:
+                    got = 0
+                    async for _ in call:
+                        got += 1
+                        if got > after and how == "cancel":
+                            call.cancel()
+                        elif got > after and how == "abort":
+                            await stub.Abort(pb.AbortRequest(request_id=request.request_id))
+                    outcomes["aborted" if how == "abort" else "completed"] += 1
+                except asyncio.CancelledError:
+                    outcomes["cancelled"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+                    outcomes["cancelled" if how == "cancel" else "deadline"] += 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return outcomes
+
+
+def resident_bytes(scheduler: Service) -> float:
+    with urllib.request.urlopen(scheduler.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "process_resident_memory_bytes"
+    )
+
+
+def test_cancel_storms_free_every_slot_and_keep_memory_flat() -> None:
+    with serving_pair([*SIM, "--sim-step-ms", "1", "--kv-slots", "8192"]) as (worker, scheduler):
+        first = asyncio.run(storm(scheduler.address, 2000, seed=1))
+        assert first["cancelled"] > 0 and first["deadline"] + first["aborted"] > 0
+        asyncio.run(wait_all_free(scheduler.address))
+        rss_after_first = resident_bytes(scheduler)
+        asyncio.run(storm(scheduler.address, 2000, seed=2))
+        info = asyncio.run(wait_all_free(scheduler.address))
+        assert info.requests_running == 0 and info.requests_waiting == 0
+        growth = resident_bytes(scheduler) - rss_after_first
+        assert growth < 8 * 2**20, f"scheduler RSS grew {growth / 2**20:.1f} MiB over a second storm"
+
+
+def test_a_kv_pool_oversubscribed_twice_completes_everything_identically() -> None:
+    lengths = [30 + 5 * (i % 7) for i in range(24)]  # prompts of 8-56 tokens: ~1,700 KV slots at once
+    with serving_pair([*SIM, "--kv-slots", "850"]) as (_, scheduler):
+
+        async def load() -> list[list[int]]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                return await asyncio.gather(*(stream_tokens(stub, i, n) for i, n in enumerate(lengths)))
+
+        outputs = asyncio.run(load())
+        metrics = urllib.request.urlopen(scheduler.metrics_url, timeout=10).read().decode()
+        asyncio.run(wait_all_free(scheduler.address))
+    for i, (tokens, n) in enumerate(zip(outputs, lengths, strict=True)):
+        assert tokens == sim_expected(f"fault {i} ".encode() * (1 + i % 7), n), i
+    preemptions = [
+        s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "stepahead_preemptions_total"
+    ]
+    assert preemptions and preemptions[0] > 0
