@@ -172,7 +172,7 @@ def resident_bytes(scheduler: Service) -> float:
 
 
 def test_cancel_storms_free_every_slot_and_keep_memory_flat() -> None:
-    with serving_pair([*SIM, "--sim-step-ms", "1", "--kv-slots", "8192"]) as (worker, scheduler):
+    with serving_pair([*SIM, "--sim-step-ms", "1", "--kv-slots", "8192"]) as (_, scheduler):
         first = asyncio.run(storm(scheduler.address, 2000, seed=1))
         assert first["cancelled"] > 0 and first["deadline"] + first["aborted"] > 0
         asyncio.run(wait_all_free(scheduler.address))
