@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import grpc
 
+from stepahead.serving import API_KEY_ENV, pem_file
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -22,7 +24,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--tls-ca", type=pem_file, metavar="PEM", help="connect over TLS, trusting this CA for the server"
+    )
+    p.add_argument(
+        "--tls-cert", type=pem_file, metavar="PEM", help="client certificate, for a server that requires one"
+    )
+    p.add_argument("--tls-key", type=pem_file, metavar="PEM", help="private key of --tls-cert")
+    args = p.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        p.error("--tls-cert needs --tls-ca")
+    return args
+
+
+def open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    if args.tls_ca is None:
+        return grpc.aio.insecure_channel(args.server)
+    credentials = grpc.ssl_channel_credentials(args.tls_ca, args.tls_key, args.tls_cert)
+    return grpc.aio.secure_channel(args.server, credentials)
+
+
+def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
 
 
 def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
@@ -41,11 +71,11 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 async def stream_reply(args: argparse.Namespace) -> int:
-    async with grpc.aio.insecure_channel(args.server) as channel:
+    async with open_channel(args) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         last: generation_pb2.GenerateResponse | None = None
         try:
-            async for last in stub.Generate(build_request(args)):
+            async for last in stub.Generate(build_request(args), metadata=call_metadata(args)):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
         except grpc.aio.AioRpcError as exc:

@@ -93,11 +93,6 @@ class Scheduler:
     def ready(self) -> bool:
         return self.info is not None
 
-    @property
-    def pending_releases(self) -> list[int]:
-        """Request slots freed here that the worker has not been told about yet."""
-        return self._pending_releases
-
     def new_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         if self.tokenizer is None:
             raise SchedulerNotReady("the worker is not connected")

@@ -71,8 +71,9 @@ KEEPALIVE_OPTIONS = [
 class GrpcTransport:
     """One Connect stream: launches written in order, results matched in order."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._target = target
+        self._credentials = credentials  # None: plaintext
         self._channel: grpc.aio.Channel | None = None
         self._call: WorkerCall | None = None
         self._pending: collections.deque[tuple[int, asyncio.Future[StepResult]]] = collections.deque()
@@ -80,7 +81,11 @@ class GrpcTransport:
         self._failure: WorkerUnavailable | None = None
 
     async def connect(self) -> WorkerInfo:
-        self._channel = grpc.aio.insecure_channel(self._target, options=GRPC_OPTIONS + KEEPALIVE_OPTIONS)
+        options = GRPC_OPTIONS + KEEPALIVE_OPTIONS
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(self._target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._call = stub.Connect()
         hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id=uuid.uuid4().hex)

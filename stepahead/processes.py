@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stepahead.serving import API_KEY_ENV
+
 LISTEN_RE = re.compile(r"listening on [\d.]+:(\d+)")
 METRICS_RE = re.compile(r"(\w+) metrics on http://[\d.]+:(\d+)/metrics")
 START_TIMEOUT_S = 60.0
@@ -61,8 +63,12 @@ def spawn_worker(args: list[str], port: int = 0) -> Service:
     return _spawn("worker_svc", _with_free_metrics_port(args), port)
 
 
-def spawn_scheduler(worker_address: str, args: list[str], port: int = 0) -> Service:
-    return _spawn("scheduler_svc", ["--worker", worker_address, *_with_free_metrics_port(args)], port)
+def spawn_scheduler(
+    worker_address: str, args: list[str], port: int = 0, api_key: str | None = None
+) -> Service:
+    """`api_key` reaches the scheduler in its environment, as an operator should pass it."""
+    flags = ["--worker", worker_address, *_with_free_metrics_port(args)]
+    return _spawn("scheduler_svc", flags, port, {API_KEY_ENV: api_key} if api_key else {})
 
 
 def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: int = 0) -> Service:
@@ -78,8 +84,8 @@ def _with_free_metrics_port(args: list[str]) -> list[str]:
     return args if "--metrics-port" in args else [*args, "--metrics-port", "0"]
 
 
-def _spawn(module: str, args: list[str], port: int) -> Service:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _spawn(module: str, args: list[str], port: int, extra_env: dict[str, str] | None = None) -> Service:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", str(port), *args],
         stdout=subprocess.PIPE,
@@ -109,9 +115,18 @@ def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
         lines.append(line)
 
 
-def wait_serving(address: str, timeout_s: float = START_TIMEOUT_S) -> None:
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A plaintext channel, or a TLS one with `credentials`."""
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials)
+
+
+def wait_serving(
+    address: str, timeout_s: float = START_TIMEOUT_S, credentials: grpc.ChannelCredentials | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -130,14 +145,19 @@ def wait_serving(address: str, timeout_s: float = START_TIMEOUT_S) -> None:
 def serving_pair(
     worker_args: list[str],
     scheduler_args: list[str] = (),  # type: ignore[assignment]
+    *,
+    worker_credentials: grpc.ChannelCredentials | None = None,
+    scheduler_credentials: grpc.ChannelCredentials | None = None,
+    api_key: str | None = None,
 ) -> Iterator[tuple[Service, Service]]:
-    """A worker and a scheduler connected to it, both SERVING; stopped on exit."""
+    """A worker and a scheduler connected to it, both SERVING; stopped on exit. The credentials
+    are what a client needs to reach each one when it serves TLS (health checks need no key)."""
     worker = spawn_worker(worker_args)
     scheduler = None
     try:
-        wait_serving(worker.address)
-        scheduler = spawn_scheduler(worker.address, list(scheduler_args))
-        wait_serving(scheduler.address)
+        wait_serving(worker.address, credentials=worker_credentials)
+        scheduler = spawn_scheduler(worker.address, list(scheduler_args), api_key=api_key)
+        wait_serving(scheduler.address, credentials=scheduler_credentials)
         yield worker, scheduler
     finally:
         for service in (scheduler, worker):

@@ -1,4 +1,4 @@
-"""Process plumbing both services share: health, reflection, signals, graceful stop."""
+"""Process plumbing both services share: health, reflection, TLS, signals, graceful stop."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from stepahead.metrics import serve_metrics
+
+API_KEY_ENV = "STEPAHEAD_API_KEY"  # the scheduler's API key, and what its clients send
 
 
 def setup_logging(level: str) -> None:
@@ -35,6 +37,59 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_name: 
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):
         await health_servicer.set(name, status)
+
+
+def pem_file(path: str) -> bytes:
+    """argparse type: the bytes of a PEM file, read once at startup."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+def add_tls_server_args(parser: argparse.ArgumentParser, client_ca_help: str) -> None:
+    parser.add_argument(
+        "--tls-cert", type=pem_file, metavar="PEM", help="serve TLS with this certificate chain (PEM)"
+    )
+    parser.add_argument("--tls-key", type=pem_file, metavar="PEM", help="private key of --tls-cert (PEM)")
+    parser.add_argument("--tls-ca", type=pem_file, metavar="PEM", help=client_ca_help)
+
+
+def check_tls_server_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, client_ca_required: bool
+) -> None:
+    """Exits with a usage error on an incomplete set of --tls-* flags."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_ca is not None and args.tls_cert is None:
+        parser.error("--tls-ca needs --tls-cert and --tls-key")
+    if client_ca_required and args.tls_cert is not None and args.tls_ca is None:
+        parser.error("--tls-ca is required with --tls-cert: only clients with a certificate it signed get in")
+
+
+def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+    """TLS from --tls-cert/--tls-key, or None (plaintext); with --tls-ca every client must
+    present a certificate that CA signed (mutual TLS)."""
+    if args.tls_cert is None:
+        return None
+    return grpc.ssl_server_credentials(
+        [(args.tls_key, args.tls_cert)],
+        root_certificates=args.tls_ca,
+        require_client_auth=args.tls_ca is not None,
+    )
+
+
+def describe_tls(args: argparse.Namespace) -> str:
+    if args.tls_cert is None:
+        return "plaintext"
+    return "mutual TLS" if args.tls_ca is not None else "TLS"
+
+
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Binds `address` (plaintext when `credentials` is None); returns the port bound."""
+    if credentials is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, credentials)
 
 
 def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port: int) -> None:

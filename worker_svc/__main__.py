@@ -11,7 +11,11 @@ import torch
 
 from stepahead.serving import (
     add_observability_args,
+    add_tls_server_args,
+    check_tls_server_args,
+    describe_tls,
     graceful_stop,
+    server_credentials,
     set_serving,
     setup_logging,
     start_metrics,
@@ -38,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="tiny, sim, or a Llama checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50061)
+    add_tls_server_args(
+        p,
+        client_ca_help="CA that signs the schedulers' client certificates (PEM); required with "
+        "--tls-cert: the worker serves only schedulers that present one (mutual TLS)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     p.add_argument(
         "--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda"
@@ -55,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
     add_observability_args(p, default_metrics_port=9401)
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_tls_server_args(p, args, client_ca_required=True)
+    return args
 
 
 def build_engine(args: argparse.Namespace) -> WorkerEngine:
@@ -70,17 +81,18 @@ def build_engine(args: argparse.Namespace) -> WorkerEngine:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = build_engine(args)
-    server, port, health_servicer = await build_server(engine, args.host, args.port)
+    server, port, health_servicer = await build_server(engine, args.host, args.port, server_credentials(args))
     stop = stop_event_on_signals()
     await server.start()
     await set_serving(health_servicer, SERVICE_NAME, True)
     info = engine.info
     log.info(
-        "model %s on %s, %d KV slots, %d request slots",
+        "model %s on %s, %d KV slots, %d request slots, %s",
         info.model,
         info.device,
         info.kv_slots,
         info.request_slots,
+        describe_tls(args),
     )
     start_metrics(engine.metrics.registry, args, "worker")
     print(f"worker listening on {args.host}:{port}", flush=True)

@@ -16,7 +16,7 @@ from stepahead.protocol import (
     launch_from_proto,
     result_to_proto,
 )
-from stepahead.serving import add_health_and_reflection
+from stepahead.serving import add_health_and_reflection, add_port
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.engine import WorkerEngine
 
@@ -133,10 +133,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def build_server(
-    engine: WorkerEngine, host: str, port: int
+    engine: WorkerEngine, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Plaintext unless `credentials`; health and reflection share the port and its TLS."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", credentials)
     return server, bound, health_servicer
