@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="concurrent requests at most (0: the worker's request slots)",
     )
     p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests that may wait for admission; more get RESOURCE_EXHAUSTED at once",
+    )
+    p.add_argument(
         "--worker-retry-timeout",
         type=float,
         default=30.0,
@@ -160,6 +166,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.max_batch_tokens,
         args.max_running,
         worker_retry_timeout_s=args.worker_retry_timeout,
+        max_waiting=args.max_waiting,
         late_pick=LatePickConfig(enabled=args.late_pick),
     )
     transport, worker_name = make_transport(args)

@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_running: int = 0  # 0: as many as the worker has request slots
     reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
     worker_retry_timeout_s: float = 30.0  # live requests wait this long for a worker to come back
+    max_waiting: int = 1024  # new requests beyond this many waiting ones are refused
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
 
 
@@ -93,6 +94,11 @@ class Scheduler:
     def ready(self) -> bool:
         return self.info is not None
 
+    @property
+    def overloaded(self) -> bool:
+        """The waiting queue is full: admitted requests keep their latency, new ones are refused."""
+        return len(self.waiting) >= self.config.max_waiting
+
     def new_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         if self.tokenizer is None:
             raise SchedulerNotReady("the worker is not connected")
@@ -123,6 +129,10 @@ class Scheduler:
             try:
                 await (self._overlap_loop() if self.config.mode == "overlap" else self._serial_loop())
             except (WorkerUnavailable, WorkerStepError) as exc:
+                self._worker_lost(exc)
+            except Exception as exc:  # a bug must not stop serving silently: start a new session
+                log.exception("scheduler loop failed; starting a new worker session")
+                await self.transport.close()
                 self._worker_lost(exc)
 
     async def close(self) -> None:

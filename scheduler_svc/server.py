@@ -101,6 +101,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         s = self._scheduler
         if s.info is None or s.tokenizer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+        if s.overloaded:  # refuse before spending any work on the request
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(s.waiting)} requests are already waiting (--max-waiting); retry later",
+            )
         try:
             valid = validate_request(request, s.tokenizer, s.info, random_seed(), self._limits)
         except InvalidRequest as exc:

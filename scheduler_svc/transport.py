@@ -60,9 +60,11 @@ class InProcessTransport:
         """The engine belongs to whoever built it."""
 
 
+# A worker that vanishes without closing its socket (a host or network failure,
+# not a killed process, which the kernel reports at once) is found within ~5 s.
 KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", 3_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
@@ -107,8 +109,9 @@ class GrpcTransport:
         self._pending.append((launch.step_id, done))
         try:
             await self._call.write(worker_pb2.SchedulerMessage(launch=launch_to_proto(launch)))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            self._fail_pending(WorkerUnavailable(f"launch of step {launch.step_id}: {exc}"))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            # InvalidStateError: the worker already ended the call (it was draining).
+            self._fail_pending(WorkerUnavailable(f"launch of step {launch.step_id}: {exc!r}"))
         return done
 
     async def close(self) -> None:

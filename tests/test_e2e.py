@@ -267,9 +267,17 @@ def unused_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_scheduler_follows_the_worker_and_never_drops_a_request_silently() -> None:
-    worker_address = f"127.0.0.1:{unused_port()}"
-    scheduler = spawn_scheduler(worker_address, [])
+def wait_health(address: str, status: int) -> None:
+    for _ in range(200):
+        if health_status(address) == status:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{address} never reported {status}")
+
+
+def test_health_follows_the_worker_and_a_stream_survives_its_restart() -> None:
+    worker_port = unused_port()
+    scheduler = spawn_scheduler(f"127.0.0.1:{worker_port}", [])
     worker = None
     try:
         # No worker yet: not serving, and a request is refused outright.
@@ -278,36 +286,31 @@ def test_scheduler_follows_the_worker_and_never_drops_a_request_silently() -> No
             asyncio.run(generate(scheduler.address, request("early", 3)))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
-        worker = spawn_worker(SIM, port=int(worker_address.rsplit(":", 1)[1]))
+        worker = spawn_worker(SIM, port=worker_port)
         wait_serving(scheduler.address)
 
-        async def killed_mid_stream() -> grpc.StatusCode:
+        async def across_a_restart() -> list[int]:
+            nonlocal worker
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 call = generation_pb2_grpc.GenerationStub(channel).Generate(
-                    request("killed", 4000, ignore_eos=True)
+                    request("survivor", 300, ignore_eos=True)
                 )
-                await call.read()
+                tokens = []
+                first = await call.read()
+                assert isinstance(first, pb.GenerateResponse)
+                tokens += first.token_ids
                 assert worker is not None
                 worker.proc.kill()
-                try:
-                    while isinstance(await call.read(), pb.GenerateResponse):
-                        pass
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code()
-                return grpc.StatusCode.OK
+                await asyncio.to_thread(
+                    wait_health, scheduler.address, health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                worker = spawn_worker(SIM, port=worker_port)
+                while isinstance(response := await call.read(), pb.GenerateResponse):
+                    tokens += response.token_ids
+                return tokens
 
-        assert asyncio.run(killed_mid_stream()) == grpc.StatusCode.UNAVAILABLE
-        for _ in range(100):  # health follows the lost session
-            if health_status(scheduler.address) == health_pb2.HealthCheckResponse.NOT_SERVING:
-                break
-            time.sleep(0.05)
-        assert health_status(scheduler.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        worker.proc.wait(10)
-
-        worker = spawn_worker(SIM, port=int(worker_address.rsplit(":", 1)[1]))
-        wait_serving(scheduler.address)
-        stream = asyncio.run(generate(scheduler.address, request("back again", 4, ignore_eos=True)))
-        assert [t for r in stream for t in r.token_ids] == sim_expected(b"back again", 4)
+        assert asyncio.run(across_a_restart()) == sim_expected(b"survivor", 300)
+        wait_health(scheduler.address, health_pb2.HealthCheckResponse.SERVING)
         assert scheduler.stop() == 0
     finally:
         for service in (scheduler, worker):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import signal
 import socket
 import time
 import urllib.request
@@ -205,3 +206,63 @@ def test_a_kv_pool_oversubscribed_twice_completes_everything_identically() -> No
         if s.name == "stepahead_preemptions_total"
     ]
     assert preemptions and preemptions[0] > 0
+
+
+def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load() -> None:
+    port = unused_port()
+    worker: Service | None = spawn_worker(SIM, port=port)
+    scheduler = spawn_scheduler(f"127.0.0.1:{port}", [])
+    lengths = [60 + 10 * (i % 10) for i in range(40)]
+    try:
+        wait_serving(scheduler.address)
+
+        async def load_across_a_restart() -> list[list[int]]:
+            nonlocal worker
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                clients = [asyncio.create_task(stream_tokens(stub, i, n)) for i, n in enumerate(lengths)]
+                await asyncio.sleep(0.4)
+                assert worker is not None
+                worker.proc.send_signal(signal.SIGTERM)
+                assert await asyncio.to_thread(worker.proc.wait, 30) == 0
+                drained.extend(worker.output)
+                worker = spawn_worker(SIM, port=port)
+                return await asyncio.gather(*clients)
+
+        drained: list[str] = []
+        outputs = asyncio.run(load_across_a_restart())
+        for i, (tokens, n) in enumerate(zip(outputs, lengths, strict=True)):
+            assert tokens == sim_expected(f"fault {i} ".encode() * (1 + i % 7), n), i
+        assert any("draining launched batches" in line for line in drained)
+        assert any(re.search(r"session \d+ closed", line) for line in drained)
+    finally:
+        stop_all(scheduler, worker)
+
+
+def test_overload_at_ten_times_capacity_refuses_the_excess_and_serves_the_admitted() -> None:
+    # Capacity: 8 running + 8 waiting. 160 arrive at once.
+    with serving_pair([*SIM, "--request-slots", "8"], ["--max-running", "8", "--max-waiting", "8"]) as (
+        _,
+        scheduler,
+    ):
+
+        async def flood() -> list[list[int] | grpc.StatusCode]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+
+                async def one(i: int) -> list[int] | grpc.StatusCode:
+                    try:
+                        return await stream_tokens(stub, i, 50)
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+
+                return await asyncio.gather(*(one(i) for i in range(160)))
+
+        outcomes = asyncio.run(flood())
+        asyncio.run(wait_all_free(scheduler.address))
+    refused = [o for o in outcomes if isinstance(o, grpc.StatusCode)]
+    served = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, list)]
+    assert set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert len(served) >= 16 and len(refused) >= 100
+    for i, tokens in served:
+        assert tokens == sim_expected(f"fault {i} ".encode() * (1 + i % 7), 50), i

@@ -81,10 +81,10 @@ def build_engine(args: argparse.Namespace) -> WorkerEngine:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = build_engine(args)
-    server, port, health_servicer = await build_server(engine, args.host, args.port, server_credentials(args))
+    serving = await build_server(engine, args.host, args.port, server_credentials(args))
     stop = stop_event_on_signals()
-    await server.start()
-    await set_serving(health_servicer, SERVICE_NAME, True)
+    await serving.server.start()
+    await set_serving(serving.health, SERVICE_NAME, True)
     info = engine.info
     log.info(
         "model %s on %s, %d KV slots, %d request slots, %s",
@@ -95,10 +95,12 @@ async def serve(args: argparse.Namespace) -> None:
         describe_tls(args),
     )
     start_metrics(engine.metrics.registry, args, "worker")
-    print(f"worker listening on {args.host}:{port}", flush=True)
+    print(f"worker listening on {args.host}:{serving.port}", flush=True)
     await stop.wait()
     log.info("stopping: draining launched batches")
-    await graceful_stop(server, health_servicer, args.grace)
+    await serving.health.enter_graceful_shutdown()
+    await serving.servicer.drain(args.grace)
+    await graceful_stop(serving.server, serving.health, args.grace)
     engine.shutdown()
     engine.tracer.close()
 

@@ -166,7 +166,8 @@ class WorkerEngine:
             1, "forward-stream", initializer=_enter_inference_mode
         )
         self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, "copy-wait")
-        self._epoch = 0
+        # Clock-based, so that a restarted worker's sessions never reuse an epoch.
+        self._epoch = time.time_ns() // 1_000_000
         self._last_step_id = 0
         self._steps_executed = 0
         self._out_of_order = 0

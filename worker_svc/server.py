@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
@@ -29,6 +31,12 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# The scheduler pings an idle link to find a dead worker fast: allow it.
+KEEPALIVE_SERVER_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
 _InFlight = tuple[int, "asyncio.Future[StepResult]"] | None
 
 
@@ -38,6 +46,8 @@ class _Session:
     def __init__(self) -> None:
         self.in_flight: asyncio.Queue[_InFlight] = asyncio.Queue()
         self.superseded = False
+        self.reader: asyncio.Task[None] | None = None
+        self.closed = asyncio.Event()
 
     def end(self) -> None:
         self.in_flight.put_nowait(None)
@@ -47,6 +57,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: WorkerEngine) -> None:
         self._engine = engine
         self._session: _Session | None = None
+        self._draining = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking launches, finish and answer those already taken, end the session.
+
+        NOTE: launches the scheduler sent after this are never run, and it
+        hears the session end; it recomputes their requests on the next worker.
+        """
+        self._draining = True
+        session = self._session
+        if session is None or session.reader is None:
+            return
+        session.reader.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(session.closed.wait(), timeout_s)
 
     async def Connect(
         self,
@@ -54,18 +79,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
         await self._expect_hello(request_iterator, context)
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         session = self._replace_session()
         info = await asyncio.wrap_future(self._engine.begin_session())
         log.info("session %d opened by %s", info.epoch, context.peer())
         yield worker_pb2.WorkerMessage(welcome=info_to_proto(info))
-        reader = asyncio.create_task(self._read_launches(request_iterator, session))
+        session.reader = asyncio.create_task(self._read_launches(request_iterator, session))
         try:
             async for message in self._results(session):
                 yield message
         finally:
-            reader.cancel()
+            session.reader.cancel()
             if self._session is session:
                 self._session = None
+            session.closed.set()
             log.info("session %d closed", info.epoch)
         if session.superseded:
             await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler session replaced this one")
@@ -132,12 +160,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield worker_pb2.WorkerMessage(result=result_to_proto(result))
 
 
+@dataclass(frozen=True)
+class WorkerServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    servicer: WorkerServicer
+
+
 async def build_server(
     engine: WorkerEngine, host: str, port: int, credentials: grpc.ServerCredentials | None = None
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+) -> WorkerServer:
     """Plaintext unless `credentials`; health and reflection share the port and its TLS."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    server = grpc.aio.server(options=GRPC_OPTIONS + KEEPALIVE_SERVER_OPTIONS)
+    servicer = WorkerServicer(engine)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
     bound = add_port(server, f"{host}:{port}", credentials)
-    return server, bound, health_servicer
+    return WorkerServer(server, bound, health_servicer, servicer)
