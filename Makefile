@@ -13,7 +13,7 @@ MODE ?= overlap
 WORKER_PORT ?= 50061
 PORT ?= 50051
 
-.PHONY: all venv proto run test lint trace clean
+.PHONY: all venv proto run test lint trace bench bench-quick clean
 
 all: proto
 
@@ -38,6 +38,12 @@ run: proto
 
 test: proto
 	$(PY) -m pytest -q
+
+bench: proto
+	$(PY) -m bench
+
+bench-quick: proto
+	$(PY) -m bench --quick
 
 trace: proto
 	$(PY) -m bench.trace --out traces --png docs/images/timeline.png

@@ -295,7 +295,7 @@ def test_health_follows_the_worker_and_a_stream_survives_its_restart() -> None:
                 call = generation_pb2_grpc.GenerationStub(channel).Generate(
                     request("survivor", 300, ignore_eos=True)
                 )
-                tokens = []
+                tokens: list[int] = []
                 first = await call.read()
                 assert isinstance(first, pb.GenerateResponse)
                 tokens += first.token_ids

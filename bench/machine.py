@@ -1,0 +1,68 @@
+"""What a result was measured on: CPUs, memory, versions, and the commit."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+Machine = dict[str, str | int | float | bool | None]
+
+
+def describe_machine() -> Machine:
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name"),
+        "memory": _proc_field("/proc/meminfo", "MemTotal"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "grpcio": _version("grpcio"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": _git_dirty(),
+        "load_average_1m": load_average(),
+    }
+
+
+def load_average() -> float:
+    """Runnable processes, averaged over a minute: above 0 before a run, something else competes
+    for the CPUs the run is about to share."""
+    return round(os.getloadavg()[0], 2)
+
+
+def _proc_field(path: str, name: str) -> str | None:
+    """The first `name : value` line's value in a /proc file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (the results directory does not count)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)

@@ -1,0 +1,300 @@
+"""A run's ratios, its JSON document and its markdown tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.configs import Case, Device, Mode, Transport
+from bench.figures import ratio
+from bench.harness import CaseResult, RunResult
+
+NONE = "—"
+
+
+@dataclass(frozen=True)
+class Ratios:
+    device: str
+    overlap_over_serial_tokens_per_s: float | None  # both over gRPC
+    grpc_over_in_process_tokens_per_s: float | None  # both overlap
+    overlap_over_serial_ttft_p50: float | None  # both over gRPC
+
+
+def find(results: Iterable[CaseResult], device: str, mode: Mode, transport: Transport) -> CaseResult | None:
+    for result in results:
+        c = result.case.configuration
+        if (c.device.name, c.mode, c.transport) == (device, mode, transport):
+            return result
+    return None
+
+
+def device_ratios(results: Sequence[CaseResult], device: str) -> Ratios:
+    serial = find(results, device, "serial", "grpc")
+    overlap = find(results, device, "overlap", "grpc")
+    in_process = find(results, device, "overlap", "in-process")
+    return Ratios(
+        device=device,
+        overlap_over_serial_tokens_per_s=ratio(_tokens_per_s(overlap), _tokens_per_s(serial)),
+        grpc_over_in_process_tokens_per_s=ratio(_tokens_per_s(overlap), _tokens_per_s(in_process)),
+        overlap_over_serial_ttft_p50=ratio(_ttft_p50(overlap), _ttft_p50(serial)),
+    )
+
+
+def _tokens_per_s(result: CaseResult | None) -> float | None:
+    return None if result is None else result.figures.output_tokens_per_s
+
+
+def _ttft_p50(result: CaseResult | None) -> float | None:
+    return None if result is None else result.figures.ttft_p50_ms
+
+
+def devices(results: Iterable[CaseResult]) -> list[Device]:
+    """Each device once, in order of first appearance."""
+    seen: dict[str, Device] = {}
+    for result in results:
+        seen.setdefault(result.case.configuration.device.name, result.case.configuration.device)
+    return list(seen.values())
+
+
+def all_ratios(run: RunResult) -> list[Ratios]:
+    return [device_ratios(run.cases, device.name) for device in devices(run.cases)]
+
+
+def largest_busy_concurrency(points: Iterable[CaseResult], mode: Mode, target: float) -> int | None:
+    """The largest swept concurrency at which `mode` kept the device busy at least `target` of the time."""
+    busy = [
+        p.case.workload.concurrency
+        for p in points
+        if p.case.configuration.mode == mode
+        and p.figures.device_busy_fraction is not None
+        and p.figures.device_busy_fraction >= target
+    ]
+    return max(busy, default=None)
+
+
+# ---- JSON -----------------------------------------------------------------------------------
+
+
+def to_json(run: RunResult, command: str) -> dict[str, Any]:
+    sweep = run.plan.sweep
+    return {
+        "started_at": run.started_at.isoformat(timespec="seconds"),
+        "command": command,
+        "plan": run.plan.name,
+        "machine": run.machine,
+        "load_average_1m_after": run.load_average_after,
+        "configurations": [_case_json(r) for r in run.cases],
+        "ratios": [asdict(r) for r in all_ratios(run)],
+        "sweep": {
+            "device": None if sweep is None else _device_json(sweep.device),
+            "busy_target": run.plan.busy_target,
+            "overlap_largest_busy_concurrency": largest_busy_concurrency(
+                run.sweep, "overlap", run.plan.busy_target
+            ),
+            "overlap_over_serial_tokens_per_s": {
+                str(concurrency): sweep_ratio(run.sweep, concurrency)
+                for concurrency in concurrencies(run.sweep)
+            },
+            "points": [_case_json(r) for r in run.sweep],
+        },
+    }
+
+
+def concurrencies(points: Iterable[CaseResult]) -> list[int]:
+    return sorted({p.case.workload.concurrency for p in points})
+
+
+def sweep_ratio(points: Sequence[CaseResult], concurrency: int) -> float | None:
+    """Overlap / serial output tokens/s at one swept concurrency."""
+    return ratio(
+        _tokens_per_s(_at(points, "overlap", concurrency)), _tokens_per_s(_at(points, "serial", concurrency))
+    )
+
+
+def _device_json(device: Device) -> dict[str, Any]:
+    return {"name": device.name, "worker_args": list(device.worker_args), "sim_step_ms": device.sim_step_ms}
+
+
+def _case_json(result: CaseResult) -> dict[str, Any]:
+    c, w = result.case.configuration, result.case.workload
+    return {
+        "name": c.name,
+        "device": _device_json(c.device),
+        "mode": c.mode,
+        "transport": c.transport,
+        "shares_process": c.shares_process,
+        "workload": {**asdict(w), "input_bounds": w.input_bounds, "output_bounds": w.output_bounds},
+        "figures": asdict(result.figures),
+    }
+
+
+# ---- markdown -------------------------------------------------------------------------------
+
+
+def to_markdown(run: RunResult, command: str, sweep_image: str | None) -> str:
+    machine = run.machine
+    lines = [
+        f"# Stepahead benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"`{command}` (plan `{run.plan.name}`) on {machine.get('nproc')} CPUs ({machine.get('cpu_model')}), "
+        f"Python {machine.get('python')}, torch {machine.get('torch')}, "
+        f"commit {str(machine.get('git_commit'))[:10]}{' (modified)' if machine.get('git_dirty') else ''}; "
+        f"1-minute load average {machine.get('load_average_1m')} before, {run.load_average_after} after.",
+        "",
+        *configurations_table(run.cases),
+        "",
+        *workload_lines(run.cases),
+        "",
+        *ratios_table(all_ratios(run)),
+    ]
+    if run.sweep:
+        lines += ["", *sweep_section(run, sweep_image)]
+    failures = failure_lines((*run.cases, *run.sweep))
+    if failures:
+        lines += ["", *failures]
+    return "\n".join(lines) + "\n"
+
+
+def failure_lines(results: Iterable[CaseResult]) -> list[str]:
+    """Figures cover completed requests only: a run with failures is flagged."""
+    return [
+        f"**{r.figures.failed} of {r.figures.failed + r.figures.completed} requests failed** in "
+        f"{r.case.configuration.name} at concurrency {r.case.workload.concurrency}."
+        for r in results
+        if r.figures.failed
+    ]
+
+
+def configurations_table(results: Sequence[CaseResult]) -> list[str]:
+    header = (
+        "| configuration | output tok/s | of ideal | device busy | step ms | forward ms | gap p50 / mean ms "
+        "| TTFT p50 / p99 ms | ITL p50 / p99 ms | scheduler CPU ms/step | worker CPU ms/step "
+        "| client CPU ms/step |"
+    )
+    rows = [_configuration_row(r) for r in results]
+    lines = [header, "|---|" + "---:|" * 11, *rows]
+    if any(r.case.configuration.shares_process for r in results):
+        lines += ["", "\\* one process: the scheduler's CPU time includes the worker engine's threads."]
+    return lines
+
+
+def _configuration_row(result: CaseResult) -> str:
+    f, shared = result.figures, result.case.configuration.shares_process
+    scheduler_cpu = _number(f.scheduler_cpu_ms_per_step, 2) + (" \\*" if shared else "")
+    cells = [
+        result.case.configuration.name,
+        _number(f.output_tokens_per_s, 0),
+        _number(f.fraction_of_ideal, 3),
+        _number(f.device_busy_fraction, 3),
+        _number(f.step_ms, 2),
+        _number(f.mean_forward_ms, 2),
+        f"{_number(f.median_device_gap_ms, 2)} / {_number(f.mean_device_gap_ms, 2)}",
+        f"{_number(f.ttft_p50_ms, 1)} / {_number(f.ttft_p99_ms, 1)}",
+        f"{_number(f.itl_p50_ms, 1)} / {_number(f.itl_p99_ms, 1)}",
+        scheduler_cpu,
+        _number(f.worker_cpu_ms_per_step, 2) if not shared else "in scheduler",
+        _number(f.client_cpu_ms_per_step, 2),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def workload_lines(results: Sequence[CaseResult]) -> list[str]:
+    described: dict[str, str] = {}
+    for result in results:
+        device = result.case.configuration.device
+        described.setdefault(device.name, f"- {device.name}: {describe_workload(result.case)}")
+    return list(described.values())
+
+
+def describe_workload(case: Case) -> str:
+    w, device = case.workload, case.configuration.device
+    (input_low, input_high), (output_low, output_high) = w.input_bounds, w.output_bounds
+    step = f", device step {device.sim_step_ms:g} ms" if device.sim_step_ms is not None else ""
+    ideal = device.ideal_tokens_per_s(w.concurrency)
+    ideal_text = "" if ideal is None else f"; ideal {ideal:,.0f} tok/s (concurrency / step time)"
+    return (
+        f"{w.num_prompts} requests, concurrency {w.concurrency}, input {input_low}-{input_high}, "
+        f"output {output_low}-{output_high} tokens (ignore_eos){step}; warmup {w.warmup_prompts} x "
+        f"{w.warmup_output_len} tokens{ideal_text}"
+    )
+
+
+def ratios_table(ratios: Sequence[Ratios]) -> list[str]:
+    lines = [
+        "| device | overlap / serial tok/s | gRPC / in-process tok/s (overlap) | overlap / serial TTFT p50 |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in ratios:
+        cells = (
+            _number(r.overlap_over_serial_tokens_per_s, 3),
+            _number(r.grpc_over_in_process_tokens_per_s, 3),
+            _number(r.overlap_over_serial_ttft_p50, 3),
+        )
+        lines.append(f"| {r.device} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def sweep_section(run: RunResult, sweep_image: str | None) -> list[str]:
+    target = run.plan.busy_target
+    largest = largest_busy_concurrency(run.sweep, "overlap", target)
+    lines = [
+        f"Sweep ({describe_sweep(run)}):",
+        "",
+        *sweep_table(run.sweep),
+        "",
+        f"Largest concurrency at which overlap keeps the device >= {target:g} busy: "
+        f"{NONE if largest is None else largest}.",
+    ]
+    if sweep_image is not None:
+        lines += ["", f"![sweep]({sweep_image})"]
+    return lines
+
+
+def describe_sweep(run: RunResult) -> str:
+    sweep = run.plan.sweep
+    if sweep is None or not run.sweep:
+        return ""
+    (input_low, input_high) = run.sweep[0].case.workload.input_bounds
+    (output_low, output_high) = run.sweep[0].case.workload.output_bounds
+    step = "" if sweep.device.sim_step_ms is None else f", device step {sweep.device.sim_step_ms:g} ms"
+    return (
+        f"{sweep.device.name}{step}, serial and overlap over gRPC, "
+        f"{sweep.prompts_per_concurrency} x concurrency requests, input {input_low}-{input_high}, "
+        f"output {output_low}-{output_high}"
+    )
+
+
+def sweep_table(points: Sequence[CaseResult]) -> list[str]:
+    lines = [
+        "| concurrency | ideal tok/s | serial tok/s | overlap tok/s | overlap / serial "
+        "| serial busy | overlap busy |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    return lines + [_sweep_row(points, concurrency) for concurrency in concurrencies(points)]
+
+
+def _sweep_row(points: Sequence[CaseResult], concurrency: int) -> str:
+    serial, overlap = _at(points, "serial", concurrency), _at(points, "overlap", concurrency)
+    device = next(p for p in points if p.case.workload.concurrency == concurrency).case.configuration.device
+    cells = (
+        str(concurrency),
+        _number(device.ideal_tokens_per_s(concurrency), 0),
+        _number(_tokens_per_s(serial), 0),
+        _number(_tokens_per_s(overlap), 0),
+        _number(sweep_ratio(points, concurrency), 3),
+        _number(None if serial is None else serial.figures.device_busy_fraction, 3),
+        _number(None if overlap is None else overlap.figures.device_busy_fraction, 3),
+    )
+    return "| " + " | ".join(cells) + " |"
+
+
+def _at(points: Iterable[CaseResult], mode: Mode, concurrency: int) -> CaseResult | None:
+    for p in points:
+        if p.case.configuration.mode == mode and p.case.workload.concurrency == concurrency:
+            return p
+    return None
+
+
+def _number(value: float | None, decimals: int) -> str:
+    return NONE if value is None else f"{value:,.{decimals}f}"

@@ -1,0 +1,112 @@
+"""Start a configuration's processes, drive them with `loadgen`, and take metric deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from bench.configs import Configuration, Workload
+from bench.promtext import Labels, delta, scrape, total
+from loadgen import BenchmarkConfig, Summary, run_benchmark
+from stepahead.processes import Service, serving_pair, spawn_scheduler_in_process, wait_serving
+
+SETTLE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    address: str  # the scheduler's Generation API
+    scheduler_metrics: str
+    worker_metrics: str  # served by the scheduler's process when the worker runs in it
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured run: loadgen's summary and what each process counted during it."""
+
+    summary: Summary
+    scheduler: dict[tuple[str, Labels], float]  # scrape deltas
+    worker: dict[tuple[str, Labels], float]
+    client_cpu_s: float  # CPU time of this process (the load generator) during the run
+
+
+@contextmanager
+def serving(configuration: Configuration) -> Iterator[Endpoints]:
+    """Fresh processes for the configuration, SERVING; stopped on exit."""
+    worker_args = list(configuration.device.worker_args)
+    scheduler_args = ["--mode", configuration.mode]
+    if configuration.transport == "grpc":
+        with serving_pair(worker_args, scheduler_args) as (worker, scheduler):
+            yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url)
+        return
+    with _in_process(worker_args, scheduler_args) as scheduler:
+        urls = scheduler.metrics_urls
+        yield Endpoints(scheduler.address, urls["scheduler"], urls["worker"])
+
+
+@contextmanager
+def _in_process(worker_args: list[str], scheduler_args: list[str]) -> Iterator[Service]:
+    scheduler = spawn_scheduler_in_process(worker_args, scheduler_args)
+    try:
+        wait_serving(scheduler.address)
+        yield scheduler
+    finally:
+        if scheduler.proc.poll() is None:
+            scheduler.stop()
+
+
+def measure(endpoints: Endpoints, workload: Workload) -> Measurement:
+    """Warm up, then one measured run between two scrapes of each process."""
+    asyncio.run(run_benchmark(_warmup_config(endpoints.address, workload)))
+    _settle(endpoints)
+    scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
+    cpu_before = time.process_time()
+    result = asyncio.run(run_benchmark(_measured_config(endpoints.address, workload)))
+    client_cpu_s = time.process_time() - cpu_before
+    _settle(endpoints)
+    return Measurement(
+        result.summary,
+        delta(scheduler_before, scrape(endpoints.scheduler_metrics)),
+        delta(worker_before, scrape(endpoints.worker_metrics)),
+        client_cpu_s,
+    )
+
+
+def _measured_config(address: str, workload: Workload) -> BenchmarkConfig:
+    return BenchmarkConfig(
+        server=address,
+        dataset=workload.dataset,
+        num_prompts=workload.num_prompts,
+        max_concurrency=workload.concurrency,
+        seed=workload.seed,
+        ignore_eos=True,
+    )
+
+
+def _warmup_config(address: str, workload: Workload) -> BenchmarkConfig:
+    """Short requests at the measured concurrency: connections, first forwards, full batches."""
+    return BenchmarkConfig(
+        server=address,
+        dataset=workload.warmup_dataset,
+        num_prompts=workload.warmup_prompts,
+        max_concurrency=workload.concurrency,
+        seed=workload.seed + 1,
+        ignore_eos=True,
+    )
+
+
+def _settle(endpoints: Endpoints) -> None:
+    """Waits until the scheduler holds no request and the worker no request slot, so the scrapes
+    bracket whole runs: the last release reaches the worker one (row-less) launch after the last
+    token is streamed."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        running = total(scrape(endpoints.scheduler_metrics), "stepahead_requests_running")
+        live_slots = total(scrape(endpoints.worker_metrics), "stepahead_live_request_slots")
+        if running == 0 and live_slots == 0:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"{endpoints.address}: requests still live {SETTLE_TIMEOUT_S}s after the run")

@@ -1,0 +1,64 @@
+"""Where a run's results go: `<UTC date-time>.json`, `.md` and `-sweep.png`, plus `latest` copies."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.harness import RunResult
+from bench.plot import plot_sweep
+from bench.report import to_json, to_markdown
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DOCS_SWEEP_IMAGE = Path(__file__).resolve().parent.parent / "docs" / "images" / "sweep.png"
+
+
+@dataclass(frozen=True)
+class Saved:
+    json: Path
+    markdown: Path
+    sweep_image: Path | None
+
+
+def stamp(run: RunResult) -> str:
+    return f"{run.started_at:%Y%m%dT%H%M%SZ}"
+
+
+def save(run: RunResult, command: str, out: Path = RESULTS, docs_image: Path | None = None) -> Saved:
+    """Writes the run's files under `out` (and the sweep plot to `docs_image` too, when given);
+    `latest.json` and `latest.md` become copies of this run's."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = stamp(run)
+    sweep_image = _save_sweep_image(run, out / f"{name}-sweep.png", docs_image)
+    json_path, markdown_path = out / f"{name}.json", out / f"{name}.md"
+    json_path.write_text(json.dumps(finite(to_json(run, command)), indent=2, allow_nan=False) + "\n")
+    image_link = None if sweep_image is None else sweep_image.name
+    markdown_path.write_text(to_markdown(run, command, image_link))
+    shutil.copyfile(json_path, out / "latest.json")
+    shutil.copyfile(markdown_path, out / "latest.md")
+    return Saved(json_path, markdown_path, sweep_image)
+
+
+def _save_sweep_image(run: RunResult, path: Path, docs_image: Path | None) -> Path | None:
+    if not run.sweep:
+        return None
+    plot_sweep(run.sweep, run.plan.busy_target, path)
+    if docs_image is not None:
+        docs_image.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, docs_image)
+    return path
+
+
+def finite(value: Any) -> Any:
+    """The document with every NaN or infinity replaced by None, so the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value

@@ -1,0 +1,447 @@
+"""The benchmark harness: metric arithmetic, ratios, rendering, and one small run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import fields, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, sim
+from bench.figures import Figures, busy_fraction, figures, ratio
+from bench.harness import CaseResult, RunResult, run_plan
+from bench.machine import Machine
+from bench.promtext import delta, histogram_buckets, histogram_quantile, parse, total
+from bench.report import device_ratios, largest_busy_concurrency, to_json, to_markdown
+from bench.run import Measurement
+from bench.save import finite, save
+from loadgen import Summary
+from loadgen.stats import Distribution
+
+INF = math.inf
+BUCKETS = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (INF, 10.0)]  # 2 in (0, .1], 4 in (.1, .5], 2, 2 above 1
+
+
+# ---- histogram quantile -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [
+        (0.1, 0.05),  # rank 1 of 2 in the first bucket, which starts at 0
+        (0.2, 0.1),  # rank 2: the first bucket's upper bound
+        (0.5, 0.4),  # rank 5: 0.1 + (0.5 - 0.1) * (5 - 2) / 4
+        (0.8, 1.0),  # rank 8: the top of (0.5, 1.0]
+        (0.9, 1.0),  # rank 9 falls in +Inf: the last finite bound
+        (1.0, 1.0),
+    ],
+)
+def test_histogram_quantile_interpolates_like_promql(q: float, expected: float) -> None:
+    assert histogram_quantile(q, BUCKETS) == pytest.approx(expected)
+
+
+def test_histogram_quantile_with_everything_in_the_inf_bucket_is_the_last_finite_bound() -> None:
+    assert histogram_quantile(0.5, [(0.1, 0.0), (1.0, 0.0), (INF, 3.0)]) == 1.0
+
+
+def test_histogram_quantile_of_a_non_positive_first_bound_is_that_bound() -> None:
+    assert histogram_quantile(0.5, [(0.0, 3.0), (1.0, 4.0), (INF, 4.0)]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        [(0.1, 0.0), (1.0, 0.0), (INF, 0.0)],  # an empty delta: no observation
+        [],
+        [(INF, 5.0)],  # a single bucket
+        [(0.1, 1.0), (1.0, 2.0)],  # no +Inf bucket
+    ],
+)
+def test_histogram_quantile_is_none_where_promql_gives_nan(buckets: list[tuple[float, float]]) -> None:
+    assert histogram_quantile(0.5, buckets) is None
+
+
+@pytest.mark.parametrize("q", [0.0, -0.1, 1.5])
+def test_histogram_quantile_rejects_a_quantile_outside_0_1(q: float) -> None:
+    with pytest.raises(ValueError, match="quantile"):
+        histogram_quantile(q, BUCKETS)
+
+
+# ---- scrapes and deltas -----------------------------------------------------------------------
+
+WORKER_BEFORE = """\
+# TYPE stepahead_device_busy_seconds counter
+stepahead_device_busy_seconds_total{device="cpu",model="sim"} 1.5
+# TYPE stepahead_device_idle_seconds counter
+stepahead_device_idle_seconds_total{device="cpu",model="sim"} 0.5
+# TYPE stepahead_device_gap_seconds histogram
+stepahead_device_gap_seconds_bucket{device="cpu",le="0.001",model="sim"} 4.0
+stepahead_device_gap_seconds_bucket{device="cpu",le="0.01",model="sim"} 5.0
+stepahead_device_gap_seconds_bucket{device="cpu",le="+Inf",model="sim"} 6.0
+stepahead_device_gap_seconds_count{device="cpu",model="sim"} 6.0
+stepahead_device_gap_seconds_sum{device="cpu",model="sim"} 0.2
+# TYPE stepahead_batches counter
+stepahead_batches_total{device="cpu",forward_mode="decode",model="sim"} 90.0
+stepahead_batches_total{device="cpu",forward_mode="mixed",model="sim"} 10.0
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total{device="cpu",model="sim"} 10.0
+"""
+
+WORKER_AFTER = """\
+# TYPE stepahead_device_busy_seconds counter
+stepahead_device_busy_seconds_total{device="cpu",model="sim"} 4.5
+# TYPE stepahead_device_idle_seconds counter
+stepahead_device_idle_seconds_total{device="cpu",model="sim"} 1.5
+# TYPE stepahead_device_gap_seconds histogram
+stepahead_device_gap_seconds_bucket{device="cpu",le="0.001",model="sim"} 4.0
+stepahead_device_gap_seconds_bucket{device="cpu",le="0.01",model="sim"} 9.0
+stepahead_device_gap_seconds_bucket{device="cpu",le="+Inf",model="sim"} 10.0
+stepahead_device_gap_seconds_count{device="cpu",model="sim"} 10.0
+stepahead_device_gap_seconds_sum{device="cpu",model="sim"} 0.3
+# TYPE stepahead_batches counter
+stepahead_batches_total{device="cpu",forward_mode="decode",model="sim"} 270.0
+stepahead_batches_total{device="cpu",forward_mode="mixed",model="sim"} 30.0
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total{device="cpu",model="sim"} 10.6
+"""
+
+SCHEDULER_BEFORE = """\
+# TYPE stepahead_step_phase_seconds histogram
+stepahead_step_phase_seconds_count{mode="overlap",phase="launch"} 100.0
+stepahead_step_phase_seconds_count{mode="overlap",phase="pick"} 101.0
+stepahead_step_phase_seconds_sum{mode="overlap",phase="launch"} 0.1
+stepahead_step_phase_seconds_sum{mode="overlap",phase="pick"} 0.2
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total{mode="overlap"} 3.0
+"""
+
+SCHEDULER_AFTER = """\
+# TYPE stepahead_step_phase_seconds histogram
+stepahead_step_phase_seconds_count{mode="overlap",phase="launch"} 300.0
+stepahead_step_phase_seconds_count{mode="overlap",phase="pick"} 305.0
+stepahead_step_phase_seconds_count{mode="overlap",phase="process"} 299.0
+stepahead_step_phase_seconds_sum{mode="overlap",phase="launch"} 0.3
+stepahead_step_phase_seconds_sum{mode="overlap",phase="pick"} 0.6
+stepahead_step_phase_seconds_sum{mode="overlap",phase="process"} 0.5
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total{mode="overlap"} 4.0
+"""
+
+
+def test_delta_subtracts_each_series_and_counts_a_new_one_from_zero() -> None:
+    change = delta(parse(SCHEDULER_BEFORE), parse(SCHEDULER_AFTER))
+    assert total(change, "stepahead_step_phase_seconds_count", phase="launch") == 200
+    assert total(change, "stepahead_step_phase_seconds_count", phase="process") == 299
+    assert total(change, "process_cpu_seconds_total") == pytest.approx(1.0)
+
+
+def test_total_sums_the_series_a_selector_matches_and_is_zero_for_none() -> None:
+    after = parse(SCHEDULER_AFTER)
+    assert total(after, "stepahead_step_phase_seconds_count") == 904
+    assert total(after, "stepahead_step_phase_seconds_sum", phase="pick") == pytest.approx(0.6)
+    assert total(after, "stepahead_step_phase_seconds_count", mode="overlap", phase="pick") == 305
+    assert total(after, "stepahead_step_phase_seconds_count", phase="wait") == 0
+    assert total(after, "no_such_metric") == 0
+
+
+def test_histogram_buckets_of_a_delta_and_its_median() -> None:
+    change = delta(parse(WORKER_BEFORE), parse(WORKER_AFTER))
+    buckets = histogram_buckets(change, "stepahead_device_gap_seconds")
+    assert buckets == [(0.001, 0.0), (0.01, pytest.approx(4.0)), (INF, pytest.approx(4.0))]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.001 + 0.009 * 2 / 4)
+
+
+def test_histogram_buckets_add_up_series_bucket_by_bucket() -> None:
+    text = """\
+# TYPE h histogram
+h_bucket{le="1.0",phase="a"} 1.0
+h_bucket{le="+Inf",phase="a"} 2.0
+h_bucket{le="1.0",phase="b"} 3.0
+h_bucket{le="+Inf",phase="b"} 3.0
+"""
+    assert histogram_buckets(parse(text), "h") == [(1.0, 4.0), (INF, 5.0)]
+    assert histogram_buckets(parse(text), "h", phase="b") == [(1.0, 3.0), (INF, 3.0)]
+
+
+def test_busy_fraction() -> None:
+    assert busy_fraction(3.0, 1.0) == 0.75
+    assert busy_fraction(2.0, 0.0) == 1.0
+    assert busy_fraction(0.0, 0.0) is None
+
+
+def test_ratio_is_none_when_a_side_is_missing_or_the_denominator_zero() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None
+    assert ratio(3.0, None) is None
+    assert ratio(3.0, 0.0) is None
+
+
+# ---- figures, ratios, rendering from fixed results --------------------------------------------
+
+SIM = sim(10.0)
+WORKLOAD = Workload(64, 16, 48, 192, 1 / 3, warmup_prompts=16)
+
+
+def summary(output_throughput: float, ttft_p50_ms: float = 20.0) -> Summary:
+    return Summary(
+        completed=64,
+        failed=0,
+        duration_s=10.0,
+        total_input_tokens=3072,
+        total_output_tokens=round(output_throughput * 10),
+        request_throughput=6.4,
+        request_goodput=None,
+        output_throughput=output_throughput,
+        total_token_throughput=output_throughput + 307.2,
+        peak_concurrency=16,
+        ttft=Distribution(64, ttft_p50_ms, ttft_p50_ms, 1.0, ttft_p50_ms * 2, ttft_p50_ms * 3),
+        tpot=Distribution(64, 11.0, 11.0, 0.5, 12.0, 13.0),
+        itl=Distribution(12000, 11.0, 10.5, 0.5, 12.0, 14.0),
+        e2el=Distribution(64, 2000.0, 2000.0, 10.0, 2100.0, 2200.0),
+        errors={},
+        finish_reasons={"LENGTH": 64},
+    )
+
+
+def measurement(output_throughput: float = 1200.0, client_cpu_s: float = 0.4) -> Measurement:
+    return Measurement(
+        summary(output_throughput),
+        delta(parse(SCHEDULER_BEFORE), parse(SCHEDULER_AFTER)),
+        delta(parse(WORKER_BEFORE), parse(WORKER_AFTER)),
+        client_cpu_s,
+    )
+
+
+def test_figures_of_a_grpc_run() -> None:
+    f = figures(Case(Configuration(SIM, "overlap", "grpc"), WORKLOAD), measurement())
+    assert f.output_tokens_per_s == 1200
+    assert f.ideal_tokens_per_s == pytest.approx(1600)  # 16 requests / 10 ms
+    assert f.fraction_of_ideal == pytest.approx(0.75)
+    assert f.device_busy_fraction == pytest.approx(3.0 / 4.0)
+    assert f.median_device_gap_ms == pytest.approx(5.5)
+    assert f.mean_device_gap_ms == pytest.approx(100 / 4)  # 0.1 s over 4 gaps
+    assert f.mean_forward_ms == pytest.approx(3000 / 200)  # 3 s busy over 200 batches
+    assert f.step_ms == pytest.approx(10_000 / 200)
+    assert f.scheduler_phase_ms == pytest.approx({"pick": 2.0, "launch": 1.0, "wait": 0.0, "process": 2.5})
+    assert f.steps == 200
+    assert f.scheduler_cpu_ms_per_step == pytest.approx(1000 / 200)
+    assert f.worker_cpu_ms_per_step == pytest.approx(600 / 200)
+    assert f.client_cpu_ms_per_step == pytest.approx(400 / 200)
+    assert f.tokens_per_step == pytest.approx(12000 / 200)
+    assert (f.ttft_p50_ms, f.ttft_p99_ms, f.itl_p50_ms, f.itl_p99_ms) == (20.0, 60.0, 10.5, 14.0)
+
+
+def test_figures_in_process_leave_the_worker_cpu_to_the_scheduler_column() -> None:
+    f = figures(Case(Configuration(SIM, "overlap", "in-process"), WORKLOAD), measurement())
+    assert f.worker_cpu_ms_per_step is None
+    assert f.scheduler_cpu_ms_per_step == pytest.approx(5.0)
+
+
+def result(mode: Mode, transport: Transport, tokens_per_s: float, ttft_p50_ms: float = 20.0) -> CaseResult:
+    configuration = Configuration(SIM, mode, transport)
+    case = Case(configuration, WORKLOAD)
+    measured = replace(measurement(tokens_per_s), summary=summary(tokens_per_s, ttft_p50_ms))
+    return CaseResult(case, figures(case, measured))
+
+
+CASES = (
+    result("serial", "grpc", 1000.0, ttft_p50_ms=20.0),
+    result("overlap", "grpc", 1200.0, ttft_p50_ms=25.0),
+    result("overlap", "in-process", 1500.0, ttft_p50_ms=22.0),
+)
+
+
+def test_ratios_of_a_device() -> None:
+    r = device_ratios(CASES, "sim")
+    assert r.overlap_over_serial_tokens_per_s == pytest.approx(1.2)
+    assert r.grpc_over_in_process_tokens_per_s == pytest.approx(0.8)
+    assert r.overlap_over_serial_ttft_p50 == pytest.approx(1.25)
+
+
+def test_ratios_missing_a_configuration_are_none() -> None:
+    r = device_ratios(CASES[:2], "sim")
+    assert r.grpc_over_in_process_tokens_per_s is None
+    assert device_ratios(CASES, "tiny").overlap_over_serial_tokens_per_s is None
+
+
+def sweep_point(mode: Mode, concurrency: int, busy: float) -> CaseResult:
+    workload = replace(WORKLOAD, concurrency=concurrency, num_prompts=4 * concurrency)
+    base = result(mode, "grpc", 100.0 * concurrency)
+    return CaseResult(
+        Case(base.case.configuration, workload), replace(base.figures, device_busy_fraction=busy)
+    )
+
+
+SWEEP = (
+    sweep_point("serial", 8, 0.8),
+    sweep_point("serial", 64, 0.7),
+    sweep_point("overlap", 8, 0.99),
+    sweep_point("overlap", 64, 0.96),
+    sweep_point("overlap", 128, 0.9),
+)
+
+
+def test_largest_busy_concurrency() -> None:
+    assert largest_busy_concurrency(SWEEP, "overlap", 0.95) == 64
+    assert largest_busy_concurrency(SWEEP, "serial", 0.95) is None
+    assert largest_busy_concurrency(SWEEP, "serial", 0.7) == 64
+
+
+def fixed_run() -> RunResult:
+    plan = Plan("fixed", tuple(r.case for r in CASES), Sweep(SIM, (8, 64, 128), 4, 48, 192, 1 / 3))
+    machine: Machine = {
+        "nproc": 2,
+        "cpu_model": "Test CPU",
+        "python": "3.11.7",
+        "torch": "2.13.0",
+        "git_commit": "abc",
+        "load_average_1m": 0.25,
+    }
+    return RunResult(plan, datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC), machine, 0.5, CASES, SWEEP)
+
+
+def test_markdown_tables_of_a_fixed_result() -> None:
+    text = to_markdown(fixed_run(), "python -m bench", "sweep.png")
+    lines = text.splitlines()
+    assert lines[0] == "# Stepahead benchmark, 2025-01-02 03:04 UTC"
+    assert lines[2].endswith(
+        "on 2 CPUs (Test CPU), Python 3.11.7, torch 2.13.0, commit abc; "
+        "1-minute load average 0.25 before, 0.5 after."
+    )
+    assert (
+        "| sim serial grpc | 1,000 | 0.625 | 0.750 | 50.00 | 15.00 | 5.50 / 25.00 | 20.0 / 60.0 "
+        "| 10.5 / 14.0 | 5.00 | 3.00 | 2.00 |" in lines
+    )
+    assert (
+        "| sim overlap in-process | 1,500 | 0.938 | 0.750 | 50.00 | 15.00 | 5.50 / 25.00 | 22.0 / 66.0 "
+        "| 10.5 / 14.0 | 5.00 \\* | in scheduler | 2.00 |" in lines
+    )
+    assert "\\* one process: the scheduler's CPU time includes the worker engine's threads." in lines
+    assert (
+        "- sim: 64 requests, concurrency 16, input 32-64, output 128-256 tokens (ignore_eos), device step "
+        "10 ms; warmup 16 x 8 tokens; ideal 1,600 tok/s (concurrency / step time)" in lines
+    )
+    assert "| sim | 1.200 | 0.800 | 1.250 |" in lines
+    assert "| 8 | 800 | 800 | 800 | 1.000 | 0.800 | 0.990 |" in lines
+    assert "| 128 | 12,800 | — | 12,800 | — | — | 0.900 |" in lines
+    assert "Largest concurrency at which overlap keeps the device >= 0.95 busy: 64." in lines
+    assert lines[-1] == "![sweep](sweep.png)"
+    assert "failed" not in text
+
+
+def test_markdown_flags_failed_requests() -> None:
+    run = fixed_run()
+    failing = replace(run.cases[0], figures=replace(run.cases[0].figures, failed=3, completed=61))
+    text = to_markdown(replace(run, cases=(failing, *run.cases[1:])), "python -m bench", None)
+    assert text.splitlines()[-1] == "**3 of 64 requests failed** in sim serial grpc at concurrency 16."
+
+
+def test_json_of_a_fixed_result_has_every_figure() -> None:
+    document = json.loads(json.dumps(finite(to_json(fixed_run(), "python -m bench")), allow_nan=False))
+    names = {f.name for f in fields(Figures)}
+    assert [c["name"] for c in document["configurations"]] == [
+        "sim serial grpc",
+        "sim overlap grpc",
+        "sim overlap in-process",
+    ]
+    assert all(set(c["figures"]) == names for c in document["configurations"] + document["sweep"]["points"])
+    assert document["ratios"][0]["overlap_over_serial_tokens_per_s"] == pytest.approx(1.2)
+    assert document["sweep"]["overlap_largest_busy_concurrency"] == 64
+    assert document["sweep"]["overlap_over_serial_tokens_per_s"] == {"8": 1.0, "64": 1.0, "128": None}
+    assert document["configurations"][0]["workload"]["output_bounds"] == [128, 256]
+
+
+def test_finite_replaces_nan_and_infinity_by_none() -> None:
+    assert finite({"a": [1.0, math.nan], "b": (math.inf, "x"), "c": 2}) == {
+        "a": [1.0, None],
+        "b": [None, "x"],
+        "c": 2,
+    }
+
+
+# ---- end to end ------------------------------------------------------------------------------
+
+SMOKE_DEVICE = sim(2.0)
+SMOKE_WORKLOAD = Workload(8, 4, 16, 8, 0.0, warmup_prompts=2, warmup_output_len=2)
+SMOKE = Plan(
+    "smoke",
+    (
+        Case(Configuration(SMOKE_DEVICE, "serial", "grpc"), SMOKE_WORKLOAD),
+        Case(Configuration(SMOKE_DEVICE, "overlap", "in-process"), SMOKE_WORKLOAD),
+    ),
+    Sweep(SMOKE_DEVICE, (4,), 2, 16, 8, 0.0),
+)
+SMOKE_LIMIT_S = 30.0
+
+
+def run_smoke(out: Path) -> dict[str, object]:
+    """The smoke plan in a daemon thread, so a hang fails the test instead of stalling the suite."""
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["saved"] = save(run_plan(SMOKE, progress=lambda _: None), "test", out, out / "docs.png")
+        except BaseException as exc:  # re-raised in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(SMOKE_LIMIT_S)
+    assert not thread.is_alive(), f"the smoke run took over {SMOKE_LIMIT_S:.0f}s"
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome
+
+
+def check_sane(configuration: dict[str, object]) -> None:
+    f = configuration["figures"]
+    assert isinstance(f, dict)
+    name = configuration["name"]
+    assert f["completed"] == 8 and f["failed"] == 0 and f["output_tokens"] == 64, name
+    assert f["output_tokens_per_s"] > 0 and f["steps"] > 0, name
+    assert 0 < f["device_busy_fraction"] <= 1, name
+    assert 0 < f["fraction_of_ideal"] <= 1 and f["ideal_tokens_per_s"] == 4 * 1000 / 2, name
+    assert f["median_device_gap_ms"] >= 0 and f["mean_device_gap_ms"] >= 0, name
+    assert f["mean_forward_ms"] >= 2 and f["step_ms"] > 0, name  # the sim sleeps 2 ms a step
+    assert set(f["scheduler_phase_ms"]) == {"pick", "launch", "wait", "process"}, name
+    assert 0 < f["ttft_p50_ms"] <= f["ttft_p99_ms"] and 0 < f["itl_p50_ms"] <= f["itl_p99_ms"], name
+    assert f["scheduler_cpu_ms_per_step"] > 0 and f["client_cpu_ms_per_step"] > 0, name
+    in_process = configuration["transport"] == "in-process"
+    assert (f["worker_cpu_ms_per_step"] is None) == in_process, name
+    assert 0 < f["tokens_per_step"] <= 4, name
+
+
+def test_smoke_run_end_to_end_on_sim(tmp_path: Path) -> None:
+    run_smoke(tmp_path)
+    stamped = [p for p in tmp_path.glob("*.json") if p.name != "latest.json"]
+    assert len(stamped) == 1
+    document = json.loads(stamped[0].read_text())
+    assert document == json.loads((tmp_path / "latest.json").read_text())
+    assert [c["name"] for c in document["configurations"]] == ["sim serial grpc", "sim overlap in-process"]
+    assert [(p["mode"], p["workload"]["concurrency"]) for p in document["sweep"]["points"]] == [
+        ("serial", 4),
+        ("overlap", 4),
+    ]
+    for configuration in document["configurations"] + document["sweep"]["points"]:
+        check_sane(configuration)
+    assert set(document["machine"]) >= {
+        "nproc",
+        "cpu_model",
+        "python",
+        "torch",
+        "git_commit",
+        "load_average_1m",
+    }
+    assert document["load_average_1m_after"] >= 0
+    assert document["machine"]["nproc"] >= 1
+    assert document["ratios"][0]["overlap_over_serial_tokens_per_s"] is None  # no overlap over gRPC here
+    assert document["ratios"][0]["overlap_over_serial_ttft_p50"] is None
+    markdown = stamped[0].with_suffix(".md").read_text()
+    assert markdown == (tmp_path / "latest.md").read_text()
+    assert "| sim overlap in-process |" in markdown
+    assert (tmp_path / f"{stamped[0].stem}-sweep.png").stat().st_size > 0
+    assert (tmp_path / "docs.png").read_bytes() == (tmp_path / f"{stamped[0].stem}-sweep.png").read_bytes()
