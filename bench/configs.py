@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,10 +40,16 @@ class Configuration:
     device: Device
     mode: Mode
     transport: Transport
+    late_pick: bool = True  # overlap only: pick k+1 shortly before forward k ends (the default)
 
     @property
     def name(self) -> str:
-        return f"{self.device.name} {self.mode} {self.transport}"
+        eager = ", eager pick" if self.mode == "overlap" and not self.late_pick else ""
+        return f"{self.device.name} {self.mode} {self.transport}{eager}"
+
+    @property
+    def scheduler_args(self) -> tuple[str, ...]:
+        return ("--mode", self.mode, "--late-pick" if self.late_pick else "--no-late-pick")
 
     @property
     def shares_process(self) -> bool:
@@ -63,6 +70,11 @@ class Workload:
     warmup_prompts: int  # sent first, short, at the same concurrency, outside the measurement
     warmup_output_len: int = 8
     seed: int = 0
+    request_rate: float = math.inf  # finite: an open loop of Poisson arrivals, concurrency only a cap
+
+    @property
+    def closed_loop(self) -> bool:
+        return math.isinf(self.request_rate)
 
     @property
     def dataset(self) -> RandomDataset:
@@ -115,17 +127,32 @@ class Plan:
     name: str
     cases: tuple[Case, ...]
     sweep: Sweep | None
+    arrivals: tuple[Case, ...] = ()  # time to first token under Poisson arrivals
     busy_target: float = 0.95  # the sweep reports the largest concurrency where overlap keeps this
 
 
 def side_by_side(device: Device, workload: Workload) -> tuple[Case, ...]:
-    """Serial and overlap over gRPC, and overlap with the worker in the scheduler's process."""
-    transports: tuple[tuple[Mode, Transport], ...] = (
-        ("serial", "grpc"),
-        ("overlap", "grpc"),
-        ("overlap", "in-process"),
+    """Serial and overlap over gRPC, overlap with the worker in the scheduler's process, and
+    overlap picking k+1 as soon as k-1 is processed (eager pick)."""
+    return tuple(
+        Case(configuration, workload)
+        for configuration in (
+            Configuration(device, "serial", "grpc"),
+            Configuration(device, "overlap", "grpc"),
+            Configuration(device, "overlap", "in-process"),
+            Configuration(device, "overlap", "grpc", late_pick=False),
+        )
     )
-    return tuple(Case(Configuration(device, mode, transport), workload) for mode, transport in transports)
+
+
+def poisson_arrivals(device: Device, workload: Workload) -> tuple[Case, ...]:
+    """Time to first token when requests arrive at random: serial, overlap, overlap eager pick."""
+    configurations = (
+        Configuration(device, "serial", "grpc"),
+        Configuration(device, "overlap", "grpc"),
+        Configuration(device, "overlap", "grpc", late_pick=False),
+    )
+    return tuple(Case(configuration, workload) for configuration in configurations)
 
 
 SIM_10MS = sim(10.0)
@@ -137,7 +164,8 @@ FULL = Plan(
         *side_by_side(SIM_10MS, Workload(512, 64, 48, 192, THIRD, warmup_prompts=64)),
         *side_by_side(TINY, Workload(128, 16, 48, 96, THIRD, warmup_prompts=16)),
     ),
-    sweep=Sweep(SIM_10MS, (8, 16, 32, 64, 128), 4, 48, 192, THIRD),
+    sweep=Sweep(SIM_10MS, (8, 16, 32, 64, 128, 256), 4, 48, 192, THIRD),
+    arrivals=poisson_arrivals(SIM_10MS, Workload(400, 256, 48, 128, THIRD, 32, request_rate=25.0)),
 )
 
 QUICK = Plan(
@@ -147,4 +175,5 @@ QUICK = Plan(
         *side_by_side(TINY, Workload(32, 8, 48, 30, THIRD, warmup_prompts=8)),
     ),
     sweep=Sweep(SIM_10MS, (8, 32, 128), 2, 48, 96, THIRD),
+    arrivals=poisson_arrivals(SIM_10MS, Workload(150, 256, 48, 96, THIRD, 16, request_rate=25.0)),
 )

@@ -82,7 +82,9 @@ def per_step_ms(seconds: float, steps: int) -> float | None:
 
 def figures(case: Case, measured: Measurement) -> Figures:
     summary, steps = measured.summary, launched_steps(measured.scheduler)
-    ideal = case.configuration.device.ideal_tokens_per_s(case.workload.concurrency)
+    # The sim's bound assumes full batches: a closed loop at that concurrency.
+    closed = case.workload.closed_loop
+    ideal = case.configuration.device.ideal_tokens_per_s(case.workload.concurrency) if closed else None
     worker_cpu = (
         None if case.configuration.shares_process else per_step_ms(total(measured.worker, CPU), steps)
     )

@@ -29,6 +29,7 @@ class RunResult:
     load_average_after: float  # the 1-minute load average when the run ended
     cases: tuple[CaseResult, ...]
     sweep: tuple[CaseResult, ...]  # by mode, then by concurrency
+    arrivals: tuple[CaseResult, ...] = ()
 
 
 def to_stderr(line: str) -> None:
@@ -39,7 +40,8 @@ def run_plan(plan: Plan, progress: Progress = to_stderr) -> RunResult:
     started_at, machine = datetime.now(UTC), describe_machine()
     cases = tuple(run_case(case, progress) for case in plan.cases)
     sweep = () if plan.sweep is None else run_sweep(plan.sweep, progress)
-    return RunResult(plan, started_at, machine, load_average(), cases, sweep)
+    arrivals = tuple(run_case(case, progress) for case in plan.arrivals)
+    return RunResult(plan, started_at, machine, load_average(), cases, sweep, arrivals)
 
 
 def run_case(case: Case, progress: Progress) -> CaseResult:
@@ -64,7 +66,7 @@ def run_sweep(sweep: Sweep, progress: Progress) -> tuple[CaseResult, ...]:
 def _progress_line(result: CaseResult) -> str:
     f, busy = result.figures, result.figures.device_busy_fraction
     return (
-        f"{result.case.configuration.name:<24} concurrency {result.case.workload.concurrency:>3}: "
+        f"{result.case.configuration.name:<36} concurrency {result.case.workload.concurrency:>3}: "
         f"{f.output_tokens_per_s:8,.0f} tok/s, device busy {'-' if busy is None else f'{busy:.3f}'}, "
         f"{f.completed} done, {f.failed} failed"
     )

@@ -19,12 +19,17 @@ class Ratios:
     overlap_over_serial_tokens_per_s: float | None  # both over gRPC
     grpc_over_in_process_tokens_per_s: float | None  # both overlap
     overlap_over_serial_ttft_p50: float | None  # both over gRPC
+    eager_overlap_over_serial_ttft_p50: float | None  # overlap picking k+1 as soon as it can
 
 
-def find(results: Iterable[CaseResult], device: str, mode: Mode, transport: Transport) -> CaseResult | None:
+def find(
+    results: Iterable[CaseResult], device: str, mode: Mode, transport: Transport, late_pick: bool = True
+) -> CaseResult | None:
     for result in results:
         c = result.case.configuration
-        if (c.device.name, c.mode, c.transport) == (device, mode, transport):
+        if (c.device.name, c.mode, c.transport) == (device, mode, transport) and (
+            mode == "serial" or c.late_pick == late_pick
+        ):
             return result
     return None
 
@@ -33,11 +38,13 @@ def device_ratios(results: Sequence[CaseResult], device: str) -> Ratios:
     serial = find(results, device, "serial", "grpc")
     overlap = find(results, device, "overlap", "grpc")
     in_process = find(results, device, "overlap", "in-process")
+    eager = find(results, device, "overlap", "grpc", late_pick=False)
     return Ratios(
         device=device,
         overlap_over_serial_tokens_per_s=ratio(_tokens_per_s(overlap), _tokens_per_s(serial)),
         grpc_over_in_process_tokens_per_s=ratio(_tokens_per_s(overlap), _tokens_per_s(in_process)),
         overlap_over_serial_ttft_p50=ratio(_ttft_p50(overlap), _ttft_p50(serial)),
+        eager_overlap_over_serial_ttft_p50=ratio(_ttft_p50(eager), _ttft_p50(serial)),
     )
 
 
@@ -86,6 +93,12 @@ def to_json(run: RunResult, command: str) -> dict[str, Any]:
         "load_average_1m_after": run.load_average_after,
         "configurations": [_case_json(r) for r in run.cases],
         "ratios": [asdict(r) for r in all_ratios(run)],
+        "poisson_arrivals": {
+            "configurations": [_case_json(r) for r in run.arrivals],
+            "ratios": asdict(device_ratios(run.arrivals, run.arrivals[0].case.configuration.device.name))
+            if run.arrivals
+            else None,
+        },
         "sweep": {
             "device": None if sweep is None else _device_json(sweep.device),
             "busy_target": run.plan.busy_target,
@@ -123,6 +136,7 @@ def _case_json(result: CaseResult) -> dict[str, Any]:
         "device": _device_json(c.device),
         "mode": c.mode,
         "transport": c.transport,
+        "late_pick": c.late_pick,
         "shares_process": c.shares_process,
         "workload": {**asdict(w), "input_bounds": w.input_bounds, "output_bounds": w.output_bounds},
         "figures": asdict(result.figures),
@@ -150,6 +164,8 @@ def to_markdown(run: RunResult, command: str, sweep_image: str | None) -> str:
     ]
     if run.sweep:
         lines += ["", *sweep_section(run, sweep_image)]
+    if run.arrivals:
+        lines += ["", *arrivals_section(run.arrivals)]
     failures = failure_lines((*run.cases, *run.sweep))
     if failures:
         lines += ["", *failures]
@@ -222,16 +238,41 @@ def describe_workload(case: Case) -> str:
 
 def ratios_table(ratios: Sequence[Ratios]) -> list[str]:
     lines = [
-        "| device | overlap / serial tok/s | gRPC / in-process tok/s (overlap) | overlap / serial TTFT p50 |",
-        "|---|---:|---:|---:|",
+        "| device | overlap / serial tok/s | gRPC / in-process tok/s (overlap) | overlap / serial TTFT p50 "
+        "| eager-pick overlap / serial TTFT p50 |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in ratios:
         cells = (
             _number(r.overlap_over_serial_tokens_per_s, 3),
             _number(r.grpc_over_in_process_tokens_per_s, 3),
             _number(r.overlap_over_serial_ttft_p50, 3),
+            _number(r.eager_overlap_over_serial_ttft_p50, 3),
         )
         lines.append(f"| {r.device} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def arrivals_section(results: Sequence[CaseResult]) -> list[str]:
+    w = results[0].case.workload
+    (output_low, output_high) = w.output_bounds
+    lines = [
+        f"Time to first token under Poisson arrivals ({w.request_rate:g} requests/s, {w.num_prompts} "
+        f"requests, output {output_low}-{output_high} tokens):",
+        "",
+        "| configuration | output tok/s | device busy | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        f = r.figures
+        cells = (
+            r.case.configuration.name,
+            _number(f.output_tokens_per_s, 0),
+            _number(f.device_busy_fraction, 3),
+            f"{_number(f.ttft_p50_ms, 1)} / {_number(f.ttft_p99_ms, 1)}",
+            f"{_number(f.itl_p50_ms, 1)} / {_number(f.itl_p99_ms, 1)}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -37,7 +37,7 @@ class Measurement:
 def serving(configuration: Configuration) -> Iterator[Endpoints]:
     """Fresh processes for the configuration, SERVING; stopped on exit."""
     worker_args = list(configuration.device.worker_args)
-    scheduler_args = ["--mode", configuration.mode]
+    scheduler_args = list(configuration.scheduler_args)
     if configuration.transport == "grpc":
         with serving_pair(worker_args, scheduler_args) as (worker, scheduler):
             yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url)
@@ -81,6 +81,7 @@ def _measured_config(address: str, workload: Workload) -> BenchmarkConfig:
         dataset=workload.dataset,
         num_prompts=workload.num_prompts,
         max_concurrency=workload.concurrency,
+        request_rate=workload.request_rate,
         seed=workload.seed,
         ignore_eos=True,
     )

@@ -19,24 +19,60 @@ from stepahead.protocol import StepResult
 
 @dataclass(frozen=True)
 class LatePickConfig:
-    enabled: bool = False
+    enabled: bool = True
     idle_budget: float = 0.01  # device idle caused by late picks, as a fraction of device time
     initial_margin_s: float = 0.003
     min_margin_s: float = 0.0005
     max_margin_fraction: float = 0.5  # of a step: beyond that, picking late gains little
-    smoothing: float = 0.2  # weight of the newest step in the step-time and idle estimates
+    smoothing: float = 0.2  # weight of the newest step in the idle estimate
+
+
+class StepTimeModel:
+    """A step's device time as `fixed + per_token x tokens`, fit on recent steps
+    (least squares with exponential forgetting).
+
+    NOTE: predictions are clamped to the range of times seen, so a batch larger
+    than any before is predicted short: the pick comes early, never late.
+    """
+
+    def __init__(self, forgetting: float = 0.95) -> None:
+        self._forgetting = forgetting
+        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._shortest = float("inf")
+        self._longest = 0.0
+        self._seen = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        f = self._forgetting
+        self._n = f * self._n + 1
+        self._sx = f * self._sx + tokens
+        self._sy = f * self._sy + seconds
+        self._sxx = f * self._sxx + tokens * tokens
+        self._sxy = f * self._sxy + tokens * seconds
+        self._shortest = min(self._shortest, seconds)
+        self._longest = max(self._longest, seconds)
+        self._seen += 1
+
+    def predict(self, tokens: int) -> float | None:
+        if self._seen < 3:
+            return None
+        spread = self._n * self._sxx - self._sx * self._sx
+        per_token = (self._n * self._sxy - self._sx * self._sy) / spread if spread > 1e-9 else 0.0
+        per_token = max(per_token, 0.0)
+        fixed = (self._sy - per_token * self._sx) / self._n
+        return min(max(fixed + per_token * tokens, self._shortest), self._longest)
 
 
 class LatePick:
     def __init__(self, config: LatePickConfig) -> None:
         self.config = config
         self.margin_s = config.initial_margin_s
-        self._decode_step_s: float | None = None
+        self._step_time = StepTimeModel()
         self._last_forward_end: float | None = None  # worker clock
         self._picked_late: dict[int, bool] = {}  # by step id, until its result is seen
         self._idle_share = 0.0  # recent device idle per late-picked step, as a share of the step
 
-    def observe(self, forward_mode: str, result: StepResult) -> None:
+    def observe(self, num_tokens: int, result: StepResult) -> None:
         """Learn from a processed batch's device timing (in the worker's clock)."""
         if result.forward_end <= 0:  # no timing reported
             return
@@ -44,33 +80,28 @@ class LatePick:
         if self._picked_late.pop(result.step_id, False):
             self._steer_margin(max(gap, 0.0) / max(result.forward_seconds, 1e-6))
         self._last_forward_end = result.forward_end
-        if forward_mode == "decode":
-            self._learn_step_time(result.forward_seconds)
+        if num_tokens:  # a launch that only released slots ran no forward
+            self._step_time.observe(num_tokens, result.forward_seconds)
 
-    def delay(self, in_flight_mode: str, worker_now: float, next_step_id: int) -> float:
+    def delay(self, in_flight_tokens: int, worker_now: float, next_step_id: int) -> float:
         """Seconds to wait before picking step `next_step_id` while a batch of
-        `in_flight_mode` runs.
+        `in_flight_tokens` tokens runs.
 
-        NOTE: only a decode batch's time is predictable enough; it started when
-        its predecessor, the batch just processed, ended.
+        NOTE: the in-flight batch started no later than when its predecessor,
+        the batch just processed, ended; if it started later, the pick comes
+        early, which costs time to first token, never device time.
         """
-        step, started = self._decode_step_s, self._last_forward_end
-        if not self.config.enabled or in_flight_mode != "decode" or step is None or started is None:
+        step, started = self._step_time.predict(in_flight_tokens), self._last_forward_end
+        if not self.config.enabled or step is None or started is None:
             return 0.0
-        expected_end = started + step
-        wait = expected_end - self.margin_s - worker_now
+        wait = started + step - self.margin_s - worker_now
         self._picked_late[next_step_id] = wait > 0
         return max(wait, 0.0)
-
-    def _learn_step_time(self, seconds: float) -> None:
-        a = self.config.smoothing
-        self._decode_step_s = (
-            seconds if self._decode_step_s is None else (1 - a) * self._decode_step_s + a * seconds
-        )
 
     def _steer_margin(self, idle_share: float) -> None:
         c = self.config
         self._idle_share = (1 - c.smoothing) * self._idle_share + c.smoothing * idle_share
-        ceiling = max((self._decode_step_s or 0.0) * c.max_margin_fraction, c.min_margin_s)
+        typical_step = self._step_time.predict(0) or 0.0
+        ceiling = max(typical_step * c.max_margin_fraction, c.min_margin_s)
         factor = 1.1 if self._idle_share > c.idle_budget else 0.98
         self.margin_s = min(max(self.margin_s * factor, c.min_margin_s), ceiling)

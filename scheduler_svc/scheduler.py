@@ -166,7 +166,7 @@ class Scheduler:
             return
         in_flight, handle = self.result_queue[0]
         worker_now = time.time() + self._worker_clock_offset
-        delay = self.late_pick.delay(in_flight.forward_mode, worker_now, self._next_step_id)
+        delay = self.late_pick.delay(in_flight.num_tokens, worker_now, self._next_step_id)
         if delay > 0:
             await asyncio.wait({handle}, timeout=delay)
 
@@ -321,7 +321,7 @@ class Scheduler:
                 f"result of step {result.step_id} (session {result.epoch}) for step {batch.step_id} "
                 f"(session {batch.epoch}): never applied"
             )
-        self.late_pick.observe(batch.forward_mode, result)
+        self.late_pick.observe(batch.num_tokens, result)
         with self.telemetry.phase("process", batch.step_id):
             now = time.time()
             for row, token in zip(batch.sampled, result.token_ids, strict=True):

@@ -14,7 +14,6 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.transport import InProcessTransport, WorkerTransport
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
-from worker_svc.streams import CpuStreams
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,8 @@ def make_engine(
     sim_step_ms: float = 1.0,
 ) -> WorkerEngine:
     backend = load_backend(model, torch.device("cpu"), dtype, sim_step_ms, 0.0)
-    return WorkerEngine(backend, EngineConfig(kv_slots, request_slots, check_invariants=True), CpuStreams())
+    config = EngineConfig(kv_slots, request_slots, check_invariants=True)
+    return WorkerEngine(backend, config, backend.make_streams(torch.device("cpu")))
 
 
 async def start_scheduler(
@@ -95,7 +95,7 @@ async def serve_workload(
     request_slots: int = 64,
     max_batch_tokens: int = 128,
     dtype: torch.dtype = torch.float32,
-    late_pick: bool = False,
+    late_pick: bool = True,
 ) -> tuple[dict[str, ClientView], Scheduler, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype)

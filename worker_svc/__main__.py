@@ -25,7 +25,6 @@ from stepahead.trace import Tracer
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.server import SERVICE_NAME, build_server
-from worker_svc.streams import make_streams
 
 log = logging.getLogger("stepahead.worker")
 
@@ -76,7 +75,7 @@ def build_engine(args: argparse.Namespace) -> WorkerEngine:
         torch.set_num_threads(args.threads)
     backend = load_backend(args.model, device, dtype, args.sim_step_ms, args.sim_token_us)
     config = EngineConfig(args.kv_slots, args.request_slots, args.check_invariants)
-    return WorkerEngine(backend, config, make_streams(device), Tracer(args.trace_file, "worker"))
+    return WorkerEngine(backend, config, backend.make_streams(device), Tracer(args.trace_file, "worker"))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -13,6 +12,7 @@ from stepahead.protocol import TokenizerSpec
 from worker_svc.batch import ForwardBatch
 from worker_svc.model import TINY_CONFIG, KVCache, LlamaForCausalLM, build_tiny, load_hf_checkpoint
 from worker_svc.sampler import sample
+from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
 
 BYTE_TOKENIZER = TokenizerSpec("byte")
 
@@ -41,6 +41,10 @@ class ModelBackend(Protocol):
 
     def allocate_kv(self, num_slots: int) -> None: ...
 
+    def make_streams(self, device: torch.device) -> DeviceStreams:
+        """The forward and copy streams this backend runs on."""
+        ...
+
     def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
         """Sampled ids [R] of the batch's sampling rows, on the device."""
         ...
@@ -57,6 +61,9 @@ class LlamaBackend:
         self.bos_token_id = config.bos_token_id
         self.tokenizer = tokenizer
         self._kv: KVCache | None = None
+
+    def make_streams(self, device: torch.device) -> DeviceStreams:
+        return make_streams(device)
 
     def allocate_kv(self, num_slots: int) -> None:
         weight = self.model.lm_head.weight
@@ -94,9 +101,10 @@ def sim_next_token(last_token: int, position: int) -> int:
 
 
 class SimBackend:
-    """A device for scheduler benchmarks: sleeps for the step time, returns
-    deterministic printable tokens (EOS about one in 61) that depend on each
-    row's last input token and position, so the FutureMap relay is exercised."""
+    """A device for scheduler benchmarks: a step takes `step_ms + token_us x tokens`
+    on a simulated timeline (the CPU is free meanwhile, as with a GPU) and yields
+    deterministic printable tokens (EOS about one in 61) that depend on each row's
+    last input token and position, so the FutureMap relay is exercised."""
 
     def __init__(self, step_ms: float, token_us: float) -> None:
         self.name = "sim"
@@ -107,12 +115,16 @@ class SimBackend:
         self.tokenizer = BYTE_TOKENIZER
         self._step_s = step_ms / 1e3
         self._token_s = token_us / 1e6
+        self._device = SimDevice()
+
+    def make_streams(self, device: torch.device) -> DeviceStreams:
+        return SimStreams(self._device)
 
     def allocate_kv(self, num_slots: int) -> None:
         """The sim keeps no KV: only the scheduler's slot accounting matters."""
 
     def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
-        time.sleep(self._step_s + self._token_s * batch.num_tokens)
+        self._device.run(self._step_s + self._token_s * batch.num_tokens)
         last = batch.input_ids[batch.sample_token_index]
         h = _mix32(last * 65536 + sampling.positions)
         printable = 32 + h % 95

@@ -154,6 +154,58 @@ class CudaStreams:
         return host.to(self.device, non_blocking=True)
 
 
+class SimDevice:
+    """The `sim` device's timeline: work queues on it like kernels on a GPU stream,
+    and a step runs from when the device is free, for its simulated time."""
+
+    def __init__(self) -> None:
+        self._free_at = 0.0
+        self._last: tuple[float, float] | None = None
+
+    def run(self, seconds: float) -> None:
+        start = max(time.time(), self._free_at)
+        self._free_at = start + seconds
+        self._last = (start, self._free_at)
+
+    def take_last_run(self) -> tuple[float, float]:
+        """(start, end) of the run queued since the last call; an empty run when none was."""
+        last, self._last = self._last, None
+        if last is None:
+            now = max(time.time(), self._free_at)
+            return now, now
+        return last
+
+
+class _SimCopy:
+    def __init__(self, tokens: torch.Tensor, start: float, end: float) -> None:
+        self._tokens, self._start, self._end = tokens, start, end
+
+    def wait(self) -> tuple[list[int], StepTiming]:
+        time.sleep(max(self._end - time.time(), 0.0))
+        host: list[int] = self._tokens.tolist()
+        return host, StepTiming(self._start, self._end, time.time())
+
+
+class SimStreams:
+    """Streams for the `sim` device: a launch returns as soon as its time is queued
+    on the timeline, so the forward thread prepares batch k+1 while k "runs", as it
+    does on CUDA; the copy thread waits until the step's simulated end."""
+
+    def __init__(self, device: SimDevice) -> None:
+        self.device = torch.device("cpu")
+        self._sim = device
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        yield
+
+    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
+        return _SimCopy(tokens, *self._sim.take_last_run())
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+
 def make_streams(device: torch.device) -> DeviceStreams:
     if device.type == "cuda":
         return CudaStreams(device)
