@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from array import array
+
 
 class SlotAllocator:
-    """Hands out integer slots 0..capacity-1; a double free is a bug, not a no-op."""
+    """Hands out integer slots 0..capacity-1; a double free is a bug, not a no-op.
+
+    NOTE: the free stack and the in-use map are flat arrays, not lists or sets of
+    ints: a KV pool has up to millions of slots, and a container of that many
+    objects makes every full garbage collection walk it, stalling the event loop
+    for milliseconds (long enough to leave the device idle).
+    """
 
     def __init__(self, capacity: int, name: str) -> None:
         self.capacity = capacity
         self.name = name
         # Popping from the end hands out low slots first.
-        self._free = list(range(capacity - 1, -1, -1))
-        self._in_use: set[int] = set()
+        self._free = array("q", range(capacity - 1, -1, -1))
+        self._in_use = bytearray(capacity)
 
     @property
     def num_free(self) -> int:
@@ -19,7 +27,7 @@ class SlotAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._in_use)
+        return self.capacity - len(self._free)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -27,9 +35,10 @@ class SlotAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"{self.name}: {n} slots asked, {len(self._free)} free")
-        slots = self._free[len(self._free) - n :]
+        slots = self._free[len(self._free) - n :].tolist()
         del self._free[len(self._free) - n :]
-        self._in_use.update(slots)
+        for slot in slots:
+            self._in_use[slot] = 1
         return slots
 
     def allocate_one(self) -> int:
@@ -37,5 +46,7 @@ class SlotAllocator:
 
     def free(self, slots: list[int]) -> None:
         for slot in slots:
-            self._in_use.remove(slot)  # KeyError on a double free
+            if not self._in_use[slot]:
+                raise ValueError(f"{self.name}: slot {slot} freed twice")
+            self._in_use[slot] = 0
         self._free.extend(slots)

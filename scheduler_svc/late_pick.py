@@ -6,8 +6,10 @@ more time to first token than in the serial loop, which picks after forward k.
 Picking k+1 shortly before forward k is expected to end lets those arrivals
 ride in k+1. A pick that wakes too late leaves the device idle, and on a busy
 event loop wake-ups are late by up to milliseconds, so the margin before the
-expected end is steered to an idle budget: it widens while late picks cost
-the device more than `idle_budget` of its time, and narrows while they cost less.
+expected end is steered to an idle budget: over each window of late-picked
+steps it widens if they left the device idle more than `idle_budget` of the
+time, and narrows if far less. At a whole step wide, the pick is as early as
+without it: the loop falls back to eager picking when wake-ups are that late.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ class LatePickConfig:
     idle_budget: float = 0.01  # device idle caused by late picks, as a fraction of device time
     initial_margin_s: float = 0.003
     min_margin_s: float = 0.0005
-    max_margin_fraction: float = 0.5  # of a step: beyond that, picking late gains little
-    smoothing: float = 0.2  # weight of the newest step in the idle estimate
+    max_margin_fraction: float = 1.0  # of a step: at a whole step, the pick is as early as without
+    window_steps: int = 32  # late-picked steps between two margin adjustments
 
 
 class StepTimeModel:
@@ -70,7 +72,7 @@ class LatePick:
         self._step_time = StepTimeModel()
         self._last_forward_end: float | None = None  # worker clock
         self._picked_late: dict[int, bool] = {}  # by step id, until its result is seen
-        self._idle_share = 0.0  # recent device idle per late-picked step, as a share of the step
+        self._window = (0, 0.0, 0.0)  # late-picked steps, their device gaps, their forward time
 
     def observe(self, num_tokens: int, result: StepResult) -> None:
         """Learn from a processed batch's device timing (in the worker's clock)."""
@@ -78,7 +80,7 @@ class LatePick:
             return
         gap = result.forward_start - self._last_forward_end if self._last_forward_end else 0.0
         if self._picked_late.pop(result.step_id, False):
-            self._steer_margin(max(gap, 0.0) / max(result.forward_seconds, 1e-6))
+            self._note_late_picked_step(max(gap, 0.0), result.forward_seconds)
         self._last_forward_end = result.forward_end
         if num_tokens:  # a launch that only released slots ran no forward
             self._step_time.observe(num_tokens, result.forward_seconds)
@@ -94,14 +96,22 @@ class LatePick:
         step, started = self._step_time.predict(in_flight_tokens), self._last_forward_end
         if not self.config.enabled or step is None or started is None:
             return 0.0
-        wait = started + step - self.margin_s - worker_now
+        # Never longer than a step: a clock offset gone wrong must not stall the loop.
+        wait = min(started + step - self.margin_s - worker_now, step)
         self._picked_late[next_step_id] = wait > 0
         return max(wait, 0.0)
 
+    def _note_late_picked_step(self, gap: float, forward_seconds: float) -> None:
+        steps, gaps, forwards = self._window
+        self._window = (steps + 1, gaps + gap, forwards + forward_seconds)
+        if steps + 1 >= self.config.window_steps:
+            self._steer_margin(idle_share=(gaps + gap) / max(forwards + forward_seconds, 1e-9))
+            self._window = (0, 0.0, 0.0)
+
     def _steer_margin(self, idle_share: float) -> None:
         c = self.config
-        self._idle_share = (1 - c.smoothing) * self._idle_share + c.smoothing * idle_share
-        typical_step = self._step_time.predict(0) or 0.0
-        ceiling = max(typical_step * c.max_margin_fraction, c.min_margin_s)
-        factor = 1.1 if self._idle_share > c.idle_budget else 0.98
-        self.margin_s = min(max(self.margin_s * factor, c.min_margin_s), ceiling)
+        ceiling = max((self._step_time.predict(0) or 0.0) * c.max_margin_fraction, c.min_margin_s)
+        if idle_share > c.idle_budget:
+            self.margin_s = min(self.margin_s * 1.5 + c.min_margin_s, ceiling)
+        elif idle_share < c.idle_budget / 4:
+            self.margin_s = max(self.margin_s * 0.85, c.min_margin_s)

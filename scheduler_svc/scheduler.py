@@ -421,6 +421,8 @@ class Scheduler:
                 delay = min(delay * 2, max_delay)
 
     def _start_session(self, info: WorkerInfo) -> None:
+        # First, before anything slow: the one-way delay of the Welcome is ignored.
+        self._worker_clock_offset = info.worker_unix_time - time.time()
         if self._model_identity is not None and self._model_identity != _model_identity(info):
             self._fail_all(f"the worker came back serving another model ({info.model})")
             self.tokenizer = None
@@ -446,8 +448,6 @@ class Scheduler:
             self.config.mode,
         )
         self.telemetry.worker_connected.set(1)
-        # One-way delay ignored: good to well under a millisecond on one host.
-        self._worker_clock_offset = info.worker_unix_time - time.time()
         self.late_pick = LatePick(self.config.late_pick)
         self.telemetry.tracer.metadata(
             "worker_clock_offset", {"seconds": self._worker_clock_offset, "epoch": info.epoch}
