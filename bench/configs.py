@@ -40,12 +40,12 @@ class Configuration:
     device: Device
     mode: Mode
     transport: Transport
-    late_pick: bool = True  # overlap only: pick k+1 shortly before forward k ends (the default)
+    late_pick: bool = False  # overlap only: pick k+1 shortly before forward k ends (--late-pick)
 
     @property
     def name(self) -> str:
-        eager = ", eager pick" if self.mode == "overlap" and not self.late_pick else ""
-        return f"{self.device.name} {self.mode} {self.transport}{eager}"
+        late = ", late pick" if self.mode == "overlap" and self.late_pick else ""
+        return f"{self.device.name} {self.mode} {self.transport}{late}"
 
     @property
     def scheduler_args(self) -> tuple[str, ...]:
@@ -133,24 +133,24 @@ class Plan:
 
 def side_by_side(device: Device, workload: Workload) -> tuple[Case, ...]:
     """Serial and overlap over gRPC, overlap with the worker in the scheduler's process, and
-    overlap picking k+1 as soon as k-1 is processed (eager pick)."""
+    overlap picking k+1 shortly before forward k ends (late pick)."""
     return tuple(
         Case(configuration, workload)
         for configuration in (
             Configuration(device, "serial", "grpc"),
             Configuration(device, "overlap", "grpc"),
             Configuration(device, "overlap", "in-process"),
-            Configuration(device, "overlap", "grpc", late_pick=False),
+            Configuration(device, "overlap", "grpc", late_pick=True),
         )
     )
 
 
 def poisson_arrivals(device: Device, workload: Workload) -> tuple[Case, ...]:
-    """Time to first token when requests arrive at random: serial, overlap, overlap eager pick."""
+    """Time to first token when requests arrive at random: serial, overlap, overlap late pick."""
     configurations = (
         Configuration(device, "serial", "grpc"),
         Configuration(device, "overlap", "grpc"),
-        Configuration(device, "overlap", "grpc", late_pick=False),
+        Configuration(device, "overlap", "grpc", late_pick=True),
     )
     return tuple(Case(configuration, workload) for configuration in configurations)
 

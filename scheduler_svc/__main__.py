@@ -77,10 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--late-pick",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="overlap: pick batch k+1 shortly before forward k is expected to end rather than when it "
         "starts, so requests arriving meanwhile ride in k+1 (time to first token as in serial); the "
-        "margin is steered to keep late wake-ups under 1%% of device time (see docs/BENCHMARKS.md)",
+        "margin is steered to keep late wake-ups under 1%% of device time. Helps below saturation, "
+        "hurts when the scheduler's CPU is the bottleneck (see docs/BENCHMARKS.md)",
     )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")

@@ -21,7 +21,7 @@ from stepahead.protocol import StepResult
 
 @dataclass(frozen=True)
 class LatePickConfig:
-    enabled: bool = True
+    enabled: bool = False
     idle_budget: float = 0.01  # device idle caused by late picks, as a fraction of device time
     initial_margin_s: float = 0.003
     min_margin_s: float = 0.0005

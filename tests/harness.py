@@ -95,7 +95,7 @@ async def serve_workload(
     request_slots: int = 64,
     max_batch_tokens: int = 128,
     dtype: torch.dtype = torch.float32,
-    late_pick: bool = True,
+    late_pick: bool = False,
 ) -> tuple[dict[str, ClientView], Scheduler, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype)

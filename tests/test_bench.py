@@ -325,7 +325,7 @@ def test_markdown_tables_of_a_fixed_result() -> None:
         "- sim: 64 requests, concurrency 16, input 32-64, output 128-256 tokens (ignore_eos), device step "
         "10 ms; warmup 16 x 8 tokens; ideal 1,600 tok/s (concurrency / step time)" in lines
     )
-    assert "| sim | 1.200 | 0.800 | 1.250 | — |" in lines  # no eager-pick configuration in this run
+    assert "| sim | 1.200 | 0.800 | 1.250 | — |" in lines  # no late-pick configuration in this run
     assert "| 8 | 800 | 800 | 800 | 1.000 | 0.800 | 0.990 |" in lines
     assert "| 128 | 12,800 | — | 12,800 | — | — | 0.900 |" in lines
     assert "Largest concurrency at which overlap keeps the device >= 0.95 busy: 64." in lines
@@ -447,14 +447,14 @@ def test_smoke_run_end_to_end_on_sim(tmp_path: Path) -> None:
     assert (tmp_path / "docs.png").read_bytes() == (tmp_path / f"{stamped[0].stem}-sweep.png").read_bytes()
 
 
-def test_side_by_side_includes_an_eager_pick_overlap_and_tells_it_apart() -> None:
+def test_side_by_side_includes_a_late_pick_overlap_and_tells_it_apart() -> None:
     cases = side_by_side(SIM, WORKLOAD)
     names = [c.configuration.name for c in cases]
     assert names == [
         "sim serial grpc",
         "sim overlap grpc",
         "sim overlap in-process",
-        "sim overlap grpc, eager pick",
+        "sim overlap grpc, late pick",
     ]
-    assert cases[1].configuration.scheduler_args == ("--mode", "overlap", "--late-pick")
-    assert cases[3].configuration.scheduler_args == ("--mode", "overlap", "--no-late-pick")
+    assert cases[1].configuration.scheduler_args == ("--mode", "overlap", "--no-late-pick")
+    assert cases[3].configuration.scheduler_args == ("--mode", "overlap", "--late-pick")

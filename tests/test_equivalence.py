@@ -110,11 +110,11 @@ async def test_sim_overlap_equals_serial_and_the_host_reference() -> None:
     assert eos_finishes, "the workload must finish some requests on EOS"
 
 
-async def test_sim_overlap_with_eager_pick_equals_serial() -> None:
+async def test_sim_overlap_with_late_pick_equals_serial() -> None:
     items = mixed_workload(200, seed=4, sampled=False)
     serial, _, _ = await serve_workload("sim", "serial", items, kv_slots=1200, request_slots=48)
     late, scheduler, engine = await serve_workload(
-        "sim", "overlap", items, kv_slots=1200, request_slots=48, late_pick=False
+        "sim", "overlap", items, kv_slots=1200, request_slots=48, late_pick=True
     )
     check_client_views(items, late)
     check_drained(scheduler, engine)
