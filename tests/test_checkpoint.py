@@ -17,6 +17,7 @@ from stepahead.processes import serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from tests.harness import WorkItem, params, serve_workload
+from tests.live import server_info
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 64, 2, 4, 2, 128
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo wörld 你好"] * 20
@@ -85,11 +86,6 @@ async def generate(address: str, text: str, n: int) -> list[pb.GenerateResponse]
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
         return [r async for r in stub.Generate(request, timeout=60)]
-
-
-async def server_info(address: str) -> pb.GetServerInfoResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await generation_pb2_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest())
 
 
 def test_checkpoint_is_loaded_and_served(tmp_path: pathlib.Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,8 @@ from stepahead.processes import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_svc.backends import sim_next_token
+from tests.live import server_info, unused_port, wait_all_free
+from worker_svc.backends import sim_continuation as sim_expected
 
 pytestmark = pytest.mark.anyio
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
@@ -50,33 +50,6 @@ async def generate(address: str, req: pb.GenerateRequest) -> list[pb.GenerateRes
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return [r async for r in stub.Generate(req, timeout=60)]
-
-
-def sim_expected(prompt: bytes, n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(n):
-        seq.append(sim_next_token(seq[-1], len(seq)))
-        out.append(seq[-1])
-    return out
-
-
-async def server_info(address: str) -> pb.GetServerInfoResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await generation_pb2_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest())
-
-
-async def wait_all_free(address: str) -> pb.GetServerInfoResponse:
-    for _ in range(200):
-        info = await server_info(address)
-        if (
-            info.kv_slots_free == info.kv_slots
-            and info.request_slots_free == info.request_slots
-            and not info.requests_running
-            and not info.requests_waiting
-        ):
-            return info
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"slots still in use: {info}")
 
 
 async def test_health_reflection_and_info(sim_pair: tuple[Service, Service]) -> None:
@@ -259,12 +232,6 @@ def health_status(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)  # type: ignore[attr-defined]
-
-
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_health(address: str, status: int) -> None:

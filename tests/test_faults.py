@@ -6,7 +6,6 @@ import asyncio
 import random
 import re
 import signal
-import socket
 import time
 import urllib.request
 
@@ -17,39 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepahead.processes import Service, serving_pair, spawn_scheduler, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from worker_svc.backends import sim_next_token
+from tests.live import unused_port, wait_all_free
+from worker_svc.backends import sim_continuation as sim_expected
 
 LOST_RE = re.compile(r"worker lost .*; (\d+) requests wait for a worker")
 SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-invariants"]
-
-
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def sim_expected(prompt: bytes, n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(n):
-        seq.append(sim_next_token(seq[-1], len(seq)))
-        out.append(seq[-1])
-    return out
-
-
-async def server_info(address: str) -> pb.GetServerInfoResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await generation_pb2_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest())
-
-
-async def wait_all_free(address: str) -> pb.GetServerInfoResponse:
-    for _ in range(500):
-        info = await server_info(address)
-        free = info.kv_slots_free == info.kv_slots and info.request_slots_free == info.request_slots
-        if free and not info.requests_running and not info.requests_waiting:
-            return info
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"slots still in use: {info}")
 
 
 def stop_all(*services: Service | None) -> None:

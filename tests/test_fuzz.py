@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from worker_svc.backends import sim_next_token
+from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "1", "--sim-token-us", "0", "--kv-slots", "4096"]
 VOCAB = 258
@@ -108,14 +108,6 @@ def generate_status(stub: generation_pb2_grpc.GenerationStub, request: pb.Genera
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
-
-
-def sim_expected(prompt: bytes, n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(n):
-        seq.append(sim_next_token(seq[-1], len(seq)))
-        out.append(seq[-1])
-    return out
 
 
 def wait_all_free(stub: generation_pb2_grpc.GenerationStub) -> pb.GetServerInfoResponse:

@@ -16,7 +16,7 @@ from scheduler_svc.validation import DEFAULT_MAX_TEXT_BYTES
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from worker_svc.backends import sim_next_token
+from worker_svc.backends import sim_continuation as sim_expected
 
 pytestmark = pytest.mark.anyio
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
@@ -183,14 +183,6 @@ async def call_raw(address: str, method: str, payload: bytes) -> tuple[grpc.Stat
         except grpc.aio.AioRpcError as exc:
             return exc.code(), str(exc.details())
         return grpc.StatusCode.OK, ""
-
-
-def sim_expected(prompt: bytes, n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(n):
-        seq.append(sim_next_token(seq[-1], len(seq)))
-        out.append(seq[-1])
-    return out
 
 
 async def generate(address: str, req: pb.GenerateRequest) -> list[int]:

@@ -10,16 +10,9 @@ from scheduler_svc.request import FinishReason
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from tests.fake_worker import FakeWorker
 from tests.harness import WorkItem, consume, params, run_workload, wait_drained
-from worker_svc.backends import sim_next_token
+from worker_svc.backends import sim_continuation as expected
 
 pytestmark = pytest.mark.anyio
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(sim_next_token(seq[-1], len(seq)))
-    return seq[len(prompt) :]
 
 
 async def connected(worker: FakeWorker, mode: str = "overlap", budget: int = 128) -> Scheduler:

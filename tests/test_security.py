@@ -34,7 +34,7 @@ from stepahead.processes import (
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc import __main__ as worker_main
-from worker_svc.backends import sim_next_token
+from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
 API_KEY = "s3cret-key-for-tests"
@@ -194,14 +194,6 @@ def secure_pair(pki: Pki) -> Iterator[tuple[Service, Service]]:
 
 def bearer(key: str) -> Metadata:
     return (("authorization", f"Bearer {key}"),)
-
-
-def sim_expected(prompt: bytes, n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(n):
-        seq.append(sim_next_token(seq[-1], len(seq)))
-        out.append(seq[-1])
-    return out
 
 
 def request(text: str, max_new_tokens: int) -> pb.GenerateRequest:

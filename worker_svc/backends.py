@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -98,6 +99,14 @@ def sim_next_token(last_token: int, position: int) -> int:
     """The sim's next token, as plain Python: the reference the tests check against."""
     h = int(_mix32(torch.tensor([last_token * 65536 + position]))[0])
     return TINY_CONFIG.eos_token_ids[0] if h % SIM_EOS_EVERY == 0 else 32 + h % 95
+
+
+def sim_continuation(prompt: Sequence[int], n: int) -> list[int]:
+    """The n tokens the sim produces after `prompt`, ignoring stops: the tests' reference."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(sim_next_token(seq[-1], len(seq)))
+    return seq[len(prompt) :]
 
 
 class SimBackend:
