@@ -1,4 +1,6 @@
-"""python -m scheduler_svc --worker 127.0.0.1:50061 --port 50051 --mode overlap|serial"""
+"""python -m scheduler_svc --worker 127.0.0.1:50061 --port 50051 --mode overlap|serial --frontends N
+
+The engine core (this process) and N frontend processes that serve the client API."""
 
 from __future__ import annotations
 
@@ -6,16 +8,22 @@ import argparse
 import asyncio
 import logging
 import os
-import shlex
+import sys
+import tempfile
 from collections.abc import Callable
 
 import grpc
+from prometheus_client import CollectorRegistry
 
+from scheduler_svc.core import CoreConfig, EngineCore
+from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.late_pick import LatePickConfig
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.link import LocalCore
+from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, ApiConfig, build_server, health_follows_worker
-from scheduler_svc.telemetry import SchedulerTelemetry
-from scheduler_svc.transport import GrpcTransport, InProcessTransport, WorkerTransport
+from scheduler_svc.supervisor import FrontendSupervisor
+from scheduler_svc.telemetry import FrontendMetrics, MetricSource, SchedulerTelemetry
+from scheduler_svc.transport import GrpcTransport, WorkerTransport
 from scheduler_svc.validation import DEFAULT_MAX_TEXT_BYTES, RequestLimits
 from stepahead.serving import (
     API_KEY_ENV,
@@ -25,13 +33,13 @@ from stepahead.serving import (
     describe_tls,
     graceful_stop,
     pem_file,
+    run_service,
     server_credentials,
     setup_logging,
     start_metrics,
     stop_event_on_signals,
 )
 from stepahead.trace import Tracer
-from worker_svc import __main__ as worker_main
 
 log = logging.getLogger("stepahead.scheduler")
 
@@ -39,39 +47,44 @@ log = logging.getLogger("stepahead.scheduler")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description="Stepahead scheduler")
     p.add_argument("--worker", default="127.0.0.1:50061", help="worker address host:port")
-    p.add_argument(
-        "--in-process-worker",
-        metavar="WORKER_FLAGS",
-        default=None,
-        help="run the worker engine in this process instead (no gRPC to it), built from these "
-        "worker flags, e.g. '--model sim --sim-step-ms 10': the baseline for the cost of the "
-        "process boundary",
-    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--mode", choices=("overlap", "serial"), default="overlap")
+    p.add_argument("--mode", choices=("overlap", "serial"), default=CoreConfig.mode)
+    p.add_argument(
+        "--frontends",
+        type=_at_least(0),
+        default=1,
+        help="frontend processes serving the client API on --port (SO_REUSEPORT); 0: serve it from "
+        "the engine core's own process",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=_at_least(1),
+        default=FrontendConfig.stream_interval,
+        help="send a client its tokens every N tokens (and at the finish): coarser streaming, less CPU",
+    )
     p.add_argument(
         "--max-batch-tokens",
-        type=int,
-        default=512,
+        type=_at_least(1),
+        default=PolicyConfig.max_batch_tokens,
         help="token budget of one step; longer prompts are prefilled in chunks",
     )
     p.add_argument(
         "--max-running",
-        type=int,
-        default=0,
+        type=_at_least(0),
+        default=PolicyConfig.max_running,
         help="concurrent requests at most (0: the worker's request slots)",
     )
     p.add_argument(
         "--max-waiting",
-        type=int,
-        default=1024,
+        type=_at_least(0),
+        default=PolicyConfig.max_waiting,
         help="requests that may wait for admission; more get RESOURCE_EXHAUSTED at once",
     )
     p.add_argument(
         "--worker-retry-timeout",
         type=float,
-        default=30.0,
+        default=CoreConfig.worker_retry_timeout_s,
         help="seconds live requests wait for a lost worker to come back before ending with UNAVAILABLE",
     )
     p.add_argument(
@@ -84,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "hurts when the scheduler's CPU is the bottleneck (see docs/BENCHMARKS.md)",
     )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)  # a frontend process: the core
+    p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info")
     add_observability_args(p, default_metrics_port=9400)
     add_client_api_args(p)
@@ -147,8 +162,6 @@ def check_worker_link_args(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("--worker-tls-cert and --worker-tls-key go together")
     if args.worker_tls_cert is not None and args.worker_tls_ca is None:
         p.error("--worker-tls-cert needs --worker-tls-ca")
-    if args.worker_tls_ca is not None and args.in_process_worker is not None:
-        p.error("--worker-tls-* apply to a worker reached over gRPC, not to --in-process-worker")
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -161,35 +174,79 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-async def serve(args: argparse.Namespace) -> None:
-    config = SchedulerConfig(
+def core_config(args: argparse.Namespace) -> CoreConfig:
+    return CoreConfig(
         args.mode,
-        args.max_batch_tokens,
-        args.max_running,
+        PolicyConfig(args.max_batch_tokens, args.max_running, args.max_waiting),
         worker_retry_timeout_s=args.worker_retry_timeout,
-        max_waiting=args.max_waiting,
         late_pick=LatePickConfig(enabled=args.late_pick),
     )
-    transport, worker_name = make_transport(args)
+
+
+def frontend_config(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        args.mode,
+        RequestLimits(args.max_text_bytes, args.max_prompt_tokens),
+        args.stream_interval,
+        args.frontend_index,
+    )
+
+
+async def serve(args: argparse.Namespace, transport: WorkerTransport | None = None) -> None:
+    """The engine core, with its frontends in their own processes or (--frontends 0) in this one."""
+    transport = transport or GrpcTransport(args.worker, credentials=worker_credentials(args))
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
-    scheduler = Scheduler(transport, config, telemetry)
-    server, port, health_servicer = await build_server(scheduler, args.host, args.port, api_config(args))
-    health_follows_worker(scheduler, health_servicer)
+    core = EngineCore(transport, core_config(args), telemetry)
     stop = stop_event_on_signals()
+    loop_task = asyncio.create_task(core.run())
+    try:
+        if args.frontends == 0:
+            await _serve_frontend_here(core, args, stop)
+        else:
+            await _serve_frontend_processes(core, args, stop)
+    finally:
+        await core.close()
+        loop_task.cancel()
+        await transport.close()
+        telemetry.tracer.close()
+
+
+async def _serve_frontend_here(core: EngineCore, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    frontend = Frontend(frontend_config(args))
+    LocalCore(core, frontend)
+    start_metrics(core_registry(core, lambda: [frontend.telemetry.registry.collect()]), args, "scheduler")
+    server, port, health_servicer = await build_server(frontend, args.host, args.port, api_config(args))
+    health_follows_worker(frontend, health_servicer)
     await server.start()
-    loop_task = asyncio.create_task(scheduler.run())
-    start_metrics(telemetry.registry, args, "scheduler")
-    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {worker_name})", flush=True)
+    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker})", flush=True)
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", args.grace)
     await graceful_stop(server, health_servicer, args.grace)
-    await scheduler.close()
-    loop_task.cancel()
-    await transport.close()
-    telemetry.tracer.close()
 
 
-def api_config(args: argparse.Namespace) -> ApiConfig:
+async def _serve_frontend_processes(core: EngineCore, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    with tempfile.TemporaryDirectory(prefix="stepahead-core-") as private:  # mode 0700
+        supervisor = FrontendSupervisor(core, args, f"{private}/core.sock")
+        start_metrics(core_registry(core, supervisor.metric_sources), args, "scheduler")
+        port = await supervisor.start()
+        print(
+            f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker}, "
+            f"{args.frontends} frontend processes)",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("stopping: frontends finish in-flight requests for up to %.0fs", args.grace)
+        await supervisor.stop(args.grace)
+
+
+def core_registry(core: EngineCore, frontend_sources: MetricSource) -> CollectorRegistry:
+    """The core's metrics plus every frontend's, summed: one endpoint for the service."""
+    registry = core.telemetry.registry
+    registry.register(FrontendMetrics(frontend_sources))
+    return registry
+
+
+def api_config(args: argparse.Namespace, share_port: bool = False) -> ApiConfig:
     log.info(
         "client API: %s, %s; worker link: %s",
         describe_tls(args),
@@ -201,8 +258,8 @@ def api_config(args: argparse.Namespace) -> ApiConfig:
     return ApiConfig(
         credentials=server_credentials(args),
         api_key=args.api_key,
-        limits=RequestLimits(args.max_text_bytes, args.max_prompt_tokens),
         max_request_bytes=args.max_request_bytes,
+        share_port=share_port,
     )
 
 
@@ -217,26 +274,17 @@ def worker_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | No
 
 
 def describe_worker_link(args: argparse.Namespace) -> str:
-    if args.in_process_worker is not None:
-        return "in-process"
     if args.worker_tls_ca is None:
         return "plaintext"
     return "mutual TLS" if args.worker_tls_cert is not None else "TLS without a client certificate"
 
 
-def make_transport(args: argparse.Namespace) -> tuple[WorkerTransport, str]:
-    if args.in_process_worker is None:
-        return GrpcTransport(args.worker, credentials=worker_credentials(args)), args.worker
-    worker_args = worker_main.parse_args(shlex.split(args.in_process_worker))
-    engine = worker_main.build_engine(worker_args)
-    start_metrics(engine.metrics.registry, worker_args, "worker")
-    return InProcessTransport(engine), "in-process"
-
-
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    args.argv = argv  # frontend processes parse the same flags
     setup_logging(args.log_level)
-    asyncio.run(serve(args))
+    run_service("scheduler", serve(args))
 
 
 if __name__ == "__main__":

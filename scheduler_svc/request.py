@@ -1,15 +1,19 @@
-"""A request's state on the scheduler: tokens, progress, slots, output stream."""
+"""A request as the engine core sees it: token ids, progress, slots.
+
+Text (detokenization, stop strings) lives in the frontend that admitted the request;
+the core knows tokens only, and ends requests on EOS, `stop_token_ids` and
+`max_new_tokens`.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import grpc
-
-from scheduler_svc.text import RequestText
+if TYPE_CHECKING:
+    from scheduler_svc.outputs import OutputSink
 
 
 class FinishReason(enum.IntEnum):
@@ -22,6 +26,8 @@ class FinishReason(enum.IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """`stop` strings are matched by the frontend; everything else acts in the core or the worker."""
+
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -32,64 +38,22 @@ class SamplingParams:
     ignore_eos: bool
 
 
-@dataclass
-class OutputChunk:
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    completion_tokens: int
-
-
-class OutputStream:
-    """Tokens not yet sent to the client, coalesced while the client lags."""
-
-    def __init__(self) -> None:
-        self._ids: list[int] = []
-        self._text: list[str] = []
-        self._finish: FinishReason | None = None
-        self._sent = 0
-        self.error: tuple[grpc.StatusCode, str] | None = None
-        self.ready = asyncio.Event()
-
-    def put(self, token_id: int, text: str) -> None:
-        self._ids.append(token_id)
-        if text:
-            self._text.append(text)
-        self.ready.set()
-
-    def put_text(self, text: str) -> None:
-        if text:
-            self._text.append(text)
-            self.ready.set()
-
-    def close(self, reason: FinishReason) -> None:
-        self._finish = reason
-        self.ready.set()
-
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
-        self.error = (code, message)
-        self.ready.set()
-
-    def take(self) -> OutputChunk:
-        """Everything pending, as one message."""
-        self.ready.clear()
-        self._sent += len(self._ids)
-        chunk = OutputChunk(self._ids, "".join(self._text), self._finish, self._sent)
-        self._ids, self._text = [], []
-        return chunk
-
-
 @dataclass(eq=False)
 class Request:
     """NOTE: `output_ids` are the tokens the CPU has processed; up to
     `num_inflight` more are sampled on the device but not seen yet (the last
-    one sits in the worker's FutureMap). KV covers `num_computed` tokens."""
+    one sits in the worker's FutureMap). KV covers `num_computed` tokens.
+
+    `owner` is the frontend that admitted the request and `handle` its name
+    there: every output of the request goes to that owner under that handle.
+    """
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     arrival_seq: int
-    text: RequestText
+    owner: OutputSink | None = None
+    handle: int = 0
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_inflight: int = 0
@@ -97,10 +61,8 @@ class Request:
     kv_slots: list[int] = field(default_factory=list)
     attempt: int = 0
     finish_reason: FinishReason | None = None
-    stream: OutputStream = field(default_factory=OutputStream)
     arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None
-    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:

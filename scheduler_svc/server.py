@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
@@ -14,18 +13,16 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-import stepahead
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler, random_seed
-from scheduler_svc.validation import (
-    InvalidRequest,
-    RequestLimits,
-    UnparsableRequest,
-    default_limits,
-    lenient_deserializer,
-    validate_request,
+from scheduler_svc.frontend import ApiError, Frontend
+from scheduler_svc.streams import ClientRequest
+from scheduler_svc.validation import RequestLimits, UnparsableRequest, lenient_deserializer
+from stepahead.serving import (
+    NO_PORT_SHARING,
+    PORT_SHARING,
+    add_health_and_reflection,
+    add_port,
+    set_serving,
 )
-from stepahead.serving import add_health_and_reflection, add_port, set_serving
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("stepahead.scheduler")
@@ -45,95 +42,63 @@ class ApiConfig:
     api_key: str | None = None  # None: no key asked
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger messages: RESOURCE_EXHAUSTED from gRPC
+    share_port: bool = False  # frontend processes share the public port (SO_REUSEPORT)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Every handler first turns away what the lenient deserializer could not parse."""
 
-    def __init__(self, scheduler: Scheduler, limits: RequestLimits = default_limits) -> None:
-        self._scheduler = scheduler
-        self._limits = limits
+    def __init__(self, frontend: Frontend) -> None:
+        self._frontend = frontend
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest | UnparsableRequest, context: Context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request = await _parsed(request, context)
-        req = await self._admit(request, context)
         try:
-            async for response in self._stream(req, context):
+            client = self._frontend.admit(request)
+        except ApiError as exc:
+            await context.abort(exc.code, str(exc))
+        try:
+            async for response in _stream(client, context):
                 yield response
         finally:
-            if not req.finished:  # the client cancelled or went away
-                self._scheduler.abort(req.rid)
+            self._frontend.cancel(client)  # a no-op once it finished: else the client went away
 
     async def Abort(
         self, request: generation_pb2.AbortRequest | UnparsableRequest, context: Context
     ) -> generation_pb2.AbortResponse:
         request = await _parsed(request, context)
-        return generation_pb2.AbortResponse(aborted=self._scheduler.abort(request.request_id))
+        return generation_pb2.AbortResponse(aborted=await self._frontend.abort(request.request_id))
 
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest | UnparsableRequest, context: Context
     ) -> generation_pb2.GetServerInfoResponse:
         await _parsed(request, context)
-        s = self._scheduler
-        response = generation_pb2.GetServerInfoResponse(
-            version=stepahead.__version__,
-            mode=s.config.mode,
-            kv_slots_free=s.kv.num_free,
-            request_slots_free=s.req_slots.num_free,
-            requests_running=len(s.running),
-            requests_waiting=len(s.waiting),
-            worker_connected=s.ready,
-        )
-        if s.info is not None and s.tokenizer is not None:
-            response.model = s.info.model
-            response.vocab_size = s.info.vocab_size
-            response.max_context_len = s.info.max_context_len
-            response.eos_token_ids.extend(s.info.eos_token_ids)
-            response.kv_slots = s.info.kv_slots
-            response.request_slots = s.req_slots.capacity
-            response.device = s.info.device
-            response.tokenizer = s.tokenizer.name
+        assert self._frontend.core is not None
+        response = await self._frontend.core.server_info()
+        if self._frontend.tokenizer is not None and response.model:
+            response.tokenizer = self._frontend.tokenizer.name
         return response
 
-    async def _admit(self, request: generation_pb2.GenerateRequest, context: Context) -> Request:
-        s = self._scheduler
-        if s.info is None or s.tokenizer is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
-        if s.overloaded:  # refuse before spending any work on the request
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(s.waiting)} requests are already waiting (--max-waiting); retry later",
-            )
-        try:
-            valid = validate_request(request, s.tokenizer, s.info, random_seed(), self._limits)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = request.request_id or uuid.uuid4().hex
-        if rid in s.requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already live")
-        req = s.new_request(rid, valid.prompt_ids, valid.params)
-        s.add_request(req)
-        return req
 
-    async def _stream(self, req: Request, context: Context) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        prompt_tokens = len(req.prompt_ids)
-        while True:
-            await req.stream.ready.wait()
-            if req.stream.error is not None:
-                await context.abort(*req.stream.error)
-            chunk = req.stream.take()
-            yield generation_pb2.GenerateResponse(
-                request_id=req.rid,
-                token_ids=chunk.token_ids,
-                text=chunk.text,
-                finish_reason=int(chunk.finish_reason or 0),  # type: ignore[arg-type]
-                prompt_tokens=prompt_tokens,
-                completion_tokens=chunk.completion_tokens,
-            )
-            if chunk.finish_reason is not None:
-                return
+async def _stream(client: ClientRequest, context: Context) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    prompt_tokens = len(client.prompt_ids)
+    while True:
+        await client.stream.ready.wait()
+        if client.stream.error is not None:
+            await context.abort(*client.stream.error)
+        chunk = client.stream.take()
+        yield generation_pb2.GenerateResponse(
+            request_id=client.rid,
+            token_ids=chunk.token_ids,
+            text=chunk.text,
+            finish_reason=int(chunk.finish_reason or 0),  # type: ignore[arg-type]
+            prompt_tokens=prompt_tokens,
+            completion_tokens=chunk.completion_tokens,
+        )
+        if chunk.finish_reason is not None:
+            return
 
 
 async def _parsed(request: T | UnparsableRequest, context: Context) -> T:
@@ -223,21 +188,23 @@ def _refusing_handler(handler: Handler, reason: str) -> Handler:
 
 
 async def build_server(
-    scheduler: Scheduler, host: str, port: int, config: ApiConfig = ApiConfig()
+    frontend: Frontend, host: str, port: int, config: ApiConfig = ApiConfig()
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Health and reflection share the port, its TLS and its size limit, but not the API key."""
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    sharing = PORT_SHARING if config.share_port else NO_PORT_SHARING
     server = grpc.aio.server(
-        interceptors=interceptors, options=[("grpc.max_receive_message_length", config.max_request_bytes)]
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", config.max_request_bytes), *sharing],
     )
-    add_generation_service(GenerationServicer(scheduler, config.limits), server)
+    add_generation_service(GenerationServicer(frontend), server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
     bound = add_port(server, f"{host}:{port}", config.credentials)
     return server, bound, health_servicer
 
 
-def health_follows_worker(scheduler: Scheduler, health_servicer: health.aio.HealthServicer) -> None:
-    """SERVING while a worker session is up, NOT_SERVING otherwise."""
+def health_follows_worker(frontend: Frontend, health_servicer: health.aio.HealthServicer) -> None:
+    """SERVING while a worker session is up (and the frontend holds its tokenizer)."""
     tasks: set[asyncio.Task[None]] = set()
 
     def on_ready(ready: bool) -> None:
@@ -245,4 +212,4 @@ def health_follows_worker(scheduler: Scheduler, health_servicer: health.aio.Heal
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    scheduler.on_ready = on_ready
+    frontend.on_ready = on_ready

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from stepahead.metrics import new_registry
 from stepahead.trace import NO_TRACE, Tracer
@@ -57,7 +60,9 @@ BATCH_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class SchedulerTelemetry:
-    """Metrics under the constant label `mode`, plus optional trace spans."""
+    """The engine core's metrics under the constant label `mode`, plus optional trace spans.
+    What clients see (latencies, tokens streamed, endings) is measured in the frontends:
+    `FrontendTelemetry`, merged into the core's endpoint by `FrontendMetrics`."""
 
     def __init__(self, mode: str, tracer: Tracer = NO_TRACE) -> None:
         self.tracer = tracer
@@ -82,21 +87,19 @@ class SchedulerTelemetry:
         self.kv_usage = gauge("stepahead_kv_cache_usage_ratio", "KV slots in use / KV slots.")
         self.worker_connected = gauge("stepahead_worker_connected", "1 while a worker session is up.")
         self.prompt_tokens = counter("stepahead_prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = counter("stepahead_generation_tokens", "Tokens streamed to clients.")
         self.preemptions = counter("stepahead_preemptions", "Requests preempted for KV and recomputed.")
         self.dropped_inflight_tokens = counter(
             "stepahead_dropped_inflight_tokens",
             "Tokens sampled for requests that ended while their batch was in flight (never streamed).",
         )
-        self.ttft = latency("stepahead_time_to_first_token_seconds", "Arrival to first token.")
-        self.itl = latency("stepahead_inter_token_latency_seconds", "Between consecutive tokens.")
-        self.e2e = latency("stepahead_e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = latency("stepahead_request_queue_time_seconds", "Arrival to first scheduled.")
         self.worker_latency = latency(
             "stepahead_worker_step_latency_seconds", "Launch sent to result received (device time included)."
         )
-        finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
-        self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}
+        self.frontends = gauge("stepahead_frontends", "Frontend processes attached to the engine core.")
+        self.frontend_restarts = counter(
+            "stepahead_frontend_restarts", "Frontend processes that died and were started again."
+        )
         batch_size = histogram("stepahead_batch_size", "Rows per batch.", BATCH_SIZE_BUCKETS, "forward_mode")
         batch_tokens = histogram(
             "stepahead_batch_tokens", "Tokens per batch.", BATCH_TOKEN_BUCKETS, "forward_mode"
@@ -123,3 +126,71 @@ class SchedulerTelemetry:
     def observe_result_queue(self, depth: int) -> None:
         self.result_queue_depth.set(depth)
         self.tracer.counter("result_queue", time.time(), {"depth": depth})
+
+
+class FrontendTelemetry:
+    """What clients see, measured where they are served. `own_process`: the frontend runs in
+    a process of its own, whose CPU time it reports."""
+
+    def __init__(self, mode: str, own_process: bool = False) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, [mode]
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=r).labels(*m)
+
+        self.ttft = latency("stepahead_time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = latency("stepahead_inter_token_latency_seconds", "Between consecutive tokens.")
+        self.e2e = latency("stepahead_e2e_request_latency_seconds", "Arrival to finish.")
+        self.generation_tokens = Counter(
+            "stepahead_generation_tokens", "Tokens streamed to clients.", ["mode"], registry=r
+        ).labels(*m)
+        finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
+        self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}
+        r.register(_FrontendCpu(mode, own_process))
+
+
+class _FrontendCpu(Collector):
+    def __init__(self, mode: str, own_process: bool) -> None:
+        self._mode = mode
+        self._own_process = own_process
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "stepahead_frontend_cpu_seconds",
+            "CPU time of the frontend processes (0 with --frontends 0: see process_cpu_seconds_total).",
+            labels=["mode"],
+        )
+        family.add_metric([self._mode], time.process_time() if self._own_process else 0.0)
+        yield family
+
+
+MetricSource = Callable[[], list[Iterable[Metric]]]
+
+
+class FrontendMetrics(Collector):
+    """The frontends' metrics summed over every frontend, as one service's: counters and
+    histogram buckets add up; `_created` samples are left out."""
+
+    def __init__(self, sources: MetricSource) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        totals: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for source in self._sources():
+            for family in source:
+                merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                samples = totals.setdefault(family.name, {})
+                for s in family.samples:
+                    if not s.name.endswith("_created"):
+                        key = (s.name, tuple(sorted(s.labels.items())))
+                        samples[key] = samples.get(key, 0.0) + s.value
+        for name, family in merged.items():
+            for (sample, labels), value in totals[name].items():
+                family.add_sample(sample, dict(labels), value)
+            yield family
+
+
+def parse_exposition(text: bytes) -> list[Metric]:
+    return list(text_string_to_metric_families(text.decode()))

@@ -1,9 +1,13 @@
-"""How the scheduler reaches the worker: over gRPC (the product) or in-process.
+"""How the engine core reaches the worker.
 
-Both give the same contract: `connect()` performs the handshake; `launch()`
-sends a batch and returns at once with a future of its result; results
-resolve in launch order. The in-process transport skips serialization and the
-socket, which makes it the baseline for what the process boundary costs.
+`WorkerTransport.connect()` performs the handshake and returns a `WorkerSession`: one
+object per session, closed when the session ends, so nothing of an old session (its
+channel, its reader, its pending results) can touch the next one. `launch()` sends a
+batch and returns at once with a future of its result; results resolve in launch order.
+
+The gRPC transport is the product; `worker_svc.inprocess` provides one that runs the
+engine in the same process (the baseline for what the process boundary costs). This
+module imports neither torch nor `worker_svc`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Protocol, TypeAlias, cast
 import grpc
 
 from stepahead.protocol import (
+    GRPC_OPTIONS,
     PROTOCOL_VERSION,
     Launch,
     StepResult,
@@ -26,8 +31,6 @@ from stepahead.protocol import (
     result_from_proto,
 )
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc.engine import WorkerEngine
-from worker_svc.server import GRPC_OPTIONS
 
 WorkerCall: TypeAlias = grpc.aio.StreamStreamCall[worker_pb2.SchedulerMessage, worker_pb2.WorkerMessage]
 
@@ -36,28 +39,18 @@ class WorkerUnavailable(ConnectionError):
     """The worker cannot be reached, or its session ended."""
 
 
-class WorkerTransport(Protocol):
-    async def connect(self) -> WorkerInfo: ...
+class WorkerSession(Protocol):
+    info: WorkerInfo
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]: ...
 
     async def close(self) -> None: ...
 
 
-class InProcessTransport:
-    """The worker engine in this process: same ordered threads, no socket."""
+class WorkerTransport(Protocol):
+    async def connect(self) -> WorkerSession: ...
 
-    def __init__(self, engine: WorkerEngine) -> None:
-        self._engine = engine
-
-    async def connect(self) -> WorkerInfo:
-        return await asyncio.wrap_future(self._engine.begin_session())
-
-    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
-        return asyncio.wrap_future(self._engine.submit(launch))
-
-    async def close(self) -> None:
-        """The engine belongs to whoever built it."""
+    async def close(self) -> None: ...
 
 
 # A worker that vanishes without closing its socket (a host or network failure,
@@ -71,25 +64,48 @@ KEEPALIVE_OPTIONS = [
 
 
 class GrpcTransport:
-    """One Connect stream: launches written in order, results matched in order."""
+    """Opens one channel and one Connect stream per session."""
 
     def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._target = target
         self._credentials = credentials  # None: plaintext
-        self._channel: grpc.aio.Channel | None = None
-        self._call: WorkerCall | None = None
+        self._session: GrpcWorkerSession | None = None
+
+    async def connect(self) -> WorkerSession:
+        if self._session is not None:
+            await self._session.close()
+        options = GRPC_OPTIONS + KEEPALIVE_OPTIONS
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(self._target, options=options)
+        else:
+            channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
+        session = GrpcWorkerSession(self._target, channel)
+        try:
+            await session.handshake()
+        except BaseException:
+            await session.close()
+            raise
+        self._session = session
+        return session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class GrpcWorkerSession:
+    """One Connect stream: launches written in order, results matched in order."""
+
+    def __init__(self, target: str, channel: grpc.aio.Channel) -> None:
+        self._target = target
+        self._channel = channel
+        self._call: WorkerCall = worker_pb2_grpc.WorkerStub(channel).Connect()
         self._pending: collections.deque[tuple[int, asyncio.Future[StepResult]]] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
         self._failure: WorkerUnavailable | None = None
+        self.info: WorkerInfo
 
-    async def connect(self) -> WorkerInfo:
-        options = GRPC_OPTIONS + KEEPALIVE_OPTIONS
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(self._target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
-        stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._call = stub.Connect()
+    async def handshake(self) -> None:
         hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id=uuid.uuid4().hex)
         try:
             await self._call.write(worker_pb2.SchedulerMessage(hello=hello))
@@ -98,13 +114,12 @@ class GrpcTransport:
             raise WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}") from exc
         if not isinstance(first, worker_pb2.WorkerMessage) or not first.HasField("welcome"):
             raise WorkerUnavailable(f"{self._target}: no Welcome in the handshake")
-        self._failure = None
+        self.info = info_from_proto(first.welcome)
         self._reader = asyncio.create_task(self._read_results())
-        return info_from_proto(first.welcome)
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
-        if self._failure is not None or self._call is None:
-            raise self._failure or WorkerUnavailable("not connected")
+        if self._failure is not None:
+            raise self._failure
         done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         self._pending.append((launch.step_id, done))
         try:
@@ -115,16 +130,13 @@ class GrpcTransport:
         return done
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+        self._call.cancel()
         if self._reader is not None:
             self._reader.cancel()
-        if self._channel is not None:
-            await self._channel.close()
-        self._fail_pending(WorkerUnavailable("transport closed"))
+        await self._channel.close()
+        self._fail_pending(WorkerUnavailable("session closed"))
 
     async def _read_results(self) -> None:
-        assert self._call is not None
         try:
             while (message := await self._call.read()) is not grpc.aio.EOF:
                 self._deliver(cast(worker_pb2.WorkerMessage, message))

@@ -75,7 +75,10 @@ def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: in
     """A scheduler running the worker engine in its own process (no gRPC between them)."""
     worker_flags = shlex.join(_with_free_metrics_port(worker_args))
     return _spawn(
-        "scheduler_svc", ["--in-process-worker", worker_flags, *_with_free_metrics_port(args)], port
+        "stepahead.colocated",
+        ["--worker-flags", worker_flags, *_with_free_metrics_port(args)],
+        port,
+        name="scheduler",
     )
 
 
@@ -84,7 +87,9 @@ def _with_free_metrics_port(args: list[str]) -> list[str]:
     return args if "--metrics-port" in args else [*args, "--metrics-port", "0"]
 
 
-def _spawn(module: str, args: list[str], port: int, extra_env: dict[str, str] | None = None) -> Service:
+def _spawn(
+    module: str, args: list[str], port: int, extra_env: dict[str, str] | None = None, name: str = ""
+) -> Service:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", str(port), *args],
@@ -103,7 +108,7 @@ def _spawn(module: str, args: list[str], port: int, extra_env: dict[str, str] | 
         lines.append(line)
         if match := LISTEN_RE.search(line):
             threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
-            return Service(proc, int(match.group(1)), lines, module.removesuffix("_svc"))
+            return Service(proc, int(match.group(1)), lines, name or module.removesuffix("_svc"))
     proc.kill()
     raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
 

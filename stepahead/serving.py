@@ -6,7 +6,10 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -85,11 +88,35 @@ def describe_tls(args: argparse.Namespace) -> str:
     return "mutual TLS" if args.tls_ca is not None else "TLS"
 
 
-def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+class PortInUse(RuntimeError):
+    """A port a service must bind is taken; the message names the flag that moves it."""
+
+
+# NOTE: gRPC servers on Linux set SO_REUSEPORT by default, so a second service on a taken
+# port would silently share it. Single servers turn it off; frontends that share the public
+# port on purpose (--frontends N) turn it on.
+NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
+PORT_SHARING = [("grpc.so_reuseport", 1)]
+
+
+def add_port(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None, flag: str = "--port"
+) -> int:
     """Binds `address` (plaintext when `credentials` is None); returns the port bound."""
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise PortInUse(f"cannot listen on {address} (in use?): choose another with {flag}") from exc
+
+
+def run_service(name: str, main: Coroutine[Any, Any, None]) -> None:
+    """asyncio.run(main); a port in use ends the process with the flag to change (exit code 1)."""
+    try:
+        asyncio.run(main)
+    except PortInUse as exc:
+        sys.exit(f"{name}: {exc}")
 
 
 def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port: int) -> None:
@@ -110,7 +137,13 @@ def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port
 
 def start_metrics(registry: CollectorRegistry, args: argparse.Namespace, service: str) -> None:
     if args.metrics_port >= 0:
-        port = serve_metrics(registry, args.metrics_host, args.metrics_port)
+        try:
+            port = serve_metrics(registry, args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            raise PortInUse(
+                f"cannot serve /metrics on {args.metrics_host}:{args.metrics_port} ({exc.strerror}): "
+                "choose another with --metrics-port (0: any free port, -1: off)"
+            ) from exc
         print(f"{service} metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
 
 

@@ -24,12 +24,14 @@ class FakeWorker:
         self.launches: list[Launch] = []
         self.future_map: dict[int, int] = {}
         self.live_slots: set[int] = set()
+        self.info = WorkerInfo(
+            "fake", 258, 8192, (257,), 256, kv_slots, request_slots, "host", TokenizerSpec("byte")
+        )
         self._held: collections.deque[tuple[asyncio.Future[StepResult], StepResult]] = collections.deque()
 
-    async def connect(self) -> WorkerInfo:
-        return WorkerInfo(
-            "fake", 258, 8192, (257,), 256, self.kv_slots, self.request_slots, "host", TokenizerSpec("byte")
-        )
+    async def connect(self) -> FakeWorker:
+        """The worker is its own (only) session."""
+        return self
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
         expected_step = len(self.launches) + 1

@@ -1,4 +1,4 @@
-"""Drive a Scheduler in this process and read what its clients receive."""
+"""Drive an engine core and a frontend in this process and read what its clients receive."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler_svc.core import CoreConfig, EngineCore
+from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.late_pick import LatePickConfig
-from scheduler_svc.request import FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.transport import InProcessTransport, WorkerTransport
+from scheduler_svc.link import LocalCore
+from scheduler_svc.policy import PolicyConfig
+from scheduler_svc.request import FinishReason, SamplingParams
+from scheduler_svc.streams import ClientRequest
+from scheduler_svc.transport import WorkerTransport
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.inprocess import InProcessTransport
 
 
 @dataclass(frozen=True)
@@ -50,39 +55,46 @@ def make_engine(
     return WorkerEngine(backend, config, backend.make_streams(torch.device("cpu")))
 
 
-async def start_scheduler(
-    transport: WorkerTransport, config: SchedulerConfig
-) -> tuple[Scheduler, asyncio.Task[None]]:
-    scheduler = Scheduler(transport, config)
-    task = asyncio.create_task(scheduler.run())
-    while not scheduler.ready:
+@dataclass
+class Served:
+    """An engine core with one frontend in this process (--frontends 0)."""
+
+    core: EngineCore
+    frontend: Frontend
+
+
+async def start_core(transport: WorkerTransport, config: CoreConfig) -> tuple[Served, asyncio.Task[None]]:
+    core = EngineCore(transport, config)
+    frontend = Frontend(FrontendConfig(config.mode))
+    LocalCore(core, frontend)
+    task = asyncio.create_task(core.run())
+    while not frontend.ready:
         await asyncio.sleep(0.001)
-    return scheduler, task
+    return Served(core, frontend), task
 
 
-async def consume(scheduler: Scheduler, req: Request, abort_after: int | None) -> ClientView:
+async def consume(frontend: Frontend, client: ClientRequest, abort_after: int | None) -> ClientView:
     view = ClientView()
     while view.finish_reason is None:
-        await req.stream.ready.wait()
-        assert req.stream.error is None, req.stream.error
-        chunk = req.stream.take()
+        await client.stream.ready.wait()
+        assert client.stream.error is None, client.stream.error
+        chunk = client.stream.take()
         view.messages += 1
         view.token_ids += chunk.token_ids
         view.text += chunk.text
         view.completion_tokens.append(chunk.completion_tokens)
         view.finish_reason = chunk.finish_reason
         if abort_after is not None and len(view.token_ids) >= abort_after and view.finish_reason is None:
-            scheduler.abort(req.rid)
+            await frontend.abort(client.rid)
     return view
 
 
-async def run_workload(scheduler: Scheduler, items: list[WorkItem]) -> dict[str, ClientView]:
+async def run_workload(frontend: Frontend, items: list[WorkItem]) -> dict[str, ClientView]:
     clients: dict[str, asyncio.Task[ClientView]] = {}
     for item in items:
         await asyncio.sleep(item.delay_s)
-        req = scheduler.new_request(item.rid, item.prompt_ids, item.params)
-        scheduler.add_request(req)
-        clients[item.rid] = asyncio.create_task(consume(scheduler, req, item.abort_after))
+        client = frontend.submit(item.rid, item.prompt_ids, item.params)
+        clients[item.rid] = asyncio.create_task(consume(frontend, client, item.abort_after))
     return {rid: await task for rid, task in clients.items()}
 
 
@@ -96,32 +108,33 @@ async def serve_workload(
     max_batch_tokens: int = 128,
     dtype: torch.dtype = torch.float32,
     late_pick: bool = False,
-) -> tuple[dict[str, ClientView], Scheduler, WorkerEngine]:
+    sim_step_ms: float = 1.0,
+) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
-    engine = make_engine(model, kv_slots, request_slots, dtype)
-    config = SchedulerConfig(
+    engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms)
+    config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
-        max_batch_tokens=max_batch_tokens,
+        policy=PolicyConfig(max_batch_tokens=max_batch_tokens),
         late_pick=LatePickConfig(enabled=late_pick),
     )
-    scheduler, task = await start_scheduler(InProcessTransport(engine), config)
+    served, task = await start_core(InProcessTransport(engine), config)
     try:
-        views = await run_workload(scheduler, items)
-        await wait_drained(scheduler)
+        views = await run_workload(served.frontend, items)
+        await wait_drained(served.core)
     finally:
-        await scheduler.close()
+        await served.core.close()
         task.cancel()
         engine.shutdown()
-    return views, scheduler, engine
+    return views, served.core, engine
 
 
-async def wait_drained(scheduler: Scheduler) -> None:
+async def wait_drained(core: EngineCore) -> None:
     """Until nothing is live, in flight, or waiting to be released on the worker."""
     for _ in range(5000):
-        if scheduler.idle and not scheduler.requests:
+        if core.idle and not core.policy.requests:
             return
         await asyncio.sleep(0.002)
-    raise AssertionError("the scheduler did not drain")
+    raise AssertionError("the engine core did not drain")
 
 
 def params(max_new_tokens: int, **kw: object) -> SamplingParams:

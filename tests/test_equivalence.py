@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scheduler_svc.core import EngineCore
 from scheduler_svc.request import FinishReason
-from scheduler_svc.scheduler import Scheduler
 from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload
 from worker_svc.backends import sim_next_token
 from worker_svc.engine import WorkerEngine
@@ -49,18 +49,19 @@ def check_client_views(items: list[WorkItem], views: dict[str, ClientView]) -> N
             assert stop not in view.text
 
 
-def check_drained(scheduler: Scheduler, engine: WorkerEngine) -> None:
+def check_drained(core: EngineCore, engine: WorkerEngine) -> None:
     """Every KV and request slot free; the sentinel never read; launch order kept."""
-    assert scheduler.kv.num_used == 0 and scheduler.kv.num_free == scheduler.kv.capacity
-    assert scheduler.req_slots.num_used == 0
-    assert not scheduler.running and not scheduler.waiting and not scheduler.requests
-    assert not scheduler.result_queue
+    policy = core.policy
+    assert policy.kv.num_used == 0 and policy.kv.num_free == policy.kv.capacity
+    assert policy.req_slots.num_used == 0
+    assert not policy.running and not policy.waiting and not policy.requests
+    assert not core.result_queue
     stats = engine.stats()
     assert stats.live_request_slots == 0
     assert stats.sentinel_reads == 0
     assert stats.out_of_order_launches == 0
-    assert stats.steps_executed == scheduler.stats.steps == stats.last_step_id
-    assert scheduler.stats.results_out_of_order == 0
+    assert stats.steps_executed == core.stats.steps == stats.last_step_id
+    assert core.stats.results_out_of_order == 0
 
 
 def assert_same_tokens(items: list[WorkItem], a: dict[str, ClientView], b: dict[str, ClientView]) -> None:

@@ -45,14 +45,14 @@ def test_kill_9_the_worker_mid_load_and_every_request_completes_identically() ->
     scheduler = spawn_scheduler(f"127.0.0.1:{port}", ["--max-batch-tokens", "256"])
     try:
         wait_serving(scheduler.address)
-        lengths = [rng.randint(40, 160) for _ in range(100)]
+        lengths = [rng.randint(150, 400) for _ in range(100)]
 
         async def load_with_a_crash() -> list[list[int]]:
             nonlocal worker
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 clients = [asyncio.create_task(stream_tokens(stub, i, n)) for i, n in enumerate(lengths)]
-                await asyncio.sleep(rng.uniform(0.3, 1.0))
+                await asyncio.sleep(rng.uniform(0.2, 0.5))  # well before the longest finishes
                 assert worker is not None
                 worker.proc.kill()  # SIGKILL: no goodbye on the stream
                 worker.proc.wait(10)
@@ -63,7 +63,7 @@ def test_kill_9_the_worker_mid_load_and_every_request_completes_identically() ->
         for i, (tokens, n) in enumerate(zip(outputs, lengths, strict=True)):
             assert tokens == sim_expected(f"fault {i} ".encode() * (1 + i % 7), n), i
         waiting = [int(m.group(1)) for line in scheduler.output if (m := LOST_RE.search(line))]
-        assert waiting and waiting[0] > 0, "the worker must die while requests are live"
+        assert waiting and waiting[0] > 0, "".join(scheduler.output)
         assert scheduler.stop() == 0
     finally:
         stop_all(scheduler, worker)

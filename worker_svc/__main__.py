@@ -10,6 +10,7 @@ import sys
 import torch
 
 from stepahead.serving import (
+    PortInUse,
     add_observability_args,
     add_tls_server_args,
     check_tls_server_args,
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     try:
         asyncio.run(serve(args))
-    except (ValueError, OSError) as exc:  # a bad model or flag: say why, no traceback
+    except (ValueError, OSError, PortInUse) as exc:  # a bad model, flag or port: say why, no traceback
         sys.exit(f"worker: {exc}")
 
 

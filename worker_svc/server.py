@@ -12,24 +12,20 @@ import grpc
 from grpc_health.v1 import health
 
 from stepahead.protocol import (
+    GRPC_OPTIONS,
     PROTOCOL_VERSION,
     StepResult,
     info_to_proto,
     launch_from_proto,
     result_to_proto,
 )
-from stepahead.serving import add_health_and_reflection, add_port
+from stepahead.serving import NO_PORT_SHARING, add_health_and_reflection, add_port
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.engine import WorkerEngine
 
 log = logging.getLogger("stepahead.worker")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
 SERVICE_NAME = "stepahead.v1.Worker"
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 # The scheduler pings an idle link to find a dead worker fast: allow it.
 KEEPALIVE_SERVER_OPTIONS = [
@@ -172,7 +168,7 @@ async def build_server(
     engine: WorkerEngine, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> WorkerServer:
     """Plaintext unless `credentials`; health and reflection share the port and its TLS."""
-    server = grpc.aio.server(options=GRPC_OPTIONS + KEEPALIVE_SERVER_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS + KEEPALIVE_SERVER_OPTIONS + NO_PORT_SHARING)
     servicer = WorkerServicer(engine)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)

@@ -1,0 +1,303 @@
+"""The engine core: the serial and overlap loops over the scheduling policy, and the
+worker session (connect, backoff, loss, recompute).
+
+Each loop iteration is the seed's steps, one method each:
+  pick_batch -> launch_step -> queue_result -> process_results
+The serial loop processes batch k right after launching it; the overlap loop
+processes batch k-1 after launching batch k, while the worker runs k.
+Both use the same batching policy and the same FutureMap relay.
+
+The core imports neither torch nor `worker_svc`, and knows tokens only: frontends
+(`scheduler_svc/frontend.py`) own text, stop strings and client streams, and reach the
+core through `attach`/`add`/`abort_handle`; outputs leave through the `Outbox`, one
+message per frontend per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from scheduler_svc.batch import ScheduledBatch
+from scheduler_svc.late_pick import LatePick, LatePickConfig
+from scheduler_svc.outputs import Outbox, OutputSink
+from scheduler_svc.policy import PolicyConfig, Refused, SchedulerStats, SchedulingPolicy
+from scheduler_svc.request import Request
+from scheduler_svc.telemetry import SchedulerTelemetry
+from scheduler_svc.transport import WorkerSession, WorkerTransport, WorkerUnavailable
+from stepahead.protocol import StepResult, WorkerInfo, WorkerStepError
+
+log = logging.getLogger("stepahead.core")
+
+Mode = Literal["overlap", "serial"]
+StepHandle = asyncio.Future[StepResult]
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    mode: Mode = "overlap"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
+    worker_retry_timeout_s: float = 30.0  # live requests wait this long for a worker to come back
+    late_pick: LatePickConfig = field(default_factory=LatePickConfig)
+
+
+class FrontendLink(OutputSink, Protocol):
+    """A frontend as the core sees it: where its outputs and the worker's state go."""
+
+    def worker_state(self, info: WorkerInfo | None, connected: bool) -> None: ...
+
+
+class EngineCore:
+    def __init__(
+        self, transport: WorkerTransport, config: CoreConfig, telemetry: SchedulerTelemetry | None = None
+    ) -> None:
+        self.transport = transport
+        self.config = config
+        self.telemetry = telemetry or SchedulerTelemetry(config.mode)
+        self.outbox = Outbox()
+        self.policy = SchedulingPolicy(config.policy, self.outbox, self.telemetry)
+        # NOTE: holds at most one entry whenever a batch is picked.
+        self.result_queue: collections.deque[tuple[ScheduledBatch, StepHandle]] = collections.deque()
+        self.session: WorkerSession | None = None
+        self.info: WorkerInfo | None = None  # the last session's, kept while the worker is away
+        self.frontends: set[FrontendLink] = set()
+        self.late_pick = LatePick(config.late_pick)
+        self.idle = False  # parked with nothing live, in flight, or unreleased
+        self._work = asyncio.Event()
+        self._closing = False
+        self._worker_clock_offset = 0.0  # worker clock minus ours
+        self._lost_at: float | None = None  # when the worker session was lost
+        self._model_identity: tuple[str, int, tuple[int, ...], bytes] | None = None
+
+    # ---- frontends ---------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.session is not None
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.policy.stats()
+
+    def attach(self, frontend: FrontendLink) -> None:
+        self.frontends.add(frontend)
+        frontend.worker_state(self.info, self.ready)
+
+    def detach(self, frontend: FrontendLink) -> None:
+        """The frontend is gone: its requests end now and free their slots."""
+        self.frontends.discard(frontend)
+        ended = self.policy.abort_owner(frontend)
+        if ended:
+            log.warning("a frontend went away: %d of its requests ended", ended)
+        self._work.set()
+
+    def add(self, reqs: list[Request]) -> None:
+        """Admit what fits; refusals go back to the owner as errors."""
+        for req in reqs:
+            try:
+                self.policy.add_request(req)
+            except Refused as refusal:
+                self.outbox.error(req, refusal.code, str(refusal))
+        self.outbox.flush()
+        self._work.set()
+
+    def abort_handles(self, owner: OutputSink, handles: list[int]) -> None:
+        for handle in handles:
+            self.policy.abort_handle(owner, handle)
+        self._work.set()
+
+    def abort(self, rid: str) -> bool:
+        """End a live request at once, whichever frontend owns it."""
+        aborted = self.policy.abort(rid)
+        self.outbox.flush()
+        self._work.set()
+        return aborted
+
+    # ---- the loops ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until close(): connect, loop, and start over if the worker is lost."""
+        while not self._closing:
+            await self._connect_with_backoff()
+            try:
+                await (self._overlap_loop() if self.config.mode == "overlap" else self._serial_loop())
+            except (WorkerUnavailable, WorkerStepError) as exc:
+                await self._worker_lost(exc)
+            except Exception as exc:  # a bug must not stop serving silently: start a new session
+                log.exception("core loop failed; starting a new worker session")
+                await self._worker_lost(exc)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._work.set()
+
+    async def _serial_loop(self) -> None:
+        while not self._closing:
+            batch = self.pick_batch()
+            if batch is None:
+                await self._wait_for_work()
+                continue
+            handle = await self.launch_step(batch)
+            await self.process_results(batch, handle)
+
+    async def _overlap_loop(self) -> None:
+        while not self._closing:
+            batch = self.pick_batch()
+            if batch is not None:
+                handle = await self.launch_step(batch)
+                self.queue_result(batch, handle)
+            if len(self.result_queue) > 1 or (batch is None and self.result_queue):
+                await self.process_results(*self.result_queue.popleft())
+                await self._until_late_pick()
+            elif batch is None:
+                await self._wait_for_work()
+
+    async def _until_late_pick(self) -> None:
+        """Hold the pick of k+1 until shortly before forward k ends (see LatePick)."""
+        if len(self.result_queue) != 1:
+            return
+        in_flight, handle = self.result_queue[0]
+        worker_now = time.time() + self._worker_clock_offset
+        delay = self.late_pick.delay(in_flight.num_tokens, worker_now, self.policy.next_step_id)
+        if delay > 0:
+            await asyncio.wait({handle}, timeout=delay)
+
+    async def _wait_for_work(self) -> None:
+        """Idle: first tell the worker about released slots, then sleep until work comes."""
+        release = self.policy.release_batch()
+        if release is not None:
+            await self.process_results(release, await self.launch_step(release))
+            return
+        self._work.clear()
+        self.idle = True
+        await self._work.wait()
+        self.idle = False
+
+    # ---- step 1: pick ------------------------------------------------------------------
+
+    def pick_batch(self) -> ScheduledBatch | None:
+        with self.telemetry.phase("pick", self.policy.next_step_id):
+            batch = self.policy.schedule()
+        if batch is not None:
+            self.telemetry.observe_batch(batch.forward_mode, batch.launch.num_rows, batch.num_tokens)
+        return batch
+
+    # ---- step 2: launch ----------------------------------------------------------------
+
+    async def launch_step(self, batch: ScheduledBatch) -> StepHandle:
+        """Send the batch; returns at once with a handle on its result."""
+        with self.telemetry.phase("launch", batch.step_id):
+            assert self.session is not None and self.info is not None
+            batch.epoch = self.info.epoch
+            sent = time.time()
+            handle = await self.session.launch(batch.launch)
+        handle.add_done_callback(lambda _: self.telemetry.worker_latency.observe(time.time() - sent))
+        return handle
+
+    # ---- step 3: queue -----------------------------------------------------------------
+
+    def queue_result(self, batch: ScheduledBatch, handle: StepHandle) -> None:
+        self.result_queue.append((batch, handle))
+        self.telemetry.observe_result_queue(len(self.result_queue))
+
+    # ---- step 4: process ---------------------------------------------------------------
+
+    async def process_results(self, batch: ScheduledBatch, handle: StepHandle) -> None:
+        """Wait for the batch's tokens, then update requests, check token stops, and send
+        each frontend its rows in one message."""
+        self.telemetry.observe_result_queue(len(self.result_queue))
+        with self.telemetry.phase("wait", batch.step_id):
+            result = await handle
+        if (result.step_id, result.epoch) != (batch.step_id, batch.epoch):
+            self.stats.results_out_of_order += 1
+            raise WorkerUnavailable(
+                f"result of step {result.step_id} (session {result.epoch}) for step {batch.step_id} "
+                f"(session {batch.epoch}): never applied"
+            )
+        self.late_pick.observe(batch.num_tokens, result)
+        with self.telemetry.phase("process", batch.step_id):
+            self.policy.update_from_result(batch, result.token_ids)
+            self.outbox.flush()
+
+    # ---- the worker session ------------------------------------------------------------
+
+    async def _connect_with_backoff(self) -> None:
+        delay, max_delay = self.config.reconnect_backoff_s
+        while not self._closing:
+            try:
+                session = await self.transport.connect()
+            except WorkerUnavailable as exc:
+                level = logging.WARNING if delay >= max_delay else logging.INFO
+                log.log(level, "waiting for the worker (%s); retrying in %.1fs", exc, delay)
+            else:
+                if self._start_session(session):
+                    return
+                await session.close()
+            self._expire_if_lost_too_long()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+
+    def _start_session(self, session: WorkerSession) -> bool:
+        """False if the session cannot be used (then the caller retries)."""
+        info = session.info
+        # First, before anything slow: the one-way delay of the Welcome is ignored.
+        self._worker_clock_offset = info.worker_unix_time - time.time()
+        try:
+            self._check_model(info)
+            running_cap = self.policy.begin_session(info)
+        except Exception:
+            log.exception("worker session %d unusable; retrying", info.epoch)
+            return False
+        self.session, self.info, self._lost_at = session, info, None
+        self.late_pick = LatePick(self.config.late_pick)
+        log.info(
+            "worker session %d: model %s, %d KV slots, %d request slots, mode %s",
+            *(info.epoch, info.model, info.kv_slots, running_cap, self.config.mode),
+        )
+        self.telemetry.worker_connected.set(1)
+        self.telemetry.tracer.metadata(
+            "worker_clock_offset", {"seconds": self._worker_clock_offset, "epoch": info.epoch}
+        )
+        self._broadcast_worker_state()
+        self._work.set()
+        return True
+
+    def _check_model(self, info: WorkerInfo) -> None:
+        """Live requests cannot be recomputed on another model: they fail."""
+        identity = _model_identity(info)
+        if self._model_identity is not None and self._model_identity != identity:
+            self.policy.fail_all(f"the worker came back serving another model ({info.model})")
+            self.outbox.flush()
+        self._model_identity = identity
+
+    async def _worker_lost(self, exc: Exception) -> None:
+        """Every live request waits for the next session, to be recomputed from
+        its prompt plus the tokens its frontend already has."""
+        log.error("worker lost (%s); %d requests wait for a worker", exc, len(self.policy.requests))
+        session, self.session = self.session, None
+        self.telemetry.worker_connected.set(0)
+        self._lost_at = self._lost_at or time.time()
+        self.result_queue.clear()
+        self.policy.requeue_all()
+        self._broadcast_worker_state()
+        if session is not None:
+            await session.close()
+
+    def _broadcast_worker_state(self) -> None:
+        for frontend in list(self.frontends):
+            frontend.worker_state(self.info, self.ready)
+
+    def _expire_if_lost_too_long(self) -> None:
+        if self._lost_at is not None and time.time() - self._lost_at > self.config.worker_retry_timeout_s:
+            self.policy.fail_all(f"no worker for {self.config.worker_retry_timeout_s:.0f}s")
+            self.outbox.flush()
+
+
+def _model_identity(info: WorkerInfo) -> tuple[str, int, tuple[int, ...], bytes]:
+    """What must not change under a live request for its recompute to be the same."""
+    return info.model, info.vocab_size, info.eos_token_ids, info.tokenizer.hf_json

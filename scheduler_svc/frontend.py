@@ -1,0 +1,231 @@
+"""The client-facing half of the scheduler: validation, tokenization, incremental
+detokenization, stop strings, client streams.
+
+A frontend runs in its own process (`--frontends N`) or inside the core's (`--frontends 0`).
+It reaches the core through a `CoreClient` and is reached by it as a `FrontendLink`
+(`send` per step, `worker_state` on every session change). A stop string found here
+ends the request for the client at once and aborts it in the core; tokens the core
+generated after it are dropped here, never streamed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from scheduler_svc.outputs import StepOutputs
+from scheduler_svc.request import FinishReason, SamplingParams
+from scheduler_svc.streams import ClientRequest, OutputStream
+from scheduler_svc.telemetry import FrontendTelemetry
+from scheduler_svc.text import RequestText
+from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
+from scheduler_svc.validation import InvalidRequest, RequestLimits, validate_request
+from stepahead.protocol import WorkerInfo
+from stepahead.v1 import generation_pb2
+
+log = logging.getLogger("stepahead.frontend")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    mode: str = "overlap"
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    stream_interval: int = 1  # wake a client's stream every N tokens (and at its finish)
+    index: int = 0  # which frontend process (0 for the one inside the core)
+
+
+@dataclass(frozen=True)
+class CoreRequestSpec:
+    """What the core gets of a request: tokens and token-level parameters."""
+
+    handle: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class CoreClient(Protocol):
+    """The engine core as a frontend sees it."""
+
+    def add(self, spec: CoreRequestSpec) -> None:
+        """Queue the request; a refusal comes back as an error output."""
+
+    def abort(self, handle: int) -> None:
+        """End one of this frontend's requests in the core (no output follows)."""
+
+    async def abort_request(self, rid: str) -> bool:
+        """End a request that any frontend admitted."""
+
+    async def server_info(self) -> generation_pb2.GetServerInfoResponse: ...
+
+
+class ApiError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def random_seed() -> int:
+    return random.SystemRandom().getrandbits(63)
+
+
+class Frontend:
+    def __init__(self, config: FrontendConfig, telemetry: FrontendTelemetry | None = None) -> None:
+        self.config = config
+        self.telemetry = telemetry or FrontendTelemetry(config.mode)
+        self.core: CoreClient | None = None  # set by whoever links this frontend to a core
+        self.clients: dict[int, ClientRequest] = {}
+        self._by_rid: dict[str, ClientRequest] = {}
+        self._handles = itertools.count(1)
+        self.info: WorkerInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.connected = False
+        self.on_ready: Callable[[bool], None] = lambda ready: None
+
+    @property
+    def ready(self) -> bool:
+        return self.connected and self.tokenizer is not None
+
+    # ---- requests from clients -----------------------------------------------------------
+
+    def admit(self, request: generation_pb2.GenerateRequest) -> ClientRequest:
+        """Validate and tokenize, then hand the request to the core; raises ApiError."""
+        if self.info is None or self.tokenizer is None:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+        try:
+            valid = validate_request(request, self.tokenizer, self.info, random_seed(), self.config.limits)
+        except InvalidRequest as exc:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        return self.submit(request.request_id or uuid.uuid4().hex, valid.prompt_ids, valid.params)
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> ClientRequest:
+        """A validated request; the core may still refuse it (the stream then fails)."""
+        assert self.core is not None and self.tokenizer is not None
+        if rid in self._by_rid:
+            raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already live")
+        client = ClientRequest(
+            next(self._handles),
+            rid,
+            prompt_ids,
+            params,
+            RequestText(self.tokenizer, params.stop),
+            OutputStream(self.config.stream_interval),
+        )
+        self.clients[client.handle] = client
+        self._by_rid[rid] = client
+        self.core.add(CoreRequestSpec(client.handle, rid, prompt_ids, params, client.arrival_time))
+        return client
+
+    def cancel(self, client: ClientRequest) -> None:
+        """The client went away (cancelled, disconnected, past its deadline)."""
+        if not client.finished:
+            self._end(client, FinishReason.ABORT)
+            self._abort_in_core(client)
+
+    async def abort(self, rid: str) -> bool:
+        client = self._by_rid.get(rid)
+        if client is None:
+            assert self.core is not None
+            return await self.core.abort_request(rid)
+        self.cancel(client)
+        return True
+
+    # ---- from the core ---------------------------------------------------------------------
+
+    def worker_state(self, info: WorkerInfo | None, connected: bool) -> None:
+        if info is not None and info != self.info:
+            self._load_tokenizer(info)
+        self.connected = connected
+        self.on_ready(self.ready)
+
+    def _load_tokenizer(self, info: WorkerInfo) -> None:
+        spec = info.tokenizer
+        try:
+            self.tokenizer = load_tokenizer(
+                spec.kind, spec.hf_json, info.vocab_size, info.bos_token_id, info.eos_token_ids
+            )
+            self.info = info
+        except Exception:
+            log.exception("cannot load the tokenizer of worker session %d; not serving", info.epoch)
+            self.info, self.tokenizer = None, None
+
+    def send(self, outputs: StepOutputs) -> None:
+        """One step's rows of this frontend's requests."""
+        now = time.time()
+        clients = self.clients
+        for handle, token, finish in zip(
+            outputs.handles, outputs.token_ids, outputs.finish_reasons, strict=True
+        ):
+            client = clients.get(handle)
+            if client is None:  # ended here already: a stop string, or the client left
+                continue
+            if token >= 0:
+                self._on_token(client, token, FinishReason(finish) if finish else None, now)
+            elif finish:
+                self._end(client, FinishReason(finish))
+        for handle, code, message in outputs.errors:
+            client = clients.get(handle)
+            if client is not None:
+                self._fail(client, grpc.StatusCode[code], message)
+
+    def fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        for client in list(self.clients.values()):
+            self._fail(client, code, message)
+
+    def _on_token(self, client: ClientRequest, token: int, finish: FinishReason | None, now: float) -> None:
+        self._note_token_time(client, now)
+        if finish == FinishReason.STOP:  # EOS or a stop token: kept in token_ids, not in text
+            client.stream.put(token, "")
+            self._end(client, finish)
+            return
+        text, stopped = client.text.push(token)
+        client.stream.put(token, text)
+        if stopped:
+            self._end(client, FinishReason.STOP)
+            if finish is None:
+                self._abort_in_core(client)
+        elif finish is not None:
+            self._end(client, finish)
+
+    def _note_token_time(self, client: ClientRequest, now: float) -> None:
+        t = self.telemetry
+        if client.last_token_time is None:
+            t.ttft.observe(now - client.arrival_time)
+        else:
+            t.itl.observe(now - client.last_token_time)
+        client.last_token_time = now
+        t.generation_tokens.inc()
+
+    # ---- endings ---------------------------------------------------------------------------
+
+    def _end(self, client: ClientRequest, reason: FinishReason) -> None:
+        if not (reason == FinishReason.STOP and client.text.stopped):
+            client.stream.put_text(client.text.finish())
+        client.finish_reason = reason
+        self._forget(client)
+        client.stream.close(reason)
+        self.telemetry.finished[reason.name.lower()].inc()
+        self.telemetry.e2e.observe(time.time() - client.arrival_time)
+
+    def _fail(self, client: ClientRequest, code: grpc.StatusCode, message: str) -> None:
+        self._forget(client)
+        client.stream.fail(code, message)
+        self.telemetry.finished["error"].inc()
+
+    def _forget(self, client: ClientRequest) -> None:
+        self.clients.pop(client.handle, None)
+        if self._by_rid.get(client.rid) is client:
+            del self._by_rid[client.rid]
+
+    def _abort_in_core(self, client: ClientRequest) -> None:
+        assert self.core is not None
+        self.core.abort(client.handle)

@@ -1,0 +1,71 @@
+"""Typed per-step outputs of the engine core, one `StepOutputs` per frontend.
+
+The arrays are the wire form of `stepahead.v1.StepOutputs`: building them costs one
+append per row, and the link sends them as packed fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler_svc.request import FinishReason, Request
+
+NO_TOKEN = -1
+
+
+@dataclass
+class StepOutputs:
+    """Entry i: request `handles[i]` got token `token_ids[i]` (NO_TOKEN: none) and, when
+    `finish_reasons[i]` is not 0, ended for that reason. `errors` end requests with a
+    status instead: (handle, gRPC status name, message)."""
+
+    handles: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reasons: list[int] = field(default_factory=list)
+    errors: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.handles or self.errors)
+
+    def add(self, handle: int, token: int, finish: FinishReason | None) -> None:
+        self.handles.append(handle)
+        self.token_ids.append(token)
+        self.finish_reasons.append(int(finish or 0))
+
+
+class OutputSink(Protocol):
+    """Where a frontend's outputs go: the frontend itself, or the link to its process.
+    Sinks are compared by identity (the outbox groups outputs by sink)."""
+
+    def send(self, outputs: StepOutputs) -> None:
+        """Must not block the core's loop."""
+
+
+class Outbox:
+    """Outputs of the current step, grouped by the owning frontend until `flush`."""
+
+    def __init__(self) -> None:
+        self._pending: dict[OutputSink | None, StepOutputs] = {}
+
+    def token(self, req: Request, token: int, finish: FinishReason | None = None) -> None:
+        self._for(req.owner).add(req.handle, token, finish)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        self._for(req.owner).add(req.handle, NO_TOKEN, reason)
+
+    def error(self, req: Request, code: str, message: str) -> None:
+        self._for(req.owner).errors.append((req.handle, code, message))
+
+    def flush(self) -> None:
+        """One message per frontend that has news."""
+        pending, self._pending = self._pending, {}
+        for owner, outputs in pending.items():
+            if owner is not None:  # None: a request driven without a frontend (policy tests)
+                owner.send(outputs)
+
+    def _for(self, owner: OutputSink | None) -> StepOutputs:
+        outputs = self._pending.get(owner)
+        if outputs is None:
+            outputs = self._pending[owner] = StepOutputs()
+        return outputs

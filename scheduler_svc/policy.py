@@ -1,0 +1,329 @@
+"""The scheduling policy: request table, queues, KV- and request-slot accounting.
+
+Synchronous and free of gRPC and asyncio, in the spirit of vLLM's SchedulerInterface:
+
+    add_request(req)                  admit into the waiting queue (or refuse)
+    schedule() -> batch | None        pick the next batch under the token budget
+    update_from_result(batch, ids)    apply a batch's sampled ids; outputs go to the outbox
+    abort(rid) / abort_handle(...)    end requests; their slots are free at once
+    stats()                           counters
+
+The engine core (`scheduler_svc/core.py`) drives it from the serial or overlap loop.
+Token-level stops (EOS, `stop_token_ids`, `max_new_tokens`) are decided here; stop
+strings are the frontends' (they abort the request when they find one).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from scheduler_svc.allocator import SlotAllocator
+from scheduler_svc.batch import SampledRow, ScheduledBatch
+from scheduler_svc.outputs import Outbox, OutputSink
+from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.telemetry import SchedulerTelemetry
+from stepahead.protocol import Launch, WorkerInfo
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_batch_tokens: int = 512  # token budget of one step; longer prompts are chunked
+    max_running: int = 0  # 0: as many as the worker has request slots
+    max_waiting: int = 1024  # new requests beyond this many waiting ones are refused
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    dropped_inflight_tokens: int = 0
+    results_out_of_order: int = 0
+
+
+class Refused(Exception):
+    """A request the policy does not take: `code` is a gRPC status name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SchedulingPolicy:
+    def __init__(self, config: PolicyConfig, outbox: Outbox, telemetry: SchedulerTelemetry) -> None:
+        self.config = config
+        self.outbox = outbox
+        self.telemetry = telemetry
+        self.counters = SchedulerStats()
+        self.requests: dict[str, Request] = {}
+        self._by_handle: dict[tuple[OutputSink | None, int], Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.kv = SlotAllocator(0, "kv slots")
+        self.req_slots = SlotAllocator(0, "request slots")
+        self._pending_releases: list[int] = []
+        self._next_step_id = 1
+        self._arrivals = 0
+
+    # ---- requests in and out ---------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Raises Refused for a live duplicate id or a full waiting queue."""
+        if req.rid in self.requests:
+            raise Refused("ALREADY_EXISTS", f"request_id: {req.rid!r} is already live")
+        if len(self.waiting) >= self.config.max_waiting:  # before any work is spent on it
+            raise Refused(
+                "RESOURCE_EXHAUSTED",
+                f"{len(self.waiting)} requests are already waiting (--max-waiting); retry later",
+            )
+        self._arrivals += 1
+        req.arrival_seq = self._arrivals
+        self.requests[req.rid] = req
+        self._by_handle[req.owner, req.handle] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """End a live request at once; its slots are reused safely (see _release)."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        self.finish(req, FinishReason.ABORT)
+        return True
+
+    def abort_handle(self, owner: OutputSink | None, handle: int) -> None:
+        """The owning frontend ended the request (client gone, stop string): no output."""
+        req = self._by_handle.get((owner, handle))
+        if req is not None:
+            self._end(req, FinishReason.ABORT)
+
+    def abort_owner(self, owner: OutputSink) -> int:
+        """Every request of a frontend that is gone; returns how many."""
+        mine = [req for (o, _), req in self._by_handle.items() if o is owner]
+        for req in mine:
+            self._end(req, FinishReason.ABORT)
+        return len(mine)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_releases)
+
+    def stats(self) -> SchedulerStats:
+        return self.counters
+
+    # ---- pick --------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Decode and continue prefills of running requests (in arrival order),
+        then admit waiting ones, all under the step's token budget."""
+        batch = ScheduledBatch(Launch(step_id=self._next_step_id))
+        budget = self.config.max_batch_tokens
+        preempted = self._schedule_running(batch, budget)
+        if not preempted:
+            self._admit_waiting(batch, budget - batch.num_tokens)
+        self.update_gauges()
+        if not batch.launch.num_rows:
+            return None
+        return self._seal(batch)
+
+    def release_batch(self) -> ScheduledBatch | None:
+        """A row-less launch that only tells the worker about released slots."""
+        if not self._pending_releases:
+            return None
+        return self._seal(ScheduledBatch(Launch(step_id=self._next_step_id)))
+
+    def _seal(self, batch: ScheduledBatch) -> ScheduledBatch:
+        batch.launch.released_slots, self._pending_releases = self._pending_releases, []
+        self._next_step_id += 1
+        self.counters.steps += 1
+        return batch
+
+    @property
+    def next_step_id(self) -> int:
+        return self._next_step_id
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Returns whether KV ran out and requests were preempted."""
+        preempted = False
+        for req in list(self.running):
+            if budget <= batch.num_tokens:
+                break
+            if req.req_slot is None:  # preempted earlier in this pick
+                continue
+            if req.wants_decode():
+                need = 1
+            elif req.in_prefill:
+                need = min(req.num_known - req.num_computed, budget - batch.num_tokens)
+            else:
+                continue
+            if not self.kv.can_allocate(need):
+                preempted = True
+                if not self._preempt_until_free(need, req):
+                    break
+            self._add_row(batch, req, need)
+        return preempted
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """First come, first served: stop at the first request that does not fit."""
+        while self.waiting and budget > 0 and self.req_slots.num_free:
+            req = self.waiting[0]
+            chunk = min(req.num_known, budget)
+            # Leave one KV slot per running request for its next decode.
+            if not self.kv.can_allocate(chunk + len(self.running)):
+                break
+            self.waiting.popleft()
+            self._note_first_scheduled(req)
+            req.req_slot = self.req_slots.allocate_one()
+            self.running.append(req)
+            batch.register(req)
+            self._add_row(batch, req, chunk)
+            budget -= chunk
+
+    def _note_first_scheduled(self, req: Request) -> None:
+        if req.first_scheduled_time is None:  # not again on a recompute
+            req.first_scheduled_time = time.time()
+            self.telemetry.queue_time.observe(req.first_scheduled_time - req.arrival_time)
+            self.telemetry.prompt_tokens.inc(len(req.prompt_ids))
+
+    def _add_row(self, batch: ScheduledBatch, req: Request, num_tokens: int) -> None:
+        kv_slots = self.kv.allocate(num_tokens)
+        req.kv_slots.extend(kv_slots)
+        samples = True
+        if req.in_prefill:
+            start = req.num_computed
+            samples = start + num_tokens == req.num_known
+            batch.add_prefill(req, req.known_ids(start, start + num_tokens), kv_slots, samples)
+        else:
+            batch.add_decode(req, kv_slots[0])
+        req.num_computed += num_tokens
+        req.num_inflight += samples
+
+    def _preempt_until_free(self, need: int, req: Request) -> bool:
+        """Preempt the latest arrivals until `need` KV slots are free; False if
+        `req` itself had to go."""
+        while not self.kv.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.counters.preemptions += 1
+        self.telemetry.preemptions.inc()
+        self._requeue_for_recompute(req)
+
+    def _requeue_for_recompute(self, req: Request) -> None:
+        """Back to the head of the queue, to be recomputed from prompt + processed output.
+
+        NOTE: its in-flight token is dropped (the attempt changes) and sampled
+        again on recompute; greedy and seeded sampling give the same token.
+        """
+        self._release(req)
+        self.running.remove(req)
+        req.attempt += 1
+        req.num_computed = 0
+        req.num_inflight = 0
+        self.waiting.appendleft(req)
+
+    # ---- process -----------------------------------------------------------------------
+
+    def update_from_result(self, batch: ScheduledBatch, token_ids: list[int]) -> None:
+        """Apply the sampled ids of `batch`: new tokens and token-level finishes go to the outbox."""
+        for row, token in zip(batch.sampled, token_ids, strict=True):
+            self._process_row(row, token)
+        self.update_gauges()
+
+    def _process_row(self, row: SampledRow, token: int) -> None:
+        req = row.request
+        if req.finished or row.attempt != req.attempt:
+            # Finished (or preempted) while this batch was in flight: never streamed.
+            self.counters.dropped_inflight_tokens += 1
+            self.telemetry.dropped_inflight_tokens.inc()
+            return
+        req.num_inflight -= 1
+        req.output_ids.append(token)
+        finish = self._token_finish(req, token)
+        self.outbox.token(req, token, finish)
+        if finish is not None:
+            self._end(req, finish)
+
+    def _token_finish(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def update_gauges(self) -> None:
+        t = self.telemetry
+        t.running.set(len(self.running))
+        t.waiting.set(len(self.waiting))
+        if self.kv.capacity:
+            t.kv_usage.set(self.kv.num_used / self.kv.capacity)
+
+    # ---- endings -----------------------------------------------------------------------
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End `req` and tell its frontend."""
+        self.outbox.finish(req, reason)
+        self._end(req, reason)
+
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self._release(req)
+        self._forget(req)
+
+    def _release(self, req: Request) -> None:
+        """Free the request's slots now, even if a batch in flight still holds it.
+
+        NOTE: safe because the worker runs batches in launch order: every batch
+        that can reuse these slots runs after the in-flight ones that hold them.
+        """
+        if req.req_slot is not None:
+            self.req_slots.free([req.req_slot])
+            self._pending_releases.append(req.req_slot)
+            req.req_slot = None
+        if req.kv_slots:
+            self.kv.free(req.kv_slots)
+            req.kv_slots = []
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.rid, None)
+        self._by_handle.pop((req.owner, req.handle), None)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # ---- worker sessions ---------------------------------------------------------------
+
+    def begin_session(self, info: WorkerInfo) -> int:
+        """Fresh slot accounting for a new worker session; returns the running cap."""
+        running_cap = min(info.request_slots, self.config.max_running or info.request_slots)
+        self.kv = SlotAllocator(info.kv_slots, "kv slots")
+        self.req_slots = SlotAllocator(running_cap, "request slots")
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self._pending_releases = []
+        self._next_step_id = 1
+        return running_cap
+
+    def requeue_all(self) -> None:
+        """The worker session is gone: every running request waits to be recomputed.
+
+        NOTE: results of the lost session's batches never arrive (its stream is
+        gone) and their requests' attempts change, so none of them is applied.
+        """
+        for req in reversed(list(self.running)):
+            self._requeue_for_recompute(req)
+
+    def fail_all(self, why: str) -> None:
+        """End every live request with UNAVAILABLE: none is dropped silently."""
+        for req in list(self.requests.values()):
+            self._release(req)
+            self._forget(req)
+            req.finish_reason = FinishReason.ABORT
+            self.outbox.error(req, "UNAVAILABLE", why)
+        self.running.clear()
+        self.waiting.clear()

@@ -1,0 +1,136 @@
+"""Frontend processes of one engine core: start them, restart one that dies, drain them.
+
+Every frontend serves the one public port (SO_REUSEPORT: the kernel spreads new
+connections over them) and attaches to the core over a unix socket in a private
+directory. A frontend that dies takes its clients' connections with it (they see
+UNAVAILABLE); the core ends its requests and frees their slots when its link closes,
+and a new frontend takes its place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterable
+
+import grpc
+from prometheus_client.core import Metric
+
+from scheduler_svc.core import EngineCore
+from scheduler_svc.link import CoreLinkServicer, RemoteFrontend, start_link_server
+from scheduler_svc.telemetry import FrontendTelemetry, parse_exposition
+from stepahead.serving import PortInUse
+
+log = logging.getLogger("stepahead.supervisor")
+
+START_TIMEOUT_S = 60.0
+RESTART_BACKOFF_S = (0.5, 30.0)
+STOP_MARGIN_S = 5.0  # beyond the grace: time for a frontend to flush and exit
+
+
+class FrontendSupervisor:
+    def __init__(self, core: EngineCore, args: argparse.Namespace, socket_path: str) -> None:
+        self._core = core
+        self._count: int = args.frontends
+        self._argv: list[str] = list(args.argv)
+        self._host: str = args.host
+        self._port: int = args.port
+        self._socket_path = socket_path
+        self._servicer = CoreLinkServicer(core, self._on_hello)
+        self._link: grpc.aio.Server | None = None
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._attached = {i: asyncio.Event() for i in range(self._count)}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._port_guard: socket.socket | None = None
+        self._zeros = FrontendTelemetry(core.config.mode).registry  # names exist before any frontend
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> int:
+        """Starts every frontend and returns the public port once all of them serve it."""
+        self._loop = asyncio.get_running_loop()
+        self._link = await start_link_server(self._servicer, self._socket_path)
+        self._port = self._reserve_port()
+        for index in range(self._count):
+            await self._spawn(index, restart_delay=None)
+        waits = [asyncio.create_task(event.wait()) for event in self._attached.values()]
+        _, pending = await asyncio.wait(waits, timeout=START_TIMEOUT_S)
+        for task in pending:
+            task.cancel()
+        if pending:
+            raise RuntimeError(f"{len(pending)} frontend processes did not start in {START_TIMEOUT_S:.0f}s")
+        return self._port
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM every frontend (each drains for `grace_s`), then the link."""
+        self._stopping = True
+        for proc in self._procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in self._procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s + STOP_MARGIN_S)
+            except TimeoutError:
+                proc.kill()
+        if self._link is not None:
+            await self._link.stop(0)
+        if self._port_guard is not None:
+            self._port_guard.close()
+
+    def metric_sources(self) -> list[Iterable[Metric]]:
+        """Called from the /metrics thread: every frontend's exposition, asked over its link."""
+        assert self._loop is not None
+        texts = asyncio.run_coroutine_threadsafe(self._servicer.metrics_texts(), self._loop).result(10)
+        return [self._zeros.collect(), *(parse_exposition(text) for text in texts)]
+
+    # ---- processes -------------------------------------------------------------------------
+
+    async def _spawn(self, index: int, restart_delay: float | None) -> None:
+        flags = [*self._argv, "--port", str(self._port)]
+        flags += ["--core-socket", self._socket_path, "--frontend-index", str(index)]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "scheduler_svc.frontend_process", *flags
+        )
+        self._procs[index] = proc
+        task = asyncio.create_task(self._watch(index, proc, restart_delay or RESTART_BACKOFF_S[0]))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, index: int, proc: asyncio.subprocess.Process, delay: float) -> None:
+        code = await proc.wait()
+        if self._stopping or code == 0:  # told to stop: it drained and left
+            return
+        log.error("frontend %d (pid %d) exited with %s; restarting in %.1fs", index, proc.pid, code, delay)
+        self._core.telemetry.frontend_restarts.inc()
+        await asyncio.sleep(delay)
+        if not self._stopping:
+            await self._spawn(index, min(delay * 2, RESTART_BACKOFF_S[1]))
+
+    def _on_hello(self, frontend: RemoteFrontend) -> None:
+        log.info("frontend %d (pid %d) serves port %d", frontend.index, frontend.pid, frontend.port)
+        if frontend.index in self._attached:
+            self._attached[frontend.index].set()
+        self._core.telemetry.frontends.set(len(self._servicer.frontends))
+
+    def _reserve_port(self) -> int:
+        """The public port, checked free, then held with SO_REUSEPORT (not listening, so it
+        takes no connections) so that only our frontends share it."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((self._host, self._port))
+            except OSError as exc:
+                raise PortInUse(
+                    f"cannot listen on {self._host}:{self._port} ({exc.strerror}): choose another with --port"
+                ) from exc
+            port = int(probe.getsockname()[1])
+        guard = socket.socket(family)
+        guard.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        guard.bind((self._host, port))
+        self._port_guard = guard
+        return port

@@ -1,0 +1,40 @@
+"""python -m stepahead.colocated --worker-flags '--model sim --sim-step-ms 10' [scheduler flags]
+
+The scheduler with the worker engine in its own process: no gRPC between them. The
+baseline for what the process boundary costs (bench/) and a one-process deployment.
+It lives outside both packages: the scheduler never imports torch or `worker_svc`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from scheduler_svc import __main__ as scheduler_main
+from stepahead.serving import run_service, setup_logging, start_metrics
+from worker_svc import __main__ as worker_main
+from worker_svc.inprocess import InProcessTransport
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m stepahead.colocated", add_help=False)
+    p.add_argument("--worker-flags", required=True, help="the worker's flags, as one string")
+    own, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = scheduler_main.parse_args(rest)
+    if args.worker_tls_ca is not None:
+        p.error("--worker-tls-* apply to a worker reached over gRPC")
+    args.argv = rest
+    args.worker = "in-process"
+    setup_logging(args.log_level)
+    worker_args = worker_main.parse_args(shlex.split(own.worker_flags))
+    engine = worker_main.build_engine(worker_args)
+    start_metrics(engine.metrics.registry, worker_args, "worker")
+    try:
+        run_service("scheduler", scheduler_main.serve(args, InProcessTransport(engine)))
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

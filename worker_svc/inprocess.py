@@ -1,0 +1,36 @@
+"""The worker engine in the scheduler's process: same ordered threads, no socket.
+
+A `scheduler_svc.transport.WorkerTransport` for tests and for the baseline of what the
+process boundary costs (`python -m stepahead.colocated`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from stepahead.protocol import Launch, StepResult, WorkerInfo
+from worker_svc.engine import WorkerEngine
+
+
+class InProcessSession:
+    def __init__(self, engine: WorkerEngine, info: WorkerInfo) -> None:
+        self._engine = engine
+        self.info = info
+
+    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
+        return asyncio.wrap_future(self._engine.submit(launch))
+
+    async def close(self) -> None:
+        """The engine belongs to whoever built it."""
+
+
+class InProcessTransport:
+    def __init__(self, engine: WorkerEngine) -> None:
+        self._engine = engine
+
+    async def connect(self) -> InProcessSession:
+        info = await asyncio.wrap_future(self._engine.begin_session())
+        return InProcessSession(self._engine, info)
+
+    async def close(self) -> None:
+        """The engine belongs to whoever built it."""
