@@ -14,6 +14,7 @@ Mode = Literal["serial", "overlap"]
 Transport = Literal["grpc", "in-process"]
 MODES: tuple[Mode, ...] = ("serial", "overlap")
 SIM_KV_SLOTS = 1 << 20  # the sim keeps no KV: a pool this large only keeps preemption out of the runs
+DEFAULT_FRONTENDS = 1  # the scheduler's own default for --frontends
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,22 @@ class Configuration:
     mode: Mode
     transport: Transport
     late_pick: bool = False  # overlap only: pick k+1 shortly before forward k ends (--late-pick)
+    frontends: int = DEFAULT_FRONTENDS  # frontend processes (--frontends); 0: in the core's process
 
     @property
     def name(self) -> str:
         late = ", late pick" if self.mode == "overlap" and self.late_pick else ""
-        return f"{self.device.name} {self.mode} {self.transport}{late}"
+        frontends = "" if self.frontends == DEFAULT_FRONTENDS else f", frontends {self.frontends}"
+        return f"{self.device.name} {self.mode} {self.transport}{late}{frontends}"
 
     @property
     def scheduler_args(self) -> tuple[str, ...]:
-        return ("--mode", self.mode, "--late-pick" if self.late_pick else "--no-late-pick")
+        args = ("--mode", self.mode, "--late-pick" if self.late_pick else "--no-late-pick")
+        # NOTE: the scheduler's default is left implicit, so configurations that predate the
+        # field keep their exact flags (and names).
+        if self.frontends == DEFAULT_FRONTENDS:
+            return args
+        return (*args, "--frontends", str(self.frontends))
 
     @property
     def shares_process(self) -> bool:

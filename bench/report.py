@@ -137,6 +137,7 @@ def _case_json(result: CaseResult) -> dict[str, Any]:
         "mode": c.mode,
         "transport": c.transport,
         "late_pick": c.late_pick,
+        "frontends": c.frontends,
         "shares_process": c.shares_process,
         "workload": {**asdict(w), "input_bounds": w.input_bounds, "output_bounds": w.output_bounds},
         "figures": asdict(result.figures),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -15,12 +15,20 @@ from stepahead.processes import Service, serving_pair, spawn_scheduler_in_proces
 
 SETTLE_TIMEOUT_S = 10.0
 
+Drive = Callable[[BenchmarkConfig], Summary]  # runs one load against the server; blocks until done
+
+
+def run_loadgen(config: BenchmarkConfig) -> Summary:
+    """loadgen's own run: one gRPC channel (so one connection) to the server."""
+    return asyncio.run(run_benchmark(config)).summary
+
 
 @dataclass(frozen=True)
 class Endpoints:
     address: str  # the scheduler's Generation API
     scheduler_metrics: str
     worker_metrics: str  # served by the scheduler's process when the worker runs in it
+    scheduler_pid: int | None = None  # the scheduler's (engine core's) process
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,11 @@ def serving(configuration: Configuration) -> Iterator[Endpoints]:
     scheduler_args = list(configuration.scheduler_args)
     if configuration.transport == "grpc":
         with serving_pair(worker_args, scheduler_args) as (worker, scheduler):
-            yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url)
+            yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url, scheduler.proc.pid)
         return
     with _in_process(worker_args, scheduler_args) as scheduler:
         urls = scheduler.metrics_urls
-        yield Endpoints(scheduler.address, urls["scheduler"], urls["worker"])
+        yield Endpoints(scheduler.address, urls["scheduler"], urls["worker"], scheduler.proc.pid)
 
 
 @contextmanager
@@ -58,17 +66,17 @@ def _in_process(worker_args: list[str], scheduler_args: list[str]) -> Iterator[S
             scheduler.stop()
 
 
-def measure(endpoints: Endpoints, workload: Workload) -> Measurement:
-    """Warm up, then one measured run between two scrapes of each process."""
-    asyncio.run(run_benchmark(_warmup_config(endpoints.address, workload)))
+def measure(endpoints: Endpoints, workload: Workload, drive: Drive = run_loadgen) -> Measurement:
+    """Warm up, then one measured run between two scrapes of each process; `drive` runs each."""
+    drive(_warmup_config(endpoints.address, workload))
     _settle(endpoints)
     scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
     cpu_before = time.process_time()
-    result = asyncio.run(run_benchmark(_measured_config(endpoints.address, workload)))
+    summary = drive(_measured_config(endpoints.address, workload))
     client_cpu_s = time.process_time() - cpu_before
     _settle(endpoints)
     return Measurement(
-        result.summary,
+        summary,
         delta(scheduler_before, scrape(endpoints.scheduler_metrics)),
         delta(worker_before, scrape(endpoints.worker_metrics)),
         client_cpu_s,

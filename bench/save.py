@@ -1,4 +1,5 @@
-"""Where a run's results go: `<UTC date-time>.json`, `.md` and `-sweep.png`, plus `latest` copies."""
+"""Where a run's results go: `<UTC date-time>.json`, `.md` and `-sweep.png`, plus `latest` copies.
+Other benchmarks add their name: `<UTC date-time>-<name>.{json,md}` and `latest-<name>.{json,md}`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import math
 import shutil
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,11 @@ class Saved:
 
 
 def stamp(run: RunResult) -> str:
-    return f"{run.started_at:%Y%m%dT%H%M%SZ}"
+    return stamp_of(run.started_at)
+
+
+def stamp_of(started_at: datetime) -> str:
+    return f"{started_at:%Y%m%dT%H%M%SZ}"
 
 
 def save(run: RunResult, command: str, out: Path = RESULTS, docs_image: Path | None = None) -> Saved:
@@ -62,3 +68,17 @@ def finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [finite(item) for item in value]
     return value
+
+
+def save_named(
+    name: str, started_at: datetime, document: dict[str, Any], markdown: str, out: Path = RESULTS
+) -> Saved:
+    """Another benchmark's files: `<stamp>-<name>.{json,md}`, copied to `latest-<name>.{json,md}`."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = f"{stamp_of(started_at)}-{name}"
+    json_path, markdown_path = out / f"{base}.json", out / f"{base}.md"
+    json_path.write_text(json.dumps(finite(document), indent=2, allow_nan=False) + "\n")
+    markdown_path.write_text(markdown)
+    shutil.copyfile(json_path, out / f"latest-{name}.json")
+    shutil.copyfile(markdown_path, out / f"latest-{name}.md")
+    return Saved(json_path, markdown_path, None)

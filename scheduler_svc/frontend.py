@@ -92,6 +92,10 @@ class Frontend:
         self.on_ready: Callable[[bool], None] = lambda ready: None
 
     @property
+    def name(self) -> str:
+        return str(self.config.index)
+
+    @property
     def ready(self) -> bool:
         return self.connected and self.tokenizer is not None
 

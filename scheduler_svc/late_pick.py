@@ -72,6 +72,7 @@ class LatePick:
         self._step_time = StepTimeModel()
         self._last_forward_end: float | None = None  # worker clock
         self._picked_late: dict[int, bool] = {}  # by step id, until its result is seen
+        self.late_picks = 0  # picks held back so far
         self._window = (0, 0.0, 0.0)  # late-picked steps, their device gaps, their forward time
 
     def observe(self, num_tokens: int, result: StepResult) -> None:
@@ -99,6 +100,7 @@ class LatePick:
         # Never longer than a step: a clock offset gone wrong must not stall the loop.
         wait = min(started + step - self.margin_s - worker_now, step)
         self._picked_late[next_step_id] = wait > 0
+        self.late_picks += wait > 0
         return max(wait, 0.0)
 
     def _note_late_picked_step(self, gap: float, forward_seconds: float) -> None:

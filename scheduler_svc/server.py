@@ -28,6 +28,7 @@ from stepahead.v1 import generation_pb2, generation_pb2_grpc
 log = logging.getLogger("stepahead.scheduler")
 
 SERVICE_NAME = "stepahead.v1.Generation"
+FRONTEND_METADATA = "stepahead-frontend"  # initial metadata of Generate: which frontend serves the call
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
@@ -59,6 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             client = self._frontend.admit(request)
         except ApiError as exc:
             await context.abort(exc.code, str(exc))
+        await context.send_initial_metadata(((FRONTEND_METADATA, self._frontend.name),))
         try:
             async for response in _stream(client, context):
                 yield response

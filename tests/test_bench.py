@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from bench import core_cpu
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
+from bench.frontends import CLOCK_TICKS, PointResult, children_cpu_s, cpu_figures, cpu_shares
+from bench.frontends import QUICK as QUICK_FRONTENDS
+from bench.frontends import table as frontends_table
 from bench.harness import CaseResult, RunResult, run_plan
 from bench.machine import Machine
 from bench.promtext import delta, histogram_buckets, histogram_quantile, parse, total
@@ -458,3 +462,111 @@ def test_side_by_side_includes_a_late_pick_overlap_and_tells_it_apart() -> None:
     ]
     assert cases[1].configuration.scheduler_args == ("--mode", "overlap", "--no-late-pick")
     assert cases[3].configuration.scheduler_args == ("--mode", "overlap", "--late-pick")
+
+
+# ---- frontends: CPU per token from metric deltas ----------------------------------------------
+
+FRONTENDS_SCHEDULER_BEFORE = """\
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total{mode="overlap"} 2.0
+# TYPE stepahead_frontend_cpu_seconds counter
+stepahead_frontend_cpu_seconds_total{mode="overlap"} 1.0
+# TYPE stepahead_generation_tokens counter
+stepahead_generation_tokens_total{mode="overlap"} 500.0
+"""
+
+FRONTENDS_SCHEDULER_AFTER = """\
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total{mode="overlap"} 2.5
+# TYPE stepahead_frontend_cpu_seconds counter
+stepahead_frontend_cpu_seconds_total{mode="overlap"} 1.3
+# TYPE stepahead_generation_tokens counter
+stepahead_generation_tokens_total{mode="overlap"} 10500.0
+"""
+
+
+def frontends_measurement(duration_s: float = 10.0) -> Measurement:
+    """Over the run: core 0.5 s, frontends 0.3 s, worker 0.6 s, loadgen 0.2 s; 10,000 tokens."""
+    return Measurement(
+        replace(summary(1000.0), duration_s=duration_s),
+        delta(parse(FRONTENDS_SCHEDULER_BEFORE), parse(FRONTENDS_SCHEDULER_AFTER)),
+        delta(parse(WORKER_BEFORE), parse(WORKER_AFTER)),
+        0.2,
+    )
+
+
+def test_cpu_figures_per_generated_token() -> None:
+    c = cpu_figures(2, frontends_measurement(), shares=(0.6, 0.4), cpus=2)
+    assert c.generated_tokens == 10_000
+    assert c.core_us_per_token == pytest.approx(50.0)
+    assert c.frontends_us_per_token == pytest.approx(30.0)
+    assert c.scheduler_us_per_token == pytest.approx(80.0)
+    assert c.worker_us_per_token == pytest.approx(60.0)
+    assert c.loadgen_us_per_token == pytest.approx(20.0)
+    assert c.cpus_used == pytest.approx(1.6 / 10.0)
+    assert not c.box_bound
+    assert c.frontend_shares == (0.6, 0.4)
+
+
+def test_cpu_figures_with_the_frontend_in_the_core_and_a_saturated_box() -> None:
+    c = cpu_figures(0, frontends_measurement(duration_s=0.8), cpus=2)
+    assert c.frontends_us_per_token is None
+    assert c.scheduler_us_per_token == pytest.approx(80.0)  # the metric's frontends, if any, still add up
+    assert c.cpus_used == pytest.approx(2.0)
+    assert c.box_bound
+
+
+def test_cpu_figures_without_tokens_are_none() -> None:
+    idle = Measurement(summary(0.0), {}, {}, 0.0)
+    c = cpu_figures(1, idle, cpus=2)
+    assert c.generated_tokens == 0
+    assert (c.core_us_per_token, c.scheduler_us_per_token, c.loadgen_us_per_token) == (None, None, None)
+
+
+def test_frontend_cpu_shares_from_proc(tmp_path: Path) -> None:
+    def stat(pid: int, name: str, ppid: int, utime: int, stime: int) -> None:
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", str(ppid), *["0"] * 9, str(utime), str(stime), "0", "0"]
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) {' '.join(fields)}\n")
+
+    stat(11, "python -m x (frontend)", 7, 300, 100)
+    stat(12, "python", 7, 50, 50)
+    stat(13, "other", 8, 999, 999)
+    before = children_cpu_s(7, tmp_path)
+    assert before == {11: 400 / CLOCK_TICKS, 12: 100 / CLOCK_TICKS}
+    after = {11: before[11] + 3.0, 12: before[12] + 1.0, 14: 5.0}  # 14 started meanwhile: not counted
+    assert cpu_shares(before, after) == pytest.approx((0.75, 0.25))
+    assert cpu_shares(before, before) == ()
+
+
+def test_configuration_frontends_flag_only_when_not_the_default() -> None:
+    assert Configuration(SIM, "overlap", "grpc").scheduler_args == ("--mode", "overlap", "--no-late-pick")
+    zero = Configuration(SIM, "overlap", "grpc", frontends=0)
+    assert zero.scheduler_args == ("--mode", "overlap", "--no-late-pick", "--frontends", "0")
+    assert zero.name == "sim overlap grpc, frontends 0"
+
+
+def test_frontends_table_row() -> None:
+    case = Case(Configuration(SIM, "overlap", "grpc", frontends=0), QUICK_FRONTENDS.workload(16))
+    measured = frontends_measurement(duration_s=0.8)
+    result = PointResult(case, figures(case, measured), cpu_figures(0, measured, cpus=2))
+    assert case.workload.num_prompts == 2 * 16 and case.workload.output_bounds == (128, 128)
+    assert frontends_table([result])[2] == (
+        "| 10 | 16 | 0 | 1,000 | 0.625 | 0.750 | 50.0 | in core | 80.0 | 60.0 | 20.0 | 2.00 † | — |"
+    )
+
+
+# ---- engine core CPU per step ------------------------------------------------------------------
+
+
+def test_core_cpu_gives_a_row_per_batch_size_with_positive_figures() -> None:
+    run = core_cpu.run(core_cpu.CoreCpuConfig(steps=4, warmup_steps=1))
+    assert [r.batch_size for r in run.rows] == [64, 128, 256, 512]
+    for r in run.rows:
+        assert r.steps == 4 and r.tokens_per_step == r.batch_size
+        assert r.us_per_step > 0 and r.us_per_step_mean > 0 and r.us_per_token > 0
+        assert all(r.phase_us[p] > 0 for p in core_cpu.PHASES)
+        assert r.launch_bytes > 0 and r.outputs_bytes > 0
+    document = json.loads(json.dumps(finite(core_cpu.to_json(run, "test")), allow_nan=False))
+    assert document["target"]["batch_size"] == 256 and document["target"]["met"] in (True, False)
+    assert "| 256 |" in core_cpu.to_markdown(run, "test")

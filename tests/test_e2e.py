@@ -25,16 +25,16 @@ from stepahead.processes import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.live import server_info, unused_port, wait_all_free
+from tests.live import FRONTEND_COUNTS, frontend_flags, server_info, unused_port, wait_all_free
 from worker_svc.backends import sim_continuation as sim_expected
 
 pytestmark = pytest.mark.anyio
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
 
 
-@pytest.fixture(scope="module")
-def sim_pair() -> Iterator[tuple[Service, Service]]:
-    with serving_pair(SIM, ["--max-batch-tokens", "256"]) as pair:
+@pytest.fixture(scope="module", params=FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+def sim_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Service, Service]]:
+    with serving_pair(SIM, ["--max-batch-tokens", "256", *frontend_flags(request.param)]) as pair:
         yield pair
 
 
@@ -179,8 +179,9 @@ async def test_worker_kept_its_invariants(sim_pair: tuple[Service, Service]) -> 
     assert stats.live_request_slots == 0
 
 
-def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones() -> None:
-    with serving_pair(SIM, ["--grace", "30"]) as (worker, scheduler):
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(frontends: int) -> None:
+    with serving_pair(SIM, ["--grace", "30", *frontend_flags(frontends)]) as (worker, scheduler):
 
         async def scenario() -> tuple[list[pb.GenerateResponse], grpc.StatusCode]:
             in_flight = asyncio.create_task(
@@ -242,9 +243,10 @@ def wait_health(address: str, status: int) -> None:
     raise AssertionError(f"{address} never reported {status}")
 
 
-def test_health_follows_the_worker_and_a_stream_survives_its_restart() -> None:
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_health_follows_the_worker_and_a_stream_survives_its_restart(frontends: int) -> None:
     worker_port = unused_port()
-    scheduler = spawn_scheduler(f"127.0.0.1:{worker_port}", [])
+    scheduler = spawn_scheduler(f"127.0.0.1:{worker_port}", frontend_flags(frontends))
     worker = None
     try:
         # No worker yet: not serving, and a request is refused outright.

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 import torch
 
+from bench.promtext import scrape, total
 from scheduler_svc.core import EngineCore
 from scheduler_svc.request import FinishReason
+from stepahead.processes import serving_pair
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc
 from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload
+from tests.live import (
+    FRONTEND_COUNTS,
+    channels_by_frontend,
+    frontend_flags,
+    wait_all_free,
+    worker_stats_after_drain,
+)
 from worker_svc.backends import sim_next_token
 from worker_svc.engine import WorkerEngine
 
@@ -112,14 +126,15 @@ async def test_sim_overlap_equals_serial_and_the_host_reference() -> None:
 
 
 async def test_sim_overlap_with_late_pick_equals_serial() -> None:
+    # A 6 ms step is longer than late pick's initial margin (3 ms), so picks are held back.
     items = mixed_workload(200, seed=4, sampled=False)
-    serial, _, _ = await serve_workload("sim", "serial", items, kv_slots=1200, request_slots=48)
-    late, scheduler, engine = await serve_workload(
-        "sim", "overlap", items, kv_slots=1200, request_slots=48, late_pick=True
-    )
+    kw: dict[str, object] = dict(kv_slots=1200, request_slots=48, sim_step_ms=6.0)
+    serial, _, _ = await serve_workload("sim", "serial", items, **kw)  # type: ignore[arg-type]
+    late, core, engine = await serve_workload("sim", "overlap", items, late_pick=True, **kw)  # type: ignore[arg-type]
     check_client_views(items, late)
-    check_drained(scheduler, engine)
+    check_drained(core, engine)
     assert_same_tokens(items, serial, late)
+    assert core.late_pick.late_picks > 0, "no pick was held back: the test cannot fail for late pick"
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
@@ -130,3 +145,103 @@ async def test_tiny_overlap_equals_serial(sampled: bool) -> None:
     views = await serve_both("tiny", items, kv_slots=1500, request_slots=48, dtype=torch.float64)
     reasons = [v.finish_reason for v in views["overlap"].values()]
     assert FinishReason.STOP in reasons and FinishReason.LENGTH in reasons
+
+
+# ---- the same invariants through live processes, with the frontend in 0 or 2 processes -------
+
+LIVE_SIM = ["--model", "sim", "--sim-step-ms", "1", "--sim-token-us", "0", "--check-invariants"]
+LIVE_SIM += ["--kv-slots", "1200", "--request-slots", "48"]
+
+
+def to_proto(item: WorkItem) -> pb.GenerateRequest:
+    p = item.params
+    sampling = pb.SamplingParams(
+        max_new_tokens=p.max_new_tokens,
+        seed=p.seed,
+        stop_token_ids=sorted(p.stop_token_ids),
+        stop=list(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+    return pb.GenerateRequest(
+        request_id=item.rid, input_ids=pb.TokenIds(ids=item.prompt_ids), sampling=sampling
+    )
+
+
+async def live_client(
+    channel: grpc.aio.Channel, abort_channel: grpc.aio.Channel, item: WorkItem
+) -> tuple[ClientView, str]:
+    """One request; an abort goes through another channel (often another frontend)."""
+    view = ClientView()
+    call = generation_pb2_grpc.GenerationStub(channel).Generate(to_proto(item), timeout=120)
+    frontend = str(dict(await call.initial_metadata())["stepahead-frontend"])
+    async for r in call:
+        view.messages += 1
+        view.token_ids += r.token_ids
+        view.text += r.text
+        view.completion_tokens.append(r.completion_tokens)
+        view.finish_reason = FinishReason(r.finish_reason) if r.finish_reason else None
+        if item.abort_after is not None and len(view.token_ids) >= item.abort_after and not r.finish_reason:
+            abort = pb.AbortRequest(request_id=item.rid)
+            await generation_pb2_grpc.GenerationStub(abort_channel).Abort(abort, timeout=30)
+            item = WorkItem(item.rid, item.prompt_ids, item.params, item.delay_s)  # abort once
+    return view, frontend
+
+
+async def serve_live(
+    address: str, frontends: int, items: list[WorkItem]
+) -> dict[str, tuple[ClientView, str]]:
+    groups = await channels_by_frontend(address, frontends, per_frontend=3)
+    channels = [c for group in zip(*groups.values(), strict=True) for c in group]  # alternate frontends
+    try:
+        tasks = {}
+        for i, item in enumerate(items):
+            await asyncio.sleep(item.delay_s)
+            pair = channels[i % len(channels)], channels[(i + 1) % len(channels)]
+            tasks[item.rid] = asyncio.create_task(live_client(*pair, item))
+        return {rid: await task for rid, task in tasks.items()}
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def live_run(
+    mode: str, frontends: int, items: list[WorkItem]
+) -> tuple[dict[str, tuple[ClientView, str]], float]:
+    """Client views (and the frontend of each), and the preemptions the core counted."""
+    flags = ["--mode", mode, "--max-batch-tokens", "128", *frontend_flags(frontends)]
+    with serving_pair(LIVE_SIM, flags) as (worker, scheduler):
+
+        async def run() -> dict[str, tuple[ClientView, str]]:
+            got = await serve_live(scheduler.address, frontends, items)
+            await wait_all_free(scheduler.address)
+            stats = await worker_stats_after_drain(worker.address)
+            assert stats.sentinel_reads == 0 and stats.out_of_order_launches == 0
+            assert stats.steps_executed == stats.last_step_id
+            return got
+
+        views = asyncio.run(run())
+        preemptions = total(scrape(scheduler.metrics_url), "stepahead_preemptions_total")
+    return views, preemptions
+
+
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+def test_live_overlap_equals_serial_whatever_the_frontends(frontends: int) -> None:
+    items = mixed_workload(160, seed=7, sampled=False)
+    served = {mode: live_run(mode, frontends, items) for mode in ("serial", "overlap")}
+    views = {mode: {rid: view for rid, (view, _) in got.items()} for mode, (got, _) in served.items()}
+    for mode, (got, preemptions) in served.items():
+        check_client_views(items, views[mode])
+        assert preemptions > 0, "the workload must exercise preemption"
+        assert len({frontend for _, frontend in got.values()}) == max(frontends, 1), (
+            "spread over every frontend"
+        )
+    assert_same_tokens(items, views["serial"], views["overlap"])
+    string_stops = [
+        i for i in items if views["overlap"][i.rid].finish_reason == FinishReason.STOP and i.params.stop
+    ]
+    assert string_stops, "some requests must end on a stop string (found by a frontend)"
+    for item in items:  # and what the sim must produce, computed on the host
+        expected, reason = sim_reference(item)
+        view = views["overlap"][item.rid]
+        if item.abort_after is None:
+            assert (view.token_ids, view.finish_reason) == (expected, reason), item.rid

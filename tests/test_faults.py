@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepahead.processes import Service, serving_pair, spawn_scheduler, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import unused_port, wait_all_free
+from tests.live import FRONTEND_COUNTS, frontend_flags, unused_port, wait_all_free
 from worker_svc.backends import sim_continuation as sim_expected
 
 LOST_RE = re.compile(r"worker lost .*; (\d+) requests wait for a worker")
@@ -38,11 +38,14 @@ async def stream_tokens(stub: generation_pb2_grpc.GenerationAsyncStub, i: int, n
     return [t async for r in stub.Generate(request, timeout=120) for t in r.token_ids]
 
 
-def test_kill_9_the_worker_mid_load_and_every_request_completes_identically() -> None:
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_kill_9_the_worker_mid_load_and_every_request_completes_identically(frontends: int) -> None:
     rng = random.Random(5)
     port = unused_port()
     worker: Service | None = spawn_worker(SIM, port=port)
-    scheduler = spawn_scheduler(f"127.0.0.1:{port}", ["--max-batch-tokens", "256"])
+    scheduler = spawn_scheduler(
+        f"127.0.0.1:{port}", ["--max-batch-tokens", "256", *frontend_flags(frontends)]
+    )
     try:
         wait_serving(scheduler.address)
         lengths = [rng.randint(150, 400) for _ in range(100)]
@@ -69,10 +72,13 @@ def test_kill_9_the_worker_mid_load_and_every_request_completes_identically() ->
         stop_all(scheduler, worker)
 
 
-def test_requests_end_with_unavailable_when_no_worker_comes_back_in_time() -> None:
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_requests_end_with_unavailable_when_no_worker_comes_back_in_time(frontends: int) -> None:
     port = unused_port()
     worker = spawn_worker(SIM, port=port)
-    scheduler = spawn_scheduler(f"127.0.0.1:{port}", ["--worker-retry-timeout", "1"])
+    scheduler = spawn_scheduler(
+        f"127.0.0.1:{port}", ["--worker-retry-timeout", "1", *frontend_flags(frontends)]
+    )
     try:
         wait_serving(scheduler.address)
 
@@ -143,8 +149,12 @@ def resident_bytes(scheduler: Service) -> float:
     )
 
 
-def test_cancel_storms_free_every_slot_and_keep_memory_flat() -> None:
-    with serving_pair([*SIM, "--sim-step-ms", "1", "--kv-slots", "8192"]) as (_, scheduler):
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_cancel_storms_free_every_slot_and_keep_memory_flat(frontends: int) -> None:
+    with serving_pair([*SIM, "--sim-step-ms", "1", "--kv-slots", "8192"], frontend_flags(frontends)) as (
+        _,
+        scheduler,
+    ):
         first = asyncio.run(storm(scheduler.address, 2000, seed=1))
         assert first["cancelled"] > 0 and first["deadline"] + first["aborted"] > 0
         asyncio.run(wait_all_free(scheduler.address))
@@ -156,9 +166,10 @@ def test_cancel_storms_free_every_slot_and_keep_memory_flat() -> None:
         assert growth < 8 * 2**20, f"scheduler RSS grew {growth / 2**20:.1f} MiB over a second storm"
 
 
-def test_a_kv_pool_oversubscribed_twice_completes_everything_identically() -> None:
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_a_kv_pool_oversubscribed_twice_completes_everything_identically(frontends: int) -> None:
     lengths = [30 + 5 * (i % 7) for i in range(24)]  # prompts of 8-56 tokens: ~1,700 KV slots at once
-    with serving_pair([*SIM, "--kv-slots", "850"]) as (_, scheduler):
+    with serving_pair([*SIM, "--kv-slots", "850"], frontend_flags(frontends)) as (_, scheduler):
 
         async def load() -> list[list[int]]:
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
@@ -179,10 +190,11 @@ def test_a_kv_pool_oversubscribed_twice_completes_everything_identically() -> No
     assert preemptions and preemptions[0] > 0
 
 
-def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load() -> None:
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load(frontends: int) -> None:
     port = unused_port()
     worker: Service | None = spawn_worker(SIM, port=port)
-    scheduler = spawn_scheduler(f"127.0.0.1:{port}", [])
+    scheduler = spawn_scheduler(f"127.0.0.1:{port}", frontend_flags(frontends))
     lengths = [60 + 10 * (i % 10) for i in range(40)]
     try:
         wait_serving(scheduler.address)
@@ -210,9 +222,13 @@ def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load() ->
         stop_all(scheduler, worker)
 
 
-def test_overload_at_ten_times_capacity_refuses_the_excess_and_serves_the_admitted() -> None:
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_overload_at_ten_times_capacity_refuses_the_excess_and_serves_the_admitted(frontends: int) -> None:
     # Capacity: 8 running + 8 waiting. 160 arrive at once.
-    with serving_pair([*SIM, "--request-slots", "8"], ["--max-running", "8", "--max-waiting", "8"]) as (
+    with serving_pair(
+        [*SIM, "--request-slots", "8"],
+        ["--max-running", "8", "--max-waiting", "8", *frontend_flags(frontends)],
+    ) as (
         _,
         scheduler,
     ):

@@ -16,6 +16,7 @@ from scheduler_svc.validation import DEFAULT_MAX_TEXT_BYTES
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from tests.live import FRONTEND_COUNTS, frontend_flags
 from worker_svc.backends import sim_continuation as sim_expected
 
 pytestmark = pytest.mark.anyio
@@ -36,9 +37,9 @@ CALL_TIMEOUT_S = 30
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.fixture(scope="module")
-def sim_pair() -> Iterator[tuple[Service, Service]]:
-    with serving_pair(SIM, LIMITS) as pair:
+@pytest.fixture(scope="module", params=FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+def sim_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Service, Service]]:
+    with serving_pair(SIM, [*LIMITS, *frontend_flags(request.param)]) as pair:
         yield pair
 
 

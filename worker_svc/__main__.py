@@ -81,6 +81,7 @@ def build_engine(args: argparse.Namespace) -> WorkerEngine:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = build_engine(args)
+    start_metrics(engine.metrics.registry, args, "worker")  # first: a port in use stops nothing running
     serving = await build_server(engine, args.host, args.port, server_credentials(args))
     stop = stop_event_on_signals()
     await serving.server.start()
@@ -94,7 +95,6 @@ async def serve(args: argparse.Namespace) -> None:
         info.request_slots,
         describe_tls(args),
     )
-    start_metrics(engine.metrics.registry, args, "worker")
     print(f"worker listening on {args.host}:{serving.port}", flush=True)
     await stop.wait()
     log.info("stopping: draining launched batches")

@@ -1,0 +1,389 @@
+"""python -m bench.core_cpu: the engine core's CPU time per step against the batch size, in one
+process and one thread, with no network.
+
+Each step does the core's own work for one overlap-loop iteration: pick batch k (the scheduling
+policy, under the loop's telemetry phases), serialize its launch as the worker link sends it,
+parse the result of batch k-1 as the link receives it, and apply it (the policy's update, the
+outbox flush, each frontend's message serialized as the frontend link sends it). A host-side
+worker executes every launch at once, outside the timed parts: a FutureMap per request slot,
+one token per sampled row. Requests never finish, so every measured step decodes the whole batch.
+Writes bench/results/<UTC date-time>-core-cpu.{json,md} and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.machine import Machine, describe_machine
+from bench.save import RESULTS, save_named
+from scheduler_svc.batch import ScheduledBatch
+from scheduler_svc.link import outputs_to_proto
+from scheduler_svc.outputs import Outbox, StepOutputs
+from scheduler_svc.policy import PolicyConfig, SchedulingPolicy
+from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.telemetry import SchedulerTelemetry
+from stepahead.protocol import (
+    Launch,
+    StepResult,
+    TokenizerSpec,
+    WorkerInfo,
+    launch_from_proto,
+    launch_to_proto,
+    result_from_proto,
+    result_to_proto,
+)
+from stepahead.v1 import core_pb2, worker_pb2
+
+BATCH_SIZES = (64, 128, 256, 512)
+PHASES = ("schedule", "launch", "result", "process")
+TARGET_BATCH = 256
+TARGET_US_PER_TOKEN = 15.0
+KV_SLOTS = 1 << 20
+EOS = 257
+PRINTABLE_LOW, PRINTABLES = 32, 95  # tokens stay printable bytes, never EOS
+NEVER = 1 << 30  # max_new_tokens of a request that decodes for the whole run
+
+
+@dataclass(frozen=True)
+class CoreCpuConfig:
+    batch_sizes: tuple[int, ...] = BATCH_SIZES
+    steps: int = 200  # measured steps per batch size
+    warmup_steps: int = 50  # after every request decodes, before the measured steps
+    prompt_len: int = 16
+    max_batch_tokens: int = PolicyConfig.max_batch_tokens
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    phase_ns: tuple[int, ...]  # in PHASES order
+    tokens: int  # sampled ids applied by this step's process phase
+    launch_bytes: int
+    outputs_bytes: int
+
+    @property
+    def total_ns(self) -> int:
+        return sum(self.phase_ns)
+
+
+@dataclass(frozen=True)
+class CoreCpuRow:
+    batch_size: int
+    steps: int
+    tokens_per_step: float
+    us_per_step: float  # median over the measured steps
+    us_per_step_mean: float  # mean: includes the steps a garbage collection lands in
+    us_per_token: float  # median µs per step / tokens per step
+    phase_us: dict[str, float]  # median of each phase
+    launch_bytes: float  # serialized launch per step (median)
+    outputs_bytes: float  # serialized frontend messages per step (median)
+
+
+@dataclass(frozen=True)
+class CoreCpuRun:
+    config: CoreCpuConfig
+    started_at: datetime
+    machine: Machine
+    rows: tuple[CoreCpuRow, ...]
+
+
+# ---- the two sides of the core ---------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WireSink:
+    """A frontend as the core's link sees it: each message is serialized and dropped."""
+
+    messages: int = 0
+    unread_bytes: int = 0
+
+    def send(self, outputs: StepOutputs) -> None:
+        wire = core_pb2.CoreMessage(outputs=outputs_to_proto(outputs)).SerializeToString()
+        self.messages += 1
+        self.unread_bytes += len(wire)
+
+    def take_bytes(self) -> int:
+        """Bytes serialized since the last call."""
+        taken, self.unread_bytes = self.unread_bytes, 0
+        return taken
+
+
+@dataclass
+class HostWorker:
+    """Executes serialized launches in launch order and answers each at once. A decode row
+    reads the token its request slot's FutureMap entry holds (KeyError: never written)."""
+
+    future_map: dict[int, int] = field(default_factory=dict)
+    next_step: int = 1
+
+    def run(self, wire: bytes) -> bytes:
+        launch = launch_from_proto(worker_pb2.SchedulerMessage.FromString(wire).launch)
+        assert launch.step_id == self.next_step, f"step {launch.step_id}, expected {self.next_step}"
+        self.next_step += 1
+        for slot in launch.released_slots:
+            self.future_map.pop(slot, None)
+        result = StepResult(launch.step_id, self._sample(launch))
+        return worker_pb2.WorkerMessage(result=result_to_proto(result)).SerializeToString()
+
+    def _sample(self, launch: Launch) -> list[int]:
+        prompt = iter(launch.prompt_ids)
+        sampled = []
+        rows = zip(
+            launch.row_req_slots,
+            launch.row_start_pos,
+            launch.row_num_tokens,
+            launch.row_from_future,
+            launch.row_sample,
+            strict=True,
+        )
+        for slot, start, n, from_future, sample in rows:
+            last = self.future_map[slot] if from_future else [next(prompt) for _ in range(n)][-1]
+            if sample:
+                self.future_map[slot] = token = next_token(last, start + n)
+                sampled.append(token)
+        return sampled
+
+
+def next_token(last: int, position: int) -> int:
+    return PRINTABLE_LOW + (last * 31 + position) % PRINTABLES
+
+
+# ---- the core's path -------------------------------------------------------------------------
+
+
+def worker_info(batch_size: int) -> WorkerInfo:
+    return WorkerInfo("host", 258, NEVER, (EOS,), 256, KV_SLOTS, batch_size, "host", TokenizerSpec("byte"))
+
+
+class CorePath:
+    """`batch_size` requests through the policy in overlap order: pick and launch k, then
+    process k-1."""
+
+    def __init__(self, config: CoreCpuConfig, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.telemetry = SchedulerTelemetry("overlap")
+        self.outbox = Outbox()
+        policy_config = PolicyConfig(config.max_batch_tokens, max_running=batch_size, max_waiting=batch_size)
+        self.policy = SchedulingPolicy(policy_config, self.outbox, self.telemetry)
+        self.policy.begin_session(worker_info(batch_size))
+        self.sink = WireSink()
+        self.worker = HostWorker()
+        self.in_flight: tuple[ScheduledBatch, bytes] | None = None
+        for i in range(batch_size):
+            self.policy.add_request(request(i, config.prompt_len, self.sink))
+
+    def step(self) -> tuple[ScheduledBatch, StepTimes]:
+        t0 = time.perf_counter_ns()
+        batch = self._pick()
+        t1 = time.perf_counter_ns()
+        wire = self._launch(batch)
+        t2 = time.perf_counter_ns()
+        previous, self.in_flight = self.in_flight, (batch, self.worker.run(wire))  # the worker's: untimed
+        result_ns, process_ns, tokens = self._process_previous(previous)
+        times = StepTimes(
+            (t1 - t0, t2 - t1, result_ns, process_ns), tokens, len(wire), self.sink.take_bytes()
+        )
+        return batch, times
+
+    def _process_previous(self, previous: tuple[ScheduledBatch, bytes] | None) -> tuple[int, int, int]:
+        """Nanoseconds to parse and to apply batch k-1's result, and its tokens (0s on the first step)."""
+        if previous is None:
+            return 0, 0, 0
+        t0 = time.perf_counter_ns()
+        result = parse_result(previous[1])
+        t1 = time.perf_counter_ns()
+        tokens = self._process(previous[0], result)
+        return t1 - t0, time.perf_counter_ns() - t1, tokens
+
+    def _pick(self) -> ScheduledBatch:
+        with self.telemetry.phase("pick", self.policy.next_step_id):
+            batch = self.policy.schedule()
+        assert batch is not None, "every request runs for the whole benchmark"
+        self.telemetry.observe_batch(batch.forward_mode, batch.launch.num_rows, batch.num_tokens)
+        return batch
+
+    def _launch(self, batch: ScheduledBatch) -> bytes:
+        with self.telemetry.phase("launch", batch.step_id):
+            wire = worker_pb2.SchedulerMessage(launch=launch_to_proto(batch.launch)).SerializeToString()
+        self.telemetry.observe_result_queue(2)  # queued behind k-1, as the core's queue_result sees it
+        return wire
+
+    def _process(self, batch: ScheduledBatch, result: StepResult) -> int:
+        self.telemetry.observe_result_queue(1)
+        with self.telemetry.phase("process", batch.step_id):
+            self.policy.update_from_result(batch, result.token_ids)
+            self.outbox.flush()
+        return len(result.token_ids)
+
+
+def request(index: int, prompt_len: int, owner: WireSink) -> Request:
+    prompt = [PRINTABLE_LOW + (index + i) % PRINTABLES for i in range(prompt_len)]
+    params = SamplingParams(NEVER, 0.0, 1.0, 0, index, frozenset(), (), True)
+    return Request(f"r{index}", prompt, params, 0, owner, index)
+
+
+def parse_result(wire: bytes) -> StepResult:
+    return result_from_proto(worker_pb2.WorkerMessage.FromString(wire).result)
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+
+def measure_batch(config: CoreCpuConfig, batch_size: int) -> CoreCpuRow:
+    path = CorePath(config, batch_size)
+    _warm_up(path, config.warmup_steps)
+    return summarize(batch_size, [path.step()[1] for _ in range(config.steps)])
+
+
+def _warm_up(path: CorePath, steps: int) -> None:
+    """Until two steps in a row decode the whole batch (the second one then processes a
+    whole-batch result too), then `steps` more."""
+    full, limit = 0, 64 * path.batch_size + 16
+    for _ in range(limit):
+        batch, _ = path.step()
+        full = full + 1 if _decodes_all(batch, path.batch_size) else 0
+        if full == 2:
+            break
+    else:
+        raise RuntimeError(f"batch {path.batch_size} never decoded every request in {limit} steps")
+    for _ in range(steps):
+        path.step()
+
+
+def _decodes_all(batch: ScheduledBatch, batch_size: int) -> bool:
+    return batch.forward_mode == "decode" and batch.launch.num_rows == batch_size
+
+
+def summarize(batch_size: int, steps: Sequence[StepTimes]) -> CoreCpuRow:
+    totals_us = [s.total_ns / 1e3 for s in steps]
+    tokens = statistics.mean(s.tokens for s in steps)
+    median_us = statistics.median(totals_us)
+    return CoreCpuRow(
+        batch_size=batch_size,
+        steps=len(steps),
+        tokens_per_step=tokens,
+        us_per_step=median_us,
+        us_per_step_mean=statistics.mean(totals_us),
+        us_per_token=median_us / tokens if tokens else 0.0,
+        phase_us={
+            name: statistics.median(s.phase_ns[i] / 1e3 for s in steps) for i, name in enumerate(PHASES)
+        },
+        launch_bytes=statistics.median(s.launch_bytes for s in steps),
+        outputs_bytes=statistics.median(s.outputs_bytes for s in steps),
+    )
+
+
+def run(config: CoreCpuConfig) -> CoreCpuRun:
+    started_at, machine = datetime.now(UTC), describe_machine()
+    rows = tuple(measure_batch(config, batch_size) for batch_size in config.batch_sizes)
+    return CoreCpuRun(config, started_at, machine, rows)
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+
+def target_row(run: CoreCpuRun) -> CoreCpuRow | None:
+    return next((r for r in run.rows if r.batch_size == TARGET_BATCH), None)
+
+
+def to_json(run: CoreCpuRun, command: str) -> dict[str, Any]:
+    target = target_row(run)
+    return {
+        "started_at": run.started_at.isoformat(timespec="seconds"),
+        "command": command,
+        "config": asdict(run.config),
+        "machine": run.machine,
+        "phases": list(PHASES),
+        "rows": [asdict(row) for row in run.rows],
+        "target": {
+            "batch_size": TARGET_BATCH,
+            "us_per_token_at_most": TARGET_US_PER_TOKEN,
+            "measured_us_per_token": None if target is None else target.us_per_token,
+            "met": None if target is None else target.us_per_token <= TARGET_US_PER_TOKEN,
+        },
+    }
+
+
+def to_markdown(run: CoreCpuRun, command: str) -> str:
+    m, c = run.machine, run.config
+    lines = [
+        f"# Engine core CPU per step, {run.started_at:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"`{command}` on {m.get('nproc')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}, "
+        f"commit {str(m.get('git_commit'))[:10]}{' (modified)' if m.get('git_dirty') else ''}; "
+        f"1-minute load average {m.get('load_average_1m')}.",
+        "",
+        *table(run.rows),
+        "",
+        f"- every request decodes ({c.prompt_len}-token prompts, admitted and prefilled during the "
+        f"warmup, then {c.warmup_steps} more steps); medians over {c.steps} steps; "
+        f"token budget {c.max_batch_tokens} per step; one frontend link",
+        *target_lines(run),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: Sequence[CoreCpuRow]) -> list[str]:
+    header = (
+        "| batch | µs/step | mean µs/step | µs/token | schedule µs | launch µs | result µs | process µs "
+        "| launch bytes | outputs bytes |"
+    )
+    return [header, "|---:|" + "---:|" * 9, *(_row(r) for r in rows)]
+
+
+def _row(r: CoreCpuRow) -> str:
+    phases = " | ".join(f"{r.phase_us[p]:,.0f}" for p in PHASES)
+    return (
+        f"| {r.batch_size} | {r.us_per_step:,.0f} | {r.us_per_step_mean:,.0f} | {r.us_per_token:.2f} "
+        f"| {phases} | {r.launch_bytes:,.0f} | {r.outputs_bytes:,.0f} |"
+    )
+
+
+def target_lines(run: CoreCpuRun) -> Iterator[str]:
+    target = target_row(run)
+    if target is None:
+        return
+    verdict = "met" if target.us_per_token <= TARGET_US_PER_TOKEN else "not met"
+    yield (
+        f"- target: core CPU <= {TARGET_US_PER_TOKEN:g} µs per token at batch {TARGET_BATCH}: "
+        f"{target.us_per_token:.2f} µs, {verdict}"
+    )
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.core_cpu", description=__doc__)
+    p.add_argument("--steps", type=int, default=CoreCpuConfig.steps, help="measured steps per batch size")
+    p.add_argument("--warmup-steps", type=int, default=CoreCpuConfig.warmup_steps)
+    p.add_argument(
+        "--batch-sizes",
+        type=lambda text: tuple(int(b) for b in text.split(",")),
+        default=BATCH_SIZES,
+        help="comma-separated (default: 64,128,256,512)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = shlex.join(["python", "-m", "bench.core_cpu", *(sys.argv[1:] if argv is None else argv)])
+    result = run(CoreCpuConfig(args.batch_sizes, args.steps, args.warmup_steps))
+    markdown = to_markdown(result, command)
+    saved = save_named("core-cpu", result.started_at, to_json(result, command), markdown, args.out)
+    print(markdown)
+    print(f"wrote {saved.json} and {saved.markdown}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

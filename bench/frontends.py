@@ -1,0 +1,414 @@
+"""python -m bench.frontends [--quick]: the scheduler with 0, 1 and 2 frontend processes, side by
+side, on the `sim` device in overlap mode under closed-loop decode load; where the CPU goes per
+generated token, and whether the machine's cores are the bound.
+
+Each (step time, frontend count) gets a fresh worker and scheduler, whose points run lowest
+concurrency first, each after a warmup and between two scrapes of both /metrics endpoints
+(`bench.run.measure`). The load is spread over several client connections (`bench.connections`),
+so that every frontend process gets some. Writes bench/results/<UTC date-time>-frontends.{json,md}
+and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.configs import Case, Configuration, Workload, sim
+from bench.connections import over_connections
+from bench.figures import CPU, Figures, figures, ratio
+from bench.machine import Machine, describe_machine, load_average
+from bench.promtext import total
+from bench.run import Drive, Endpoints, Measurement, measure, serving
+from bench.save import RESULTS, save_named
+from loadgen import BenchmarkConfig, Summary
+
+FRONTEND_CPU = "stepahead_frontend_cpu_seconds_total"
+GENERATED = "stepahead_generation_tokens_total"
+FRONTEND_COUNTS = (0, 1, 2)
+CONNECTIONS = 16  # client connections per run, whatever the frontend count
+BOX_BOUND = 0.9  # all processes together at this fraction of the cores or more: the box is the bound
+PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+NONE = "—"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Point:
+    step_ms: float
+    concurrency: int
+
+
+POINTS = (Point(10, 64), Point(10, 128), Point(10, 256), Point(20, 256))
+
+
+@dataclass(frozen=True)
+class FrontendsPlan:
+    """Every point at every frontend count: `waves` x concurrency requests of exactly
+    `input_len` prompt and `output_len` new tokens (ignore_eos)."""
+
+    name: str
+    waves: int
+    points: tuple[Point, ...] = POINTS
+    frontend_counts: tuple[int, ...] = FRONTEND_COUNTS
+    input_len: int = 16
+    output_len: int = 128
+    connections: int = CONNECTIONS
+
+    @property
+    def step_times(self) -> tuple[float, ...]:
+        return tuple(dict.fromkeys(p.step_ms for p in self.points))
+
+    def concurrencies(self, step_ms: float) -> list[int]:
+        return sorted(p.concurrency for p in self.points if p.step_ms == step_ms)
+
+    def workload(self, concurrency: int) -> Workload:
+        return Workload(
+            self.waves * concurrency,
+            concurrency,
+            self.input_len,
+            self.output_len,
+            0.0,
+            warmup_prompts=concurrency,
+        )
+
+
+FULL = FrontendsPlan("full", waves=16)
+QUICK = FrontendsPlan("quick", waves=2)
+
+
+# ---- CPU per token ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuSeconds:
+    """CPU seconds each side spent during one measured run."""
+
+    core: float  # the scheduler's endpoint: the engine core's process (and frontends with 0)
+    frontends: float  # every frontend process together
+    worker: float
+    loadgen: float  # the bench process
+
+    @property
+    def total(self) -> float:
+        return self.core + self.frontends + self.worker + self.loadgen
+
+
+@dataclass(frozen=True)
+class CpuFigures:
+    generated_tokens: int  # Δ stepahead_generation_tokens_total: tokens streamed to clients
+    core_us_per_token: float | None
+    frontends_us_per_token: float | None  # None with 0 frontends: that work is in the core's
+    scheduler_us_per_token: float | None  # core + frontends
+    worker_us_per_token: float | None
+    loadgen_us_per_token: float | None
+    cpus_used: float | None  # CPU seconds of all the processes per wall second of the run
+    cpus: int  # os.cpu_count()
+    frontend_shares: tuple[float, ...] = ()  # each frontend process's part of their CPU, largest first
+
+    @property
+    def box_bound(self) -> bool:
+        return self.cpus_used is not None and self.cpus_used >= BOX_BOUND * self.cpus
+
+
+def cpu_seconds(measured: Measurement) -> CpuSeconds:
+    return CpuSeconds(
+        core=total(measured.scheduler, CPU),
+        frontends=total(measured.scheduler, FRONTEND_CPU),
+        worker=total(measured.worker, CPU),
+        loadgen=measured.client_cpu_s,
+    )
+
+
+def us_per_token(seconds: float, tokens: float) -> float | None:
+    return ratio(seconds * 1e6, tokens)
+
+
+def cpu_figures(
+    frontends: int, measured: Measurement, shares: tuple[float, ...] = (), cpus: int | None = None
+) -> CpuFigures:
+    s, tokens = cpu_seconds(measured), total(measured.scheduler, GENERATED)
+    return CpuFigures(
+        generated_tokens=round(tokens),
+        core_us_per_token=us_per_token(s.core, tokens),
+        frontends_us_per_token=None if frontends == 0 else us_per_token(s.frontends, tokens),
+        scheduler_us_per_token=us_per_token(s.core + s.frontends, tokens),
+        worker_us_per_token=us_per_token(s.worker, tokens),
+        loadgen_us_per_token=us_per_token(s.loadgen, tokens),
+        cpus_used=ratio(s.total, measured.summary.duration_s),
+        cpus=cpus or os.cpu_count() or 1,
+        frontend_shares=shares,
+    )
+
+
+# ---- how the frontend processes split their CPU ----------------------------------------------
+
+
+def children_cpu_s(pid: int, proc: Path = PROC) -> dict[int, float]:
+    """User + system CPU seconds of each live child of `pid`, from /proc/<child>/stat."""
+    found = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # NOTE: the command name (field 2) may hold spaces; every field after its ")" is plain.
+            after_name = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(after_name[1]) == pid:  # ppid; utime and stime are fields 14 and 15
+            found[int(stat.parent.name)] = (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
+    return found
+
+
+def cpu_shares(before: dict[int, float], after: dict[int, float]) -> tuple[float, ...]:
+    """Each child's part of the CPU they used between the two readings, largest first."""
+    used = [after[pid] - before[pid] for pid in after if pid in before]
+    spent = sum(used)
+    return tuple(sorted((u / spent for u in used), reverse=True)) if spent > 0 else ()
+
+
+@dataclass
+class SharesRecorder:
+    """A Drive that also reads the frontend processes' CPU split over each run.
+
+    NOTE: `measure` drives the warmup first and the measured run last, so once it returns,
+    `shares` is the measured run's."""
+
+    drive: Drive
+    pid: int | None
+    shares: tuple[float, ...] = field(default=())
+
+    def __call__(self, config: BenchmarkConfig) -> Summary:
+        before = self._read()
+        summary = self.drive(config)
+        self.shares = cpu_shares(before, self._read())
+        return summary
+
+    def _read(self) -> dict[int, float]:
+        return {} if self.pid is None else children_cpu_s(self.pid)
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PointResult:
+    case: Case
+    figures: Figures  # bench.figures: throughput, device, latency, CPU per step
+    cpu: CpuFigures
+
+    @property
+    def point(self) -> tuple[float, int, int]:
+        """(step ms, concurrency, frontends): the table's order."""
+        c = self.case.configuration
+        return (c.device.sim_step_ms or 0.0, self.case.workload.concurrency, c.frontends)
+
+
+@dataclass(frozen=True)
+class FrontendsRun:
+    plan: FrontendsPlan
+    started_at: datetime  # UTC
+    machine: Machine
+    load_average_after: float
+    results: tuple[PointResult, ...]  # by step time, concurrency, frontend count
+
+
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_plan(plan: FrontendsPlan, progress: Progress = to_stderr) -> FrontendsRun:
+    started_at, machine = datetime.now(UTC), describe_machine()
+    results = [
+        result
+        for step_ms in plan.step_times
+        for frontends in plan.frontend_counts
+        for result in run_pair(
+            plan, Configuration(sim(step_ms), "overlap", "grpc", frontends=frontends), progress
+        )
+    ]
+    ordered = tuple(sorted(results, key=lambda r: r.point))
+    return FrontendsRun(plan, started_at, machine, load_average(), ordered)
+
+
+def run_pair(plan: FrontendsPlan, configuration: Configuration, progress: Progress) -> list[PointResult]:
+    """One worker and scheduler for every concurrency at this step time, lowest first."""
+    step_ms = configuration.device.sim_step_ms or 0.0
+    with serving(configuration) as endpoints:
+        return [run_point(plan, configuration, endpoints, c, progress) for c in plan.concurrencies(step_ms)]
+
+
+def run_point(
+    plan: FrontendsPlan,
+    configuration: Configuration,
+    endpoints: Endpoints,
+    concurrency: int,
+    progress: Progress,
+) -> PointResult:
+    case = Case(configuration, plan.workload(concurrency))
+    drive = SharesRecorder(over_connections(plan.connections), endpoints.scheduler_pid)
+    measured = measure(endpoints, case.workload, drive)
+    result = PointResult(
+        case, figures(case, measured), cpu_figures(configuration.frontends, measured, drive.shares)
+    )
+    progress(progress_line(result))
+    return result
+
+
+def progress_line(r: PointResult) -> str:
+    step_ms, concurrency, frontends = r.point
+    return (
+        f"step {step_ms:g} ms, concurrency {concurrency:>3}, frontends {frontends}: "
+        f"{r.figures.output_tokens_per_s:8,.0f} tok/s, scheduler {_number(r.cpu.scheduler_us_per_token, 1)} "
+        f"µs/token, CPUs used {_number(r.cpu.cpus_used, 2)}, {r.figures.failed} failed"
+    )
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+
+def to_json(run: FrontendsRun, command: str) -> dict[str, Any]:
+    return {
+        "started_at": run.started_at.isoformat(timespec="seconds"),
+        "command": command,
+        "plan": asdict(run.plan),
+        "machine": run.machine,
+        "load_average_1m_after": run.load_average_after,
+        "points": [_point_json(r) for r in run.results],
+    }
+
+
+def _point_json(r: PointResult) -> dict[str, Any]:
+    step_ms, concurrency, frontends = r.point
+    w = r.case.workload
+    return {
+        "name": r.case.configuration.name,
+        "step_ms": step_ms,
+        "concurrency": concurrency,
+        "frontends": frontends,
+        "worker_args": list(r.case.configuration.device.worker_args),
+        "scheduler_args": list(r.case.configuration.scheduler_args),
+        "workload": {**asdict(w), "input_bounds": w.input_bounds, "output_bounds": w.output_bounds},
+        "figures": asdict(r.figures),
+        "cpu": {**asdict(r.cpu), "box_bound": r.cpu.box_bound},
+    }
+
+
+def to_markdown(run: FrontendsRun, command: str) -> str:
+    m = run.machine
+    lines = [
+        f"# Stepahead frontends benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
+        f"Python {m.get('python')}, commit {str(m.get('git_commit'))[:10]}"
+        f"{' (modified)' if m.get('git_dirty') else ''}; "
+        f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
+        "",
+        *table(run.results),
+        "",
+        *notes(run),
+        *failure_lines(run.results),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def table(results: Sequence[PointResult]) -> list[str]:
+    cpus = results[0].cpu.cpus if results else os.cpu_count()
+    header = (
+        "| step ms | concurrency | frontends | output tok/s | of ideal | device busy | core µs/tok "
+        f"| frontends µs/tok | scheduler µs/tok | worker µs/tok | loadgen µs/tok | CPUs used (of {cpus}) "
+        "| frontend CPU split |"
+    )
+    return [header, "|" + "---:|" * 12 + "---|", *(_row(r) for r in results)]
+
+
+def _row(r: PointResult) -> str:
+    step_ms, concurrency, frontends = r.point
+    f, c = r.figures, r.cpu
+    cells = [
+        f"{step_ms:g}",
+        str(concurrency),
+        str(frontends),
+        _number(f.output_tokens_per_s, 0),
+        _number(f.fraction_of_ideal, 3),
+        _number(f.device_busy_fraction, 3),
+        _number(c.core_us_per_token, 1),
+        "in core" if frontends == 0 else _number(c.frontends_us_per_token, 1),
+        _number(c.scheduler_us_per_token, 1),
+        _number(c.worker_us_per_token, 1),
+        _number(c.loadgen_us_per_token, 1),
+        _number(c.cpus_used, 2) + (" †" if c.box_bound else ""),
+        split(c.frontend_shares, frontends),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def split(shares: Sequence[float], frontends: int) -> str:
+    if frontends < 2:
+        return NONE
+    return " / ".join(f"{share:.0%}" for share in shares) if shares else NONE
+
+
+def notes(run: FrontendsRun) -> list[str]:
+    p = run.plan
+    return [
+        f"- each point: {p.waves} x concurrency requests, {p.input_len}-token prompts, exactly "
+        f"{p.output_len} new tokens (ignore_eos), a closed loop over {p.connections} client connections; "
+        f"warmup: concurrency x 8 tokens; overlap mode; ideal = concurrency x 1000 / step ms",
+        "- µs/tok: CPU time per token streamed to clients (Δ stepahead_generation_tokens_total); core: "
+        "the engine core's process (with 0 frontends it serves the clients too); scheduler: core + "
+        "frontends; loadgen: the bench process",
+        f"- CPUs used: CPU seconds of core, frontends, worker and loadgen per wall second; † at "
+        f"{BOX_BOUND:.0%} of the machine's CPUs or more: the machine is the bound",
+        "- frontend CPU split: each frontend process's part of the frontends' CPU (from /proc); the "
+        "kernel spreads connections, not requests, over the processes sharing the port",
+    ]
+
+
+def failure_lines(results: Sequence[PointResult]) -> Iterator[str]:
+    """Figures cover completed requests only: a point with failures is flagged."""
+    for r in results:
+        if r.figures.failed:
+            step_ms, concurrency, frontends = r.point
+            yield ""
+            yield (
+                f"**{r.figures.failed} of {r.figures.failed + r.figures.completed} requests failed** at "
+                f"step {step_ms:g} ms, concurrency {concurrency}, frontends {frontends}."
+            )
+
+
+def _number(value: float | None, digits: int) -> str:
+    return NONE if value is None else f"{value:,.{digits}f}"
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.frontends", description=__doc__)
+    p.add_argument(
+        "--quick", action="store_true", help=f"{QUICK.waves} waves per point instead of {FULL.waves}"
+    )
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = shlex.join(["python", "-m", "bench.frontends", *(sys.argv[1:] if argv is None else argv)])
+    run = run_plan(QUICK if args.quick else FULL)
+    markdown = to_markdown(run, command)
+    saved = save_named("frontends", run.started_at, to_json(run, command), markdown, args.out)
+    print(markdown)
+    print(f"wrote {saved.json} and {saved.markdown}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
