@@ -4,9 +4,9 @@ generated token, and whether the machine's cores are the bound.
 
 Each (step time, frontend count) gets a fresh worker and scheduler, whose points run lowest
 concurrency first, each after a warmup and between two scrapes of both /metrics endpoints
-(`bench.run.measure`). The load is spread over several client connections (`bench.connections`),
-so that every frontend process gets some. Writes bench/results/<UTC date-time>-frontends.{json,md}
-and prints the table.
+(`bench.run.measure`). The load is spread over several client connections (loadgen's
+`connections`), so that every frontend process gets some. Writes
+bench/results/<UTC date-time>-frontends.{json,md} and prints the table.
 """
 
 from __future__ import annotations
@@ -15,28 +15,24 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from bench.configs import Case, Configuration, Workload, sim
-from bench.connections import over_connections
 from bench.figures import CPU, Figures, figures, ratio
 from bench.machine import Machine, describe_machine, load_average
 from bench.promtext import total
-from bench.run import Drive, Endpoints, Measurement, measure, serving
+from bench.run import Endpoints, Measurement, measure, serving
 from bench.save import RESULTS, save_named
-from loadgen import BenchmarkConfig, Summary
 
 FRONTEND_CPU = "stepahead_frontend_cpu_seconds_total"
 GENERATED = "stepahead_generation_tokens_total"
 FRONTEND_COUNTS = (0, 1, 2)
 CONNECTIONS = 16  # client connections per run, whatever the frontend count
 BOX_BOUND = 0.9  # all processes together at this fraction of the cores or more: the box is the bound
-PROC = Path("/proc")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 NONE = "—"
 
 Progress = Callable[[str], None]
@@ -133,9 +129,7 @@ def us_per_token(seconds: float, tokens: float) -> float | None:
     return ratio(seconds * 1e6, tokens)
 
 
-def cpu_figures(
-    frontends: int, measured: Measurement, shares: tuple[float, ...] = (), cpus: int | None = None
-) -> CpuFigures:
+def cpu_figures(frontends: int, measured: Measurement, cpus: int | None = None) -> CpuFigures:
     s, tokens = cpu_seconds(measured), total(measured.scheduler, GENERATED)
     return CpuFigures(
         generated_tokens=round(tokens),
@@ -146,53 +140,17 @@ def cpu_figures(
         loadgen_us_per_token=us_per_token(s.loadgen, tokens),
         cpus_used=ratio(s.total, measured.summary.duration_s),
         cpus=cpus or os.cpu_count() or 1,
-        frontend_shares=shares,
+        frontend_shares=cpu_shares(measured.scheduler_children_cpu_s),
     )
 
 
 # ---- how the frontend processes split their CPU ----------------------------------------------
 
 
-def children_cpu_s(pid: int, proc: Path = PROC) -> dict[int, float]:
-    """User + system CPU seconds of each live child of `pid`, from /proc/<child>/stat."""
-    found = {}
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            # NOTE: the command name (field 2) may hold spaces; every field after its ")" is plain.
-            after_name = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(after_name[1]) == pid:  # ppid; utime and stime are fields 14 and 15
-            found[int(stat.parent.name)] = (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
-    return found
-
-
-def cpu_shares(before: dict[int, float], after: dict[int, float]) -> tuple[float, ...]:
-    """Each child's part of the CPU they used between the two readings, largest first."""
-    used = [after[pid] - before[pid] for pid in after if pid in before]
-    spent = sum(used)
-    return tuple(sorted((u / spent for u in used), reverse=True)) if spent > 0 else ()
-
-
-@dataclass
-class SharesRecorder:
-    """A Drive that also reads the frontend processes' CPU split over each run.
-
-    NOTE: `measure` drives the warmup first and the measured run last, so once it returns,
-    `shares` is the measured run's."""
-
-    drive: Drive
-    pid: int | None
-    shares: tuple[float, ...] = field(default=())
-
-    def __call__(self, config: BenchmarkConfig) -> Summary:
-        before = self._read()
-        summary = self.drive(config)
-        self.shares = cpu_shares(before, self._read())
-        return summary
-
-    def _read(self) -> dict[int, float]:
-        return {} if self.pid is None else children_cpu_s(self.pid)
+def cpu_shares(used: Mapping[int, float]) -> tuple[float, ...]:
+    """Each process's part of the CPU they used together, largest first."""
+    spent = sum(used.values())
+    return tuple(sorted((u / spent for u in used.values()), reverse=True)) if spent > 0 else ()
 
 
 # ---- running ---------------------------------------------------------------------------------
@@ -253,11 +211,8 @@ def run_point(
     progress: Progress,
 ) -> PointResult:
     case = Case(configuration, plan.workload(concurrency))
-    drive = SharesRecorder(over_connections(plan.connections), endpoints.scheduler_pid)
-    measured = measure(endpoints, case.workload, drive)
-    result = PointResult(
-        case, figures(case, measured), cpu_figures(configuration.frontends, measured, drive.shares)
-    )
+    measured = measure(endpoints, case.workload, plan.connections)
+    result = PointResult(case, figures(case, measured), cpu_figures(configuration.frontends, measured))
     progress(progress_line(result))
     return result
 

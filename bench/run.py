@@ -1,12 +1,14 @@
-"""Start a configuration's processes, drive them with `loadgen`, and take metric deltas."""
+"""Start a configuration's processes, drive them with `loadgen`, and take metric and CPU deltas."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.configs import Configuration, Workload
 from bench.promtext import Labels, delta, scrape, total
@@ -14,12 +16,11 @@ from loadgen import BenchmarkConfig, Summary, run_benchmark
 from stepahead.processes import Service, serving_pair, spawn_scheduler_in_process, wait_serving
 
 SETTLE_TIMEOUT_S = 10.0
-
-Drive = Callable[[BenchmarkConfig], Summary]  # runs one load against the server; blocks until done
+PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def run_loadgen(config: BenchmarkConfig) -> Summary:
-    """loadgen's own run: one gRPC channel (so one connection) to the server."""
     return asyncio.run(run_benchmark(config)).summary
 
 
@@ -39,6 +40,8 @@ class Measurement:
     scheduler: dict[tuple[str, Labels], float]  # scrape deltas
     worker: dict[tuple[str, Labels], float]
     client_cpu_s: float  # CPU time of this process (the load generator) during the run
+    # CPU seconds of each child process of the scheduler's (its frontends) during the run
+    scheduler_children_cpu_s: dict[int, float] = field(default_factory=dict)
 
 
 @contextmanager
@@ -66,45 +69,75 @@ def _in_process(worker_args: list[str], scheduler_args: list[str]) -> Iterator[S
             scheduler.stop()
 
 
-def measure(endpoints: Endpoints, workload: Workload, drive: Drive = run_loadgen) -> Measurement:
-    """Warm up, then one measured run between two scrapes of each process; `drive` runs each."""
-    drive(_warmup_config(endpoints.address, workload))
+def measure(endpoints: Endpoints, workload: Workload, connections: int = 1) -> Measurement:
+    """Warm up, then one measured run between two scrapes of each process; both runs are
+    loadgen's, over `connections` client connections (one reaches a single frontend, which is
+    all the scheduler runs by default)."""
+    run_loadgen(_warmup_config(endpoints.address, workload, connections))
     _settle(endpoints)
     scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
+    children_before = _scheduler_children_cpu_s(endpoints)
     cpu_before = time.process_time()
-    summary = drive(_measured_config(endpoints.address, workload))
+    summary = run_loadgen(_measured_config(endpoints.address, workload, connections))
     client_cpu_s = time.process_time() - cpu_before
+    children_used = cpu_used(children_before, _scheduler_children_cpu_s(endpoints))
     _settle(endpoints)
     return Measurement(
         summary,
         delta(scheduler_before, scrape(endpoints.scheduler_metrics)),
         delta(worker_before, scrape(endpoints.worker_metrics)),
         client_cpu_s,
+        children_used,
     )
 
 
-def _measured_config(address: str, workload: Workload) -> BenchmarkConfig:
+def _measured_config(address: str, workload: Workload, connections: int) -> BenchmarkConfig:
     return BenchmarkConfig(
         server=address,
         dataset=workload.dataset,
         num_prompts=workload.num_prompts,
         max_concurrency=workload.concurrency,
+        connections=connections,
         request_rate=workload.request_rate,
         seed=workload.seed,
         ignore_eos=True,
     )
 
 
-def _warmup_config(address: str, workload: Workload) -> BenchmarkConfig:
+def _warmup_config(address: str, workload: Workload, connections: int) -> BenchmarkConfig:
     """Short requests at the measured concurrency: connections, first forwards, full batches."""
     return BenchmarkConfig(
         server=address,
         dataset=workload.warmup_dataset,
         num_prompts=workload.warmup_prompts,
         max_concurrency=workload.concurrency,
+        connections=connections,
         seed=workload.seed + 1,
         ignore_eos=True,
     )
+
+
+def children_cpu_s(pid: int, proc: Path = PROC) -> dict[int, float]:
+    """User + system CPU seconds of each live child of `pid`, from /proc/<child>/stat."""
+    found = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # NOTE: the command name (field 2) may hold spaces; every field after its ")" is plain.
+            after_name = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(after_name[1]) == pid:  # ppid; utime and stime are fields 14 and 15
+            found[int(stat.parent.name)] = (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
+    return found
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> dict[int, float]:
+    """CPU seconds each process used between the two readings; those missing from either are left out."""
+    return {pid: after[pid] - before[pid] for pid in after if pid in before}
+
+
+def _scheduler_children_cpu_s(endpoints: Endpoints) -> dict[int, float]:
+    return {} if endpoints.scheduler_pid is None else children_cpu_s(endpoints.scheduler_pid)
 
 
 def _settle(endpoints: Endpoints) -> None:

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from loadgen.benchmark import BenchmarkConfig, BenchmarkResult, run_benchmark
+from loadgen.benchmark import DEFAULT_CONNECTIONS, BenchmarkConfig, BenchmarkResult, run_benchmark
 from loadgen.progress import ProgressBar
 from loadgen.report import format_summary, write_result
 from loadgen.stats import parse_slos
@@ -59,6 +59,13 @@ def _add_load_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of the inter-arrival times: 1 is Poisson, <1 burstier, >1 steadier",
     )
     group.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    group.add_argument(
+        "--connections",
+        type=int,
+        default=DEFAULT_CONNECTIONS,
+        help="TCP connections to the server; request i goes over connection i mod N "
+        f"(default {DEFAULT_CONNECTIONS})",
+    )
     group.add_argument("--warmup", type=int, default=0, help="requests sent and awaited first, not measured")
     group.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrivals")
 
@@ -123,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        connections=args.connections,
         seed=args.seed,
         warmup=args.warmup,
         ignore_eos=args.ignore_eos,
@@ -165,8 +173,8 @@ def describe(config: BenchmarkConfig) -> str:
     limit = "" if config.duration_s is None else f" for {config.duration_s:g} s"
     concurrency = "" if config.max_concurrency is None else f", at most {config.max_concurrency} in flight"
     return (
-        f"Starting benchmark: {count} requests{limit} to {config.server} at "
-        f"{config.request_rate:g} req/s (burstiness {config.burstiness:g}){concurrency}"
+        f"Starting benchmark: {count} requests{limit} to {config.server} over {config.connections} "
+        f"connections at {config.request_rate:g} req/s (burstiness {config.burstiness:g}){concurrency}"
     )
 
 

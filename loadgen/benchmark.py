@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -15,13 +15,14 @@ import grpc
 import numpy as np
 
 from loadgen.arrivals import check_arrival_params, send_offsets
-from loadgen.client import RequestTiming, build_request, send_request
+from loadgen.client import RequestTiming, build_request, connect, open_channels, send_request
 from loadgen.records import RequestRecord
 from loadgen.stats import Slos, Summary, summarize
 from loadgen.workload import WARMUP_STREAM, Dataset, RandomDataset, Workload, load_workload
 from stepahead.v1 import generation_pb2_grpc
 
 ARRIVAL_STREAM = 2  # keeps the arrival rng apart from the workload's
+DEFAULT_CONNECTIONS = 8
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class BenchmarkConfig:
     request_rate: float = math.inf  # requests per second
     burstiness: float = 1.0  # gamma shape of the inter-arrival gaps; 1 is Poisson
     max_concurrency: int | None = None
+    connections: int = DEFAULT_CONNECTIONS  # TCP connections to the server; request i uses i mod this
     seed: int = 0
     warmup: int = 0  # requests sent and awaited before the measured run, not counted
     ignore_eos: bool = False
@@ -57,6 +59,8 @@ class BenchmarkConfig:
     def _check_counts(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max concurrency must be at least 1, got {self.max_concurrency}")
+        if self.connections < 1:
+            raise ValueError(f"connections must be at least 1, got {self.connections}")
         if self.warmup < 0 or self.seed < 0:
             raise ValueError("warmup and seed must be >= 0")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -89,9 +93,12 @@ async def run_benchmark(
     workload = load_workload(config.dataset, config.seed)
     warmup = load_workload(config.dataset, config.seed, WARMUP_STREAM)
     started_at = datetime.now()
-    async with grpc.aio.insecure_channel(config.server) as channel:
-        run = _Run(generation_pb2_grpc.GenerationStub(channel), config, observer)
+    channels = open_channels(config.server, config.connections)
+    try:
+        run = _Run(channels, config, observer)
         interrupted = await run.until_done_or(stop if stop is not None else asyncio.Event(), workload, warmup)
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
     records = run.records()
     summary = summarize(records, run.elapsed, config.slos)
     return BenchmarkResult(config, started_at, records, summary, interrupted, run.warmup_failed)
@@ -99,15 +106,16 @@ async def run_benchmark(
 
 class _Run:
     """One run's state. Times are seconds since `origin`, which moves to the start of the
-    measured part once the warmup is over."""
+    measured part once the channels are connected and the warmup is over."""
 
     def __init__(
         self,
-        stub: generation_pb2_grpc.GenerationAsyncStub,
+        channels: Sequence[grpc.aio.Channel],
         config: BenchmarkConfig,
         observer: Observer | None,
     ) -> None:
-        self.stub, self.config, self.observer = stub, config, observer
+        self.channels, self.config, self.observer = channels, config, observer
+        self.stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in channels]
         self.slots = None if config.max_concurrency is None else asyncio.Semaphore(config.max_concurrency)
         self.origin = time.perf_counter()
         self.elapsed = 0.0
@@ -148,6 +156,7 @@ class _Run:
                 raise outcome
 
     async def execute(self, workload: Workload, warmup: Workload) -> None:
+        await asyncio.gather(*(connect(channel) for channel in self.channels))
         await self.warm_up(warmup)
         self.origin, self.measuring = time.perf_counter(), True
         if self.observer is not None:
@@ -204,7 +213,8 @@ class _Run:
 
     async def send(self, timing: RequestTiming) -> None:
         request = build_request(timing.spec, self.config.temperature, self.config.ignore_eos)
-        await send_request(self.stub, request, timing, self.clock)
+        stub = self.stubs[timing.index % len(self.stubs)]
+        await send_request(stub, request, timing, self.clock)
 
     async def acquire_slot(self) -> None:
         if self.slots is not None:

@@ -1,4 +1,4 @@
-"""Issuing one request over gRPC and recording when its tokens arrive."""
+"""Client connections, issuing one request over gRPC, and recording when its tokens arrive."""
 
 from __future__ import annotations
 
@@ -14,6 +14,29 @@ from stepahead.v1 import generation_pb2_grpc
 
 Clock = Callable[[], float]
 CANCELLED = grpc.StatusCode.CANCELLED.name
+# NOTE: channels to the same target with the same arguments share one subchannel, so one TCP
+# connection; a local subchannel pool gives each channel a connection of its own.
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+SETTLED = frozenset(
+    {
+        grpc.ChannelConnectivity.READY,
+        grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+        grpc.ChannelConnectivity.SHUTDOWN,
+    }
+)
+
+
+def open_channels(server: str, count: int) -> list[grpc.aio.Channel]:
+    """`count` channels to `server`, each over its own TCP connection."""
+    return [grpc.aio.insecure_channel(server, options=OWN_CONNECTION) for _ in range(count)]
+
+
+async def connect(channel: grpc.aio.Channel) -> None:
+    """Waits until the channel is connected or its attempt failed (its requests then fail fast)."""
+    state = channel.get_state(try_to_connect=True)
+    while state not in SETTLED:
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
 
 
 def build_request(spec: PromptSpec, temperature: float, ignore_eos: bool) -> pb.GenerateRequest:

@@ -92,6 +92,7 @@ def _header_json(result: BenchmarkResult) -> dict[str, object]:
         "request_rate": rate if math.isfinite(rate) else "inf",
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
+        "connections": config.connections,
         "interrupted": result.interrupted,
     }
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,18 +16,19 @@ from pathlib import Path
 import pytest
 
 from bench import core_cpu
+from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
-from bench.frontends import CLOCK_TICKS, PointResult, children_cpu_s, cpu_figures, cpu_shares
 from bench.frontends import QUICK as QUICK_FRONTENDS
+from bench.frontends import PointResult, cpu_figures, cpu_shares
 from bench.frontends import table as frontends_table
 from bench.harness import CaseResult, RunResult, run_plan
 from bench.machine import Machine
 from bench.promtext import delta, histogram_buckets, histogram_quantile, parse, total
 from bench.report import device_ratios, largest_busy_concurrency, to_json, to_markdown
-from bench.run import Measurement
+from bench.run import CLOCK_TICKS, Endpoints, Measurement, children_cpu_s, cpu_used, measure
 from bench.save import finite, save
-from loadgen import Summary
+from loadgen import BenchmarkConfig, Summary
 from loadgen.stats import Distribution
 
 INF = math.inf
@@ -485,18 +490,21 @@ stepahead_generation_tokens_total{mode="overlap"} 10500.0
 """
 
 
-def frontends_measurement(duration_s: float = 10.0) -> Measurement:
+def frontends_measurement(
+    duration_s: float = 10.0, children_cpu: dict[int, float] | None = None
+) -> Measurement:
     """Over the run: core 0.5 s, frontends 0.3 s, worker 0.6 s, loadgen 0.2 s; 10,000 tokens."""
     return Measurement(
         replace(summary(1000.0), duration_s=duration_s),
         delta(parse(FRONTENDS_SCHEDULER_BEFORE), parse(FRONTENDS_SCHEDULER_AFTER)),
         delta(parse(WORKER_BEFORE), parse(WORKER_AFTER)),
         0.2,
+        children_cpu or {},
     )
 
 
 def test_cpu_figures_per_generated_token() -> None:
-    c = cpu_figures(2, frontends_measurement(), shares=(0.6, 0.4), cpus=2)
+    c = cpu_figures(2, frontends_measurement(children_cpu={21: 0.12, 22: 0.18}), cpus=2)
     assert c.generated_tokens == 10_000
     assert c.core_us_per_token == pytest.approx(50.0)
     assert c.frontends_us_per_token == pytest.approx(30.0)
@@ -505,7 +513,7 @@ def test_cpu_figures_per_generated_token() -> None:
     assert c.loadgen_us_per_token == pytest.approx(20.0)
     assert c.cpus_used == pytest.approx(1.6 / 10.0)
     assert not c.box_bound
-    assert c.frontend_shares == (0.6, 0.4)
+    assert c.frontend_shares == pytest.approx((0.6, 0.4))
 
 
 def test_cpu_figures_with_the_frontend_in_the_core_and_a_saturated_box() -> None:
@@ -535,8 +543,40 @@ def test_frontend_cpu_shares_from_proc(tmp_path: Path) -> None:
     before = children_cpu_s(7, tmp_path)
     assert before == {11: 400 / CLOCK_TICKS, 12: 100 / CLOCK_TICKS}
     after = {11: before[11] + 3.0, 12: before[12] + 1.0, 14: 5.0}  # 14 started meanwhile: not counted
-    assert cpu_shares(before, after) == pytest.approx((0.75, 0.25))
-    assert cpu_shares(before, before) == ()
+    used = cpu_used(before, after)
+    assert used == pytest.approx({11: 3.0, 12: 1.0})
+    assert cpu_shares(used) == pytest.approx((0.75, 0.25))
+    assert cpu_shares(cpu_used(before, before)) == () and cpu_shares({}) == ()
+
+
+BUSY_CHILD = "while True: pass"
+
+
+def test_measure_drives_both_runs_over_the_given_connections_and_reads_the_children_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    configs: list[BenchmarkConfig] = []
+
+    def fake_loadgen(config: BenchmarkConfig) -> Summary:
+        configs.append(config)
+        time.sleep(0.2)
+        return summary(1000.0)
+
+    monkeypatch.setattr(bench_run, "run_loadgen", fake_loadgen)
+    monkeypatch.setattr(bench_run, "scrape", lambda url: {})
+    child = subprocess.Popen([sys.executable, "-c", BUSY_CHILD])
+    try:
+        endpoints = Endpoints("127.0.0.1:1", "scheduler", "worker", scheduler_pid=os.getpid())
+        measured = measure(endpoints, WORKLOAD, QUICK_FRONTENDS.connections)
+    finally:
+        child.kill()
+        child.wait()
+    assert [c.connections for c in configs] == [QUICK_FRONTENDS.connections] * 2 == [16, 16]
+    assert [c.num_prompts for c in configs] == [WORKLOAD.warmup_prompts, WORKLOAD.num_prompts]
+    assert measured.summary == summary(1000.0)
+    assert measured.scheduler_children_cpu_s[child.pid] > 0
+    measure(Endpoints("127.0.0.1:1", "scheduler", "worker"), WORKLOAD)
+    assert configs[-1].connections == 1  # the main plans' single frontend
 
 
 def test_configuration_frontends_flag_only_when_not_the_default() -> None:

@@ -4,6 +4,7 @@ run_benchmark against a scripted in-process Generation service on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -16,11 +17,19 @@ import grpc
 import numpy as np
 import pytest
 
-from loadgen import BenchmarkConfig, BenchmarkResult, JsonlDataset, RandomDataset, Slos, run_benchmark
+from loadgen import (
+    BenchmarkConfig,
+    BenchmarkResult,
+    JsonlDataset,
+    RandomDataset,
+    Slos,
+    benchmark,
+    run_benchmark,
+)
 from loadgen.__main__ import build_parser, config_from_args
 from loadgen.__main__ import run as run_cli
 from loadgen.arrivals import arrival_intervals, send_offsets
-from loadgen.client import RequestTiming, build_request
+from loadgen.client import RequestTiming, build_request, open_channels
 from loadgen.progress import render_progress
 from loadgen.records import RequestRecord
 from loadgen.report import format_summary, result_json
@@ -508,6 +517,8 @@ def test_cli_defaults_and_flags() -> None:
         "--ignore-eos",
         "--temperature",
         "0.7",
+        "--connections",
+        "3",
         "--goodput",
         "ttft:100",
         "tpot:20",
@@ -520,6 +531,7 @@ def test_cli_defaults_and_flags() -> None:
         request_rate=12.5,
         burstiness=0.5,
         max_concurrency=8,
+        connections=3,
         seed=3,
         warmup=2,
         ignore_eos=True,
@@ -538,6 +550,7 @@ def test_cli_defaults_and_flags() -> None:
         ["--duration", "5"],  # unbounded at an infinite rate
         ["--num-prompts", "0"],
         ["--max-concurrency", "0"],
+        ["--connections", "0"],
         ["--random-range-ratio", "1"],
         ["--temperature", "-1"],
     ],
@@ -566,6 +579,7 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
     def __init__(self, step_s: float = 0.0, chunk: int = 1, hold_until: int = 0) -> None:
         self.step_s, self.chunk, self.hold_until = step_s, chunk, hold_until
         self.received = 0
+        self.peers: dict[str, str] = {}  # the client address each text prompt came from
         self.cancelled = 0
         self.all_in = asyncio.Event()
 
@@ -573,6 +587,7 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.received += 1
+        self.peers[request.text] = context.peer()
         if self.received >= self.hold_until:
             self.all_in.set()
         await self.all_in.wait()
@@ -723,3 +738,88 @@ async def test_bad_dataset_is_reported_before_connecting(tmp_path: Path) -> None
     config = BenchmarkConfig(server="127.0.0.1:1", dataset=jsonl(tmp_path, ["{nope"]), num_prompts=1)
     with pytest.raises(WorkloadError, match=":1: not valid JSON"):
         await run_benchmark(config)
+
+
+# --- connections ---
+
+
+def numbered(tmp_path: Path, count: int) -> JsonlDataset:
+    """Prompt i is the text "p<i>", so the server can tell which request came over which connection."""
+    return jsonl(tmp_path, [json.dumps({"prompt": f"p{i}", "output_len": 2}) for i in range(count)])
+
+
+@pytest.mark.parametrize(
+    ("request_rate", "max_concurrency"),
+    [(math.inf, 3), (400.0, None)],  # a closed loop, and Poisson arrivals
+)
+async def test_request_i_goes_over_connection_i_mod_n(
+    tmp_path: Path, request_rate: float, max_concurrency: int | None
+) -> None:
+    servicer = ScriptedGeneration()
+    config = BenchmarkConfig(
+        dataset=numbered(tmp_path, 12),
+        num_prompts=12,
+        request_rate=request_rate,
+        max_concurrency=max_concurrency,
+        connections=4,
+    )
+    result = await bench_against(servicer, config)
+    assert result.summary.completed == 12
+    peers = [servicer.peers[f"p{i}"] for i in range(12)]
+    assert len(set(peers)) == 4
+    assert all(peers[i] == peers[i % 4] for i in range(12))
+
+
+async def test_one_connection_carries_every_request(tmp_path: Path) -> None:
+    servicer = ScriptedGeneration()
+    config = BenchmarkConfig(dataset=numbered(tmp_path, 6), num_prompts=6, connections=1, warmup=2)
+    result = await bench_against(servicer, config)
+    assert result.summary.completed == 6 and len(set(servicer.peers.values())) == 1
+
+
+class ReadyAtStart:
+    """Records whether every channel was connected when the measured run started."""
+
+    def __init__(self, channels: list[grpc.aio.Channel]) -> None:
+        self.channels = channels
+        self.ready_at_start: bool | None = None
+
+    def on_start(self) -> None:
+        ready = grpc.ChannelConnectivity.READY
+        self.ready_at_start = all(c.get_state() == ready for c in self.channels)
+
+    def on_request_done(self, record: RequestRecord) -> None:
+        pass
+
+
+async def test_every_connection_is_up_before_the_measured_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[grpc.aio.Channel] = []
+
+    def recording_open(server: str, count: int) -> list[grpc.aio.Channel]:
+        opened.extend(open_channels(server, count))
+        return opened
+
+    monkeypatch.setattr(benchmark, "open_channels", recording_open)
+    observer = ReadyAtStart(opened)
+    server, address = await serve(ScriptedGeneration())
+    try:
+        config = BenchmarkConfig(server=address, dataset=RandomDataset(4, 2), num_prompts=2, connections=5)
+        result = await run_benchmark(config, observer=observer)
+    finally:
+        await server.stop(None)
+    assert len(opened) == 5 and observer.ready_at_start and result.summary.completed == 2
+
+
+async def test_the_default_run_keeps_its_summary_and_result_keys() -> None:
+    config = BenchmarkConfig(dataset=RandomDataset(4, 3), num_prompts=10)
+    assert config.connections == 8 and parse().connections == 8
+    result = await bench_against(ScriptedGeneration(), config)
+    assert (result.summary.completed, result.summary.failed, result.summary.total_output_tokens) == (
+        10,
+        0,
+        30,
+    )
+    data = result_json(result)
+    assert data.keys() == SUMMARY_KEYS | {"server", "interrupted", "finish_reasons", "connections"}
+    assert data["connections"] == 8
+    assert "Successful requests:                    10" in format_summary(result).splitlines()

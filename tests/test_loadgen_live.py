@@ -141,6 +141,7 @@ def test_cli_prints_the_table_and_saves_the_result(scheduler: Service, tmp_path:
     assert "Successful requests:                    6" in out.stdout.splitlines()
     data = json.loads(saved.read_text())
     assert (data["completed"], data["failed"], data["errors"]) == (6, 0, {})
+    assert data["connections"] == 8
     assert (data["total_input_tokens"], data["total_output_tokens"]) == (6 * 12, 6 * 5)
     assert data["request_goodput"] == pytest.approx(data["request_throughput"])
     assert data["output_lens"] == [5] * 6 and [len(itl) for itl in data["itls"]] == [4] * 6

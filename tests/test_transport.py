@@ -31,4 +31,3 @@ async def test_a_new_session_is_untouched_by_the_old_one() -> None:
         await transport.close()
     finally:
         worker.stop()
-
