@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -610,3 +611,11 @@ def test_core_cpu_gives_a_row_per_batch_size_with_positive_figures() -> None:
     document = json.loads(json.dumps(finite(core_cpu.to_json(run, "test")), allow_nan=False))
     assert document["target"]["batch_size"] == 256 and document["target"]["met"] in (True, False)
     assert "| 256 |" in core_cpu.to_markdown(run, "test")
+
+
+def test_link_cost_measures_a_real_stream_per_batch_size() -> None:
+    from bench.link_cost import measure
+
+    row = asyncio.run(measure(rows=64, messages=20))
+    assert (row.rows, row.messages) == (64, 20)
+    assert row.cpu_us_per_step > 0 and row.bytes_per_step > 64  # a handle, a token and a finish per row
