@@ -43,6 +43,8 @@ def step_outputs(rows: int) -> StepOutputs:
 
 
 class _Sender(core_pb2_grpc.EngineCoreServicer):
+    """Only Attach: the other methods are never called here."""
+
     def __init__(self, rows: int, messages: int) -> None:
         self._rows, self._messages = rows, messages
 
@@ -50,6 +52,12 @@ class _Sender(core_pb2_grpc.EngineCoreServicer):
         outputs = step_outputs(self._rows)
         for _ in range(self._messages):
             yield core_pb2.CoreMessage(outputs=outputs_to_proto(outputs))
+
+    async def Abort(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError
 
 
 async def measure(rows: int, messages: int) -> LinkRow:
