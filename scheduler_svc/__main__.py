@@ -23,12 +23,13 @@ from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, ApiConfig, build_server, health_follows_worker
 from scheduler_svc.supervisor import FrontendSupervisor
 from scheduler_svc.telemetry import FrontendMetrics, MetricSource, SchedulerTelemetry
-from scheduler_svc.transport import GrpcTransport, WorkerTransport
+from scheduler_svc.transport import GrpcTransport, LinkConfig, WorkerTransport
 from scheduler_svc.validation import DEFAULT_MAX_TEXT_BYTES, RequestLimits
 from stepahead.serving import (
     API_KEY_ENV,
     add_observability_args,
     add_tls_server_args,
+    add_worker_token_arg,
     check_tls_server_args,
     describe_tls,
     graceful_stop,
@@ -88,6 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds live requests wait for a lost worker to come back before ending with UNAVAILABLE",
     )
     p.add_argument(
+        "--worker-step-timeout",
+        type=float,
+        default=CoreConfig.worker_step_timeout_s,
+        help="a launched step without a result, or a handshake that does not complete, for this long "
+        "means a hung worker: the session is dropped and its requests recomputed on the next one",
+    )
+    p.add_argument(
         "--late-pick",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -142,6 +150,7 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_link_args(p: argparse.ArgumentParser) -> None:
+    add_worker_token_arg(p, "present this shared secret to the worker (its --worker-token)")
     p.add_argument(
         "--worker-tls-ca",
         type=pem_file,
@@ -179,6 +188,7 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
         args.mode,
         PolicyConfig(args.max_batch_tokens, args.max_running, args.max_waiting),
         worker_retry_timeout_s=args.worker_retry_timeout,
+        worker_step_timeout_s=args.worker_step_timeout,
         late_pick=LatePickConfig(enabled=args.late_pick),
     )
 
@@ -194,7 +204,8 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
 
 async def serve(args: argparse.Namespace, transport: WorkerTransport | None = None) -> None:
     """The engine core, with its frontends in their own processes or (--frontends 0) in this one."""
-    transport = transport or GrpcTransport(args.worker, credentials=worker_credentials(args))
+    link = LinkConfig(args.worker_token, args.max_batch_tokens)
+    transport = transport or GrpcTransport(args.worker, worker_credentials(args), link)
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
     core = EngineCore(transport, core_config(args), telemetry)
     stop = stop_event_on_signals()

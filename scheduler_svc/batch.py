@@ -22,6 +22,7 @@ class ScheduledBatch:
     launch: Launch
     sampled: list[SampledRow] = field(default_factory=list)
     epoch: int = 0  # the worker session it is launched in
+    launched_at: float = 0.0  # time.monotonic() when it was sent
 
     @property
     def step_id(self) -> int:

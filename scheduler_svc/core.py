@@ -43,6 +43,10 @@ class CoreConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
     worker_retry_timeout_s: float = 30.0  # live requests wait this long for a worker to come back
+    # A launched step with no result for this long, or a handshake that does not complete in it,
+    # ends the session as a crash would: a hung (e.g. stopped) worker.
+    worker_step_timeout_s: float = 10.0
+    idle_heartbeat_s: float = 2.0  # idle: a row-less launch this often, so a hung worker is found
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
 
 
@@ -72,6 +76,7 @@ class EngineCore:
         self._closing = False
         self._worker_clock_offset = 0.0  # worker clock minus ours
         self._lost_at: float | None = None  # when the worker session was lost
+        self._expiry: asyncio.TimerHandle | None = None  # --worker-retry-timeout, on its own clock
         self._model_identity: tuple[str, int, tuple[int, ...], bytes] | None = None
 
     # ---- frontends ---------------------------------------------------------------------
@@ -168,15 +173,22 @@ class EngineCore:
             await asyncio.wait({handle}, timeout=delay)
 
     async def _wait_for_work(self) -> None:
-        """Idle: first tell the worker about released slots, then sleep until work comes."""
+        """Idle: first tell the worker about released slots, then sleep until work comes,
+        with a row-less launch every `idle_heartbeat_s` (the watchdog's and the worker's sign
+        of life)."""
         release = self.policy.release_batch()
         if release is not None:
             await self.process_results(release, await self.launch_step(release))
             return
         self._work.clear()
         self.idle = True
-        await self._work.wait()
-        self.idle = False
+        try:
+            await asyncio.wait_for(self._work.wait(), self.config.idle_heartbeat_s)
+        except TimeoutError:
+            heartbeat = self.policy.empty_batch()
+            await self.process_results(heartbeat, await self.launch_step(heartbeat))
+        finally:
+            self.idle = False
 
     # ---- step 1: pick ------------------------------------------------------------------
 
@@ -194,6 +206,7 @@ class EngineCore:
         with self.telemetry.phase("launch", batch.step_id):
             assert self.session is not None and self.info is not None
             batch.epoch = self.info.epoch
+            batch.launched_at = time.monotonic()
             sent = time.time()
             handle = await self.session.launch(batch.launch)
         handle.add_done_callback(lambda _: self.telemetry.worker_latency.observe(time.time() - sent))
@@ -212,7 +225,7 @@ class EngineCore:
         each frontend its rows in one message."""
         self.telemetry.observe_result_queue(len(self.result_queue))
         with self.telemetry.phase("wait", batch.step_id):
-            result = await handle
+            result = await self._result_in_time(batch, handle)
         if (result.step_id, result.epoch) != (batch.step_id, batch.epoch):
             self.stats.results_out_of_order += 1
             raise WorkerUnavailable(
@@ -224,13 +237,25 @@ class EngineCore:
             self.policy.update_from_result(batch, result.token_ids)
             self.outbox.flush()
 
+    async def _result_in_time(self, batch: ScheduledBatch, handle: StepHandle) -> StepResult:
+        """The watchdog: a step's result within --worker-step-timeout of its launch."""
+        timeout = self.config.worker_step_timeout_s
+        left = batch.launched_at + timeout - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(handle), max(left, 0.0))
+        except TimeoutError:
+            self.telemetry.step_timeouts.inc()
+            raise WorkerUnavailable(
+                f"step {batch.step_id}: no result within --worker-step-timeout {timeout:g}s (a hung worker?)"
+            ) from None
+
     # ---- the worker session ------------------------------------------------------------
 
     async def _connect_with_backoff(self) -> None:
         delay, max_delay = self.config.reconnect_backoff_s
         while not self._closing:
             try:
-                session = await self.transport.connect()
+                session = await self._handshake()
             except WorkerUnavailable as exc:
                 level = logging.WARNING if delay >= max_delay else logging.INFO
                 log.log(level, "waiting for the worker (%s); retrying in %.1fs", exc, delay)
@@ -238,9 +263,15 @@ class EngineCore:
                 if self._start_session(session):
                     return
                 await session.close()
-            self._expire_if_lost_too_long()
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
+
+    async def _handshake(self) -> WorkerSession:
+        timeout = self.config.worker_step_timeout_s
+        try:
+            return await asyncio.wait_for(self.transport.connect(), timeout)
+        except TimeoutError:
+            raise WorkerUnavailable(f"no handshake within --worker-step-timeout {timeout:g}s") from None
 
     def _start_session(self, session: WorkerSession) -> bool:
         """False if the session cannot be used (then the caller retries)."""
@@ -254,6 +285,8 @@ class EngineCore:
             log.exception("worker session %d unusable; retrying", info.epoch)
             return False
         self.session, self.info, self._lost_at = session, info, None
+        if self._expiry is not None:
+            self._expiry.cancel()
         self.late_pick = LatePick(self.config.late_pick)
         log.info(
             "worker session %d: model %s, %d KV slots, %d request slots, mode %s",
@@ -281,7 +314,10 @@ class EngineCore:
         log.error("worker lost (%s); %d requests wait for a worker", exc, len(self.policy.requests))
         session, self.session = self.session, None
         self.telemetry.worker_connected.set(0)
-        self._lost_at = self._lost_at or time.time()
+        if self._lost_at is None:
+            self._lost_at = time.time()
+            retry = self.config.worker_retry_timeout_s
+            self._expiry = asyncio.get_running_loop().call_later(retry, self._expire_if_lost_too_long)
         self.result_queue.clear()
         self.policy.requeue_all()
         self._broadcast_worker_state()
@@ -293,9 +329,14 @@ class EngineCore:
             frontend.worker_state(self.info, self.ready)
 
     def _expire_if_lost_too_long(self) -> None:
-        if self._lost_at is not None and time.time() - self._lost_at > self.config.worker_retry_timeout_s:
-            self.policy.fail_all(f"no worker for {self.config.worker_retry_timeout_s:.0f}s")
+        """Live requests end with UNAVAILABLE once the worker has been gone too long; requests
+        that arrive later wait for a full timeout of their own."""
+        retry = self.config.worker_retry_timeout_s
+        if self.session is None and self._lost_at is not None:
+            self.policy.fail_all(f"no worker for {retry:g}s (--worker-retry-timeout)")
             self.outbox.flush()
+            self._lost_at = time.time()
+            self._expiry = asyncio.get_running_loop().call_later(retry, self._expire_if_lost_too_long)
 
 
 def _model_identity(info: WorkerInfo) -> tuple[str, int, tuple[int, ...], bytes]:

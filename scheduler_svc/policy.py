@@ -128,8 +128,10 @@ class SchedulingPolicy:
 
     def release_batch(self) -> ScheduledBatch | None:
         """A row-less launch that only tells the worker about released slots."""
-        if not self._pending_releases:
-            return None
+        return self.empty_batch() if self._pending_releases else None
+
+    def empty_batch(self) -> ScheduledBatch:
+        """A row-less launch: released slots, if any; else only a sign of life for the worker."""
         return self._seal(ScheduledBatch(Launch(step_id=self._next_step_id)))
 
     def _seal(self, batch: ScheduledBatch) -> ScheduledBatch:

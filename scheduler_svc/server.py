@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
 
 from scheduler_svc.frontend import ApiError, Frontend
 from scheduler_svc.streams import ClientRequest
 from scheduler_svc.validation import RequestLimits, UnparsableRequest, lenient_deserializer
+from stepahead.auth import BearerTokenInterceptor
 from stepahead.serving import (
     NO_PORT_SHARING,
     PORT_SHARING,
@@ -135,65 +134,11 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-# Reachable without a key: probes and tooling must work before anyone holds one.
-KEYLESS_SERVICES = ("grpc.health.v1.Health", reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
-
-Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]"
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Every method outside KEYLESS_SERVICES needs `authorization: Bearer <key>` metadata."""
-
-    def __init__(self, api_key: str) -> None:
-        self._key = api_key.encode()
-
-    async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler | None:
-        handler = await continuation(handler_call_details)
-        service = handler_call_details.method.lstrip("/").split("/", 1)[0]
-        if handler is None or service in KEYLESS_SERVICES:
-            return handler
-        refusal = self._refusal(handler_call_details.invocation_metadata)
-        return handler if refusal is None else _refusing_handler(handler, refusal)
-
-    def _refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
-        """Why the call is refused, or None when it carries the key."""
-        values = [value for key, value in metadata or () if key == "authorization"]
-        if not values or not isinstance(values[0], str):
-            return "authorization: missing; send 'authorization: Bearer <API key>' metadata"
-        scheme, _, token = values[0].partition(" ")
-        if scheme.lower() != "bearer":
-            return "authorization: expected the Bearer scheme"
-        if not hmac.compare_digest(token.strip().encode(), self._key):  # constant time in the key
-            return "authorization: wrong API key"
-        return None
-
-
-def _refusing_handler(handler: Handler, reason: str) -> Handler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED without parsing
-    the request: an unauthenticated payload costs nothing but its bytes."""
-
-    async def refuse(request: object, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    def ignore(payload: bytes) -> None:
-        return None
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=ignore)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, request_deserializer=ignore)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, request_deserializer=ignore)
-    return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=ignore)
-
-
 async def build_server(
     frontend: Frontend, host: str, port: int, config: ApiConfig = ApiConfig()
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Health and reflection share the port, its TLS and its size limit, but not the API key."""
-    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    interceptors = [BearerTokenInterceptor(config.api_key, "API key")] if config.api_key else []
     sharing = PORT_SHARING if config.share_port else NO_PORT_SHARING
     server = grpc.aio.server(
         interceptors=interceptors,

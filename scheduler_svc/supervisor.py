@@ -54,8 +54,8 @@ class FrontendSupervisor:
     async def start(self) -> int:
         """Starts every frontend and returns the public port once all of them serve it."""
         self._loop = asyncio.get_running_loop()
+        self._port = self._reserve_port()  # first: a port in use stops nothing running
         self._link = await start_link_server(self._servicer, self._socket_path)
-        self._port = self._reserve_port()
         for index in range(self._count):
             await self._spawn(index, restart_delay=None)
         waits = [asyncio.create_task(event.wait()) for event in self._attached.values()]

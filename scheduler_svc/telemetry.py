@@ -96,6 +96,10 @@ class SchedulerTelemetry:
         self.worker_latency = latency(
             "stepahead_worker_step_latency_seconds", "Launch sent to result received (device time included)."
         )
+        self.step_timeouts = counter(
+            "stepahead_worker_step_timeouts",
+            "Worker sessions ended by the watchdog: a step or handshake without an answer in time.",
+        )
         self.frontends = gauge("stepahead_frontends", "Frontend processes attached to the engine core.")
         self.frontend_restarts = counter(
             "stepahead_frontend_restarts", "Frontend processes that died and were started again."

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import uuid
+from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, cast
 
 import grpc
@@ -63,12 +64,24 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class LinkConfig:
+    """What the scheduler tells and shows the worker in each handshake."""
+
+    token: str | None = None  # --worker-token, sent as `authorization: Bearer <token>`
+    max_batch_tokens: int = 0  # the step budget the worker enforces (0: none announced)
+    scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # one per scheduler process
+
+
 class GrpcTransport:
     """Opens one channel and one Connect stream per session."""
 
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, link: LinkConfig | None = None
+    ) -> None:
         self._target = target
         self._credentials = credentials  # None: plaintext
+        self._link = link or LinkConfig()
         self._session: GrpcWorkerSession | None = None
 
     async def connect(self) -> WorkerSession:
@@ -79,7 +92,7 @@ class GrpcTransport:
             channel = grpc.aio.insecure_channel(self._target, options=options)
         else:
             channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
-        session = GrpcWorkerSession(self._target, channel)
+        session = GrpcWorkerSession(self._target, channel, self._link)
         try:
             await session.handshake()
         except BaseException:
@@ -96,17 +109,24 @@ class GrpcTransport:
 class GrpcWorkerSession:
     """One Connect stream: launches written in order, results matched in order."""
 
-    def __init__(self, target: str, channel: grpc.aio.Channel) -> None:
+    def __init__(self, target: str, channel: grpc.aio.Channel, link: LinkConfig) -> None:
         self._target = target
         self._channel = channel
-        self._call: WorkerCall = worker_pb2_grpc.WorkerStub(channel).Connect()
+        self._link = link
+        metadata = (("authorization", f"Bearer {link.token}"),) if link.token else None
+        self._call: WorkerCall = worker_pb2_grpc.WorkerStub(channel).Connect(metadata=metadata)
         self._pending: collections.deque[tuple[int, asyncio.Future[StepResult]]] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
         self._failure: WorkerUnavailable | None = None
         self.info: WorkerInfo
 
     async def handshake(self) -> None:
-        hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id=uuid.uuid4().hex)
+        link = self._link
+        hello = worker_pb2.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            scheduler_id=link.scheduler_id,
+            max_batch_tokens=link.max_batch_tokens,
+        )
         try:
             await self._call.write(worker_pb2.SchedulerMessage(hello=hello))
             first = await self._call.read()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -19,6 +20,16 @@ from prometheus_client import CollectorRegistry
 from stepahead.metrics import serve_metrics
 
 API_KEY_ENV = "STEPAHEAD_API_KEY"  # the scheduler's API key, and what its clients send
+WORKER_TOKEN_ENV = "STEPAHEAD_WORKER_TOKEN"  # the worker link's shared secret, on both services
+
+
+def add_worker_token_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument(
+        "--worker-token",
+        default=os.environ.get(WORKER_TOKEN_ENV) or None,
+        help=f"{help_text} (default: ${WORKER_TOKEN_ENV}, which, unlike the flag, does not show in the "
+        "process list)",
+    )
 
 
 def setup_logging(level: str) -> None:
@@ -136,6 +147,8 @@ def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port
 
 
 def start_metrics(registry: CollectorRegistry, args: argparse.Namespace, service: str) -> None:
+    """Serves /metrics on the running event loop (a thread of its own when none runs); the
+    port is bound before this returns, so a taken one raises PortInUse at once."""
     if args.metrics_port >= 0:
         try:
             port = serve_metrics(registry, args.metrics_host, args.metrics_port)

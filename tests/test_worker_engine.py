@@ -10,7 +10,7 @@ import torch
 from stepahead.protocol import Launch, NewRequest
 from tests.harness import make_engine
 from worker_svc.backends import sim_next_token
-from worker_svc.engine import LaunchError, WorkerEngine
+from worker_svc.engine import EngineStats, LaunchError, WorkerEngine
 from worker_svc.future_map import SENTINEL, FutureMap, FutureMapSentinelError
 
 CPU = torch.device("cpu")
@@ -104,15 +104,16 @@ def test_out_of_order_launch_is_refused(engine: WorkerEngine) -> None:
 @pytest.mark.parametrize(
     ("launch", "message"),
     [
-        (prefill(1, 0, [1], [64], new_requests=[new(0)]), "kv slot beyond the pool"),
-        (prefill(1, 3, [1], [0]), "unregistered request slots"),
-        (prefill(1, 0, [1, 2], [0], new_requests=[new(0)]), "kv_slots for 2 tokens"),
-        (prefill(1, 0, [999], [0], new_requests=[new(0)]), "beyond the vocabulary"),
+        (prefill(1, 0, [1], [64], new_requests=[new(0)]), r"kv_slots\[0\]: 64 is outside the KV pool"),
+        (prefill(1, 3, [1], [0]), r"row_req_slots\[0\]: request slot 3 is not registered"),
+        (prefill(1, 0, [1, 2], [0], new_requests=[new(0)]), "kv_slots: 1 slots for 2 tokens"),
+        (prefill(1, 0, [999], [0], new_requests=[new(0)]), r"prompt_ids\[0\]: 999 is outside the vocab"),
     ],
 )
 def test_malformed_launches_are_refused(engine: WorkerEngine, launch: Launch, message: str) -> None:
     with pytest.raises(LaunchError, match=message):
         engine.submit(launch).result()
+    assert engine.stats().steps_executed == 0
 
 
 def test_live_request_slots_follow_registrations_and_releases(engine: WorkerEngine) -> None:
@@ -123,3 +124,28 @@ def test_live_request_slots_follow_registrations_and_releases(engine: WorkerEngi
     epoch = engine.stats().epoch
     assert engine.begin_session().result().epoch == epoch + 1
     assert engine.stats().last_step_id == 0
+
+
+def test_a_new_session_starts_its_counters_at_zero(engine: WorkerEngine) -> None:
+    engine.submit(Launch(1, new_requests=[new(1)])).result()
+    with pytest.raises(FutureMapSentinelError):
+        engine.submit(decode(2, [1], [0], [0])).result()
+    with pytest.raises(LaunchError, match="step 5 launched after step 2"):
+        engine.submit(Launch(5)).result()
+    before = engine.stats()
+    assert (before.steps_executed, before.last_step_id) == (2, 2)
+    assert (before.sentinel_reads, before.out_of_order_launches, before.live_request_slots) == (1, 1, 1)
+    engine.begin_session().result()
+    assert engine.stats() == EngineStats(before.epoch + 1, 0, 0, 0, 0, 0)
+
+
+def test_launches_of_the_previous_session_do_not_count_in_the_next(engine: WorkerEngine) -> None:
+    # Queued before the new session begins, so run (and fail) before its reset.
+    stale = [engine.submit(Launch(9)), engine.submit(decode(1, [0], [0], [0]))]
+    engine.begin_session().result()
+    for future in stale:
+        with pytest.raises(LaunchError):
+            future.result()
+    engine.submit(Launch(1, new_requests=[new(0)])).result()
+    stats = engine.stats()
+    assert (stats.out_of_order_launches, stats.sentinel_reads, stats.steps_executed) == (0, 0, 1)

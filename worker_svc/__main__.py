@@ -13,6 +13,7 @@ from stepahead.serving import (
     PortInUse,
     add_observability_args,
     add_tls_server_args,
+    add_worker_token_arg,
     check_tls_server_args,
     describe_tls,
     graceful_stop,
@@ -25,7 +26,7 @@ from stepahead.serving import (
 from stepahead.trace import Tracer
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
-from worker_svc.server import SERVICE_NAME, build_server
+from worker_svc.server import DEFAULT_SCHEDULER_TIMEOUT_S, SERVICE_NAME, WorkerAccess, build_server
 
 log = logging.getLogger("stepahead.worker")
 
@@ -62,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fail a step that reads an unwritten FutureMap entry (syncs the device)",
     )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
+    add_worker_token_arg(p, "require this shared secret from schedulers ('authorization: Bearer TOKEN')")
+    p.add_argument(
+        "--scheduler-timeout",
+        type=float,
+        default=DEFAULT_SCHEDULER_TIMEOUT_S,
+        help="end a session whose scheduler sent nothing for this long with no step pending (a stopped "
+        "or vanished scheduler), so that another can connect",
+    )
     add_observability_args(p, default_metrics_port=9401)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -82,7 +91,8 @@ def build_engine(args: argparse.Namespace) -> WorkerEngine:
 async def serve(args: argparse.Namespace) -> None:
     engine = build_engine(args)
     start_metrics(engine.metrics.registry, args, "worker")  # first: a port in use stops nothing running
-    serving = await build_server(engine, args.host, args.port, server_credentials(args))
+    access = WorkerAccess(server_credentials(args), args.worker_token, args.scheduler_timeout)
+    serving = await build_server(engine, args.host, args.port, access)
     stop = stop_event_on_signals()
     await serving.server.start()
     await set_serving(serving.health, SERVICE_NAME, True)

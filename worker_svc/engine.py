@@ -1,8 +1,9 @@
 """The worker engine: executes launched batches strictly in launch order.
 
 A launch goes through two single-thread executors:
-  forward thread: apply slot deltas, build the batch (decode inputs gathered
-                  from the FutureMap on the device), forward, sample, store the
+  forward thread: check the launch (worker_svc/launch_check.py), apply slot
+                  deltas, build the batch (decode inputs gathered from the
+                  FutureMap on the device), forward, sample, store the
                   sampled ids in the FutureMap, start the copy to the host;
   copy thread:    wait for that copy, hand the ids back.
 Both are FIFO, so batches run and complete in launch order, and batch k+1 can
@@ -22,12 +23,11 @@ from stepahead.trace import NO_TRACE, Tracer
 from worker_svc.backends import ModelBackend, RowSampling
 from worker_svc.batch import ForwardBatch
 from worker_svc.future_map import FutureMap
+from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch, step_budget
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.streams import DeviceStreams, PendingCopy, StepTiming
 
-
-class LaunchError(ValueError):
-    """A launch that does not fit the worker's capacities or state."""
+__all__ = ["EngineConfig", "EngineStats", "LaunchError", "WorkerEngine"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """The current session's counters (all but `epoch` start at 0 with each session)."""
+
     epoch: int
     steps_executed: int
     last_step_id: int
@@ -171,6 +173,7 @@ class WorkerEngine:
         self._last_step_id = 0
         self._steps_executed = 0
         self._out_of_order = 0
+        self._limits = self._session_limits(None)
 
     @property
     def info(self) -> WorkerInfo:
@@ -199,9 +202,20 @@ class WorkerEngine:
             live_request_slots=len(self._slots.host),
         )
 
-    def begin_session(self) -> concurrent.futures.Future[WorkerInfo]:
-        """Forget every request slot, after all batches launched so far."""
-        return self._forward_thread.submit(self._reset_for_session)
+    @property
+    def launch_limits(self) -> LaunchLimits:
+        """What the current session's launches are checked against."""
+        return self._limits
+
+    def begin_session(self, max_batch_tokens: int | None = None) -> concurrent.futures.Future[WorkerInfo]:
+        """Forget every request slot and counter, after all batches launched so far.
+
+        `max_batch_tokens` is the step budget the scheduler announced for this
+        session; None holds launches to a bound derived from the KV pool
+        (`launch_check.step_budget`). ValueError, at once, if it is below 1.
+        """
+        limits = self._session_limits(max_batch_tokens)
+        return self._forward_thread.submit(self._reset_for_session, limits)
 
     def submit(self, launch: Launch) -> concurrent.futures.Future[StepResult]:
         """Enqueue a launch; the future resolves, in launch order, with its tokens."""
@@ -212,12 +226,23 @@ class WorkerEngine:
         self._forward_thread.shutdown(wait=True, cancel_futures=True)
         self._copy_thread.shutdown(wait=True, cancel_futures=True)
 
-    def _reset_for_session(self) -> WorkerInfo:
+    def _session_limits(self, max_batch_tokens: int | None) -> LaunchLimits:
+        cfg, b = self.config, self.backend
+        budget = step_budget(cfg.kv_slots, max_batch_tokens)
+        return LaunchLimits(cfg.kv_slots, cfg.request_slots, b.max_context_len, b.vocab_size, budget)
+
+    def _reset_for_session(self, limits: LaunchLimits) -> WorkerInfo:
+        # NOTE: runs on the forward thread, so every launch queued before it
+        # counts in the previous session and none after it does.
         self._future.reset_all()
         self._slots.clear()
         self._live_after_last_step = False
         self._epoch += 1
+        self._limits = limits
         self._last_step_id = 0
+        self._steps_executed = 0
+        self._out_of_order = 0
+        self._future.sentinel_reads = 0
         return self.info
 
     def _complete(self, launch: Launch, pending: concurrent.futures.Future[_Enqueued]) -> StepResult:
@@ -246,7 +271,12 @@ class WorkerEngine:
         self.tracer.span("copy", f"copy {launch.step_id}", timing.forward_end, timing.copy_end)
 
     def _enqueue(self, launch: Launch) -> _Enqueued:
+        # NOTE: a launch is checked whole before anything is allocated for it
+        # or any device tensor is indexed with its values. The order check
+        # comes first, so an out-of-order launch counts whatever else it breaks.
         self._check_order(launch.step_id)
+        check_launch(launch, self._limits)
+        self._check_live_rows(launch)
         with self.streams.forward():
             self._apply_slot_deltas(launch)
             self._steps_executed += 1
@@ -255,7 +285,6 @@ class WorkerEngine:
                     self.streams.copy_to_host(self._no_tokens), len(self._slots.host), self._epoch
                 )
             rows = _host_rows(launch)
-            self._validate(launch, rows)
             batch = self._build_batch(launch, rows)
             sample_slots = self.streams.to_device(rows.sample_req_slots)
             sampling = self._slots.rows(
@@ -278,23 +307,14 @@ class WorkerEngine:
         if launch.new_requests:
             self._slots.register(launch.new_requests, self.streams)
 
-    def _validate(self, launch: Launch, rows: _HostRows) -> None:
-        cfg, ctx = self.config, self.backend.max_context_len
-        if len(launch.kv_slots) != len(rows.positions):
-            raise LaunchError(f"{len(launch.kv_slots)} kv_slots for {len(rows.positions)} tokens")
-        if len(launch.prompt_ids) != len(rows.prompt_token_index):
-            raise LaunchError("prompt_ids do not match the rows' token counts")
-        if any(n != 1 for i, n in enumerate(launch.row_num_tokens) if launch.row_from_future[i]):
-            raise LaunchError("a row_from_future row must carry exactly one token")
-        if launch.kv_slots and max(launch.kv_slots) >= cfg.kv_slots:
-            raise LaunchError(f"kv slot beyond the pool of {cfg.kv_slots}")
-        if rows.positions and max(rows.positions) >= ctx:
-            raise LaunchError(f"position beyond the context length {ctx}")
-        if launch.prompt_ids and max(launch.prompt_ids) >= self.backend.vocab_size:
-            raise LaunchError("prompt id beyond the vocabulary")
-        not_live = set(launch.row_req_slots) - self._slots.host.keys()
-        if not_live:
-            raise LaunchError(f"rows name unregistered request slots {sorted(not_live)[:8]}")
+    def _check_live_rows(self, launch: Launch) -> None:
+        """Every row's request slot is registered once the launch's slot deltas apply."""
+        released = set(launch.released_slots)
+        registered = {r.req_slot for r in launch.new_requests}
+        for i, slot in enumerate(launch.row_req_slots):
+            live = slot in registered or (slot in self._slots.host and slot not in released)
+            if not live:
+                raise LaunchError(f"row_req_slots[{i}]: request slot {slot} is not registered")
 
     def _build_batch(self, launch: Launch, rows: _HostRows) -> ForwardBatch:
         to_device = self.streams.to_device

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry, Counter
 
+from stepahead.auth import BearerTokenInterceptor
 from stepahead.protocol import (
     GRPC_OPTIONS,
     PROTOCOL_VERSION,
@@ -36,11 +38,18 @@ KEEPALIVE_SERVER_OPTIONS = [
 _InFlight = tuple[int, "asyncio.Future[StepResult]"] | None
 
 
+DEFAULT_SCHEDULER_TIMEOUT_S = 10.0
+
+
 class _Session:
     """One scheduler's stream: launches queued in order, results sent in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler_id: str, peer: str) -> None:
+        self.scheduler_id = scheduler_id
+        self.peer = peer
+        self.epoch = 0
         self.in_flight: asyncio.Queue[_InFlight] = asyncio.Queue()
+        self.unanswered = 0  # launches taken whose result has not been sent
         self.superseded = False
         self.reader: asyncio.Task[None] | None = None
         self.closed = asyncio.Event()
@@ -49,9 +58,43 @@ class _Session:
         self.in_flight.put_nowait(None)
 
 
+class SessionMetrics:
+    """Who opened sessions on this worker, and who was turned away."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, device: str) -> None:
+        names, values = ["model", "device"], [model, device]
+        refused = Counter(
+            "stepahead_worker_sessions_refused",
+            "Connect calls refused: reason=unauthenticated (no or wrong --worker-token) or busy "
+            "(another scheduler's session is live).",
+            [*names, "reason"],
+            registry=registry,
+        )
+        self.refused = {r: refused.labels(*values, r) for r in ("unauthenticated", "busy")}
+        self.takeovers = Counter(
+            "stepahead_worker_session_takeovers",
+            "Sessions replaced by a new session of the same scheduler.",
+            names,
+            registry=registry,
+        ).labels(*values)
+        self.scheduler_timeouts = Counter(
+            "stepahead_worker_scheduler_timeouts",
+            "Sessions ended because the scheduler sent nothing for --scheduler-timeout with no step pending.",
+            names,
+            registry=registry,
+        ).labels(*values)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: WorkerEngine) -> None:
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        metrics: SessionMetrics,
+        scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S,
+    ) -> None:
         self._engine = engine
+        self._metrics = metrics
+        self._scheduler_timeout_s = scheduler_timeout_s
         self._session: _Session | None = None
         self._draining = False
 
@@ -74,12 +117,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.SchedulerMessage],
         context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
-        await self._expect_hello(request_iterator, context)
+        hello = await self._expect_hello(request_iterator, context)
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        session = self._replace_session()
-        info = await asyncio.wrap_future(self._engine.begin_session())
-        log.info("session %d opened by %s", info.epoch, context.peer())
+        await self._refuse_if_busy(hello, context)
+        session = self._replace_session(hello.scheduler_id, context.peer())
+        budget = hello.max_batch_tokens or None
+        info = await asyncio.wrap_future(self._engine.begin_session(max_batch_tokens=budget))
+        session.epoch = info.epoch
+        log.info("session %d opened by %s (scheduler %s)", info.epoch, session.peer, hello.scheduler_id)
         yield worker_pb2.WorkerMessage(welcome=info_to_proto(info))
         session.reader = asyncio.create_task(self._read_launches(request_iterator, session))
         try:
@@ -113,8 +159,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self,
         request_iterator: AsyncIterator[worker_pb2.SchedulerMessage],
         context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
-    ) -> None:
-        first = await anext(request_iterator, None)
+    ) -> worker_pb2.Hello:
+        try:
+            first = await asyncio.wait_for(anext(request_iterator, None), self._scheduler_timeout_s)
+        except TimeoutError:
+            first = None
         if first is None or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello: the first message must be a Hello")
         elif first.hello.protocol_version != PROTOCOL_VERSION:
@@ -123,10 +172,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"hello.protocol_version: worker speaks {PROTOCOL_VERSION}, "
                 f"scheduler {first.hello.protocol_version}",
             )
+        return first.hello
 
-    def _replace_session(self) -> _Session:
-        previous, self._session = self._session, _Session()
-        if previous is not None:
+    async def _refuse_if_busy(
+        self,
+        hello: worker_pb2.Hello,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+    ) -> None:
+        """One scheduler at a time: only the scheduler of the live session may replace it.
+
+        NOTE: a scheduler that died closes its socket (the session ends at once), one that hangs
+        is dropped after --scheduler-timeout; a refused scheduler retries and gets in then.
+        """
+        live = self._session
+        if live is None or live.closed.is_set() or live.scheduler_id == hello.scheduler_id:
+            return
+        self._metrics.refused["busy"].inc()
+        log.warning(
+            "refused a session from %s: session %d of %s is live", context.peer(), live.epoch, live.peer
+        )
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"session {live.epoch} of scheduler {live.peer} is live: one scheduler at a time",
+        )
+
+    def _replace_session(self, scheduler_id: str, peer: str) -> _Session:
+        previous, self._session = self._session, _Session(scheduler_id, peer)
+        if previous is not None and not previous.closed.is_set():
+            log.info("session %d replaced by a new session of the same scheduler", previous.epoch)
+            self._metrics.takeovers.inc()
             previous.superseded = True
             previous.end()
         return self._session
@@ -134,15 +208,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _read_launches(
         self, request_iterator: AsyncIterator[worker_pb2.SchedulerMessage], session: _Session
     ) -> None:
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            while (message := await self._next_message(messages, session)) is not None:
                 if session.superseded:
                     break
                 launch = launch_from_proto(message.launch)
                 done = asyncio.wrap_future(self._engine.submit(launch))
+                session.unanswered += 1
                 session.in_flight.put_nowait((launch.step_id, done))
         finally:
             session.end()
+
+    async def _next_message(
+        self, messages: AsyncIterator[worker_pb2.SchedulerMessage], session: _Session
+    ) -> worker_pb2.SchedulerMessage | None:
+        """The next launch; None when the stream ends, or when the scheduler has sent nothing
+        for --scheduler-timeout while no step of it is pending (a scheduler idles with a
+        row-less launch every few seconds, so silence means it is stopped or gone)."""
+        while True:
+            next_message = asyncio.ensure_future(anext(messages, None))
+            done, _ = await asyncio.wait({next_message}, timeout=self._scheduler_timeout_s)
+            if done:
+                return next_message.result()
+            if not session.unanswered:
+                next_message.cancel()
+                self._metrics.scheduler_timeouts.inc()
+                log.error(
+                    "session %d: nothing from the scheduler for %.0fs; ending it",
+                    *(session.epoch, self._scheduler_timeout_s),
+                )
+                return None
+            await asyncio.wait({next_message})  # a step is still running: the silence is ours
+            return next_message.result()
 
     async def _results(self, session: _Session) -> AsyncIterator[worker_pb2.WorkerMessage]:
         while (item := await session.in_flight.get()) is not None:
@@ -153,6 +251,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.exception("step %d failed", step_id)
                 yield worker_pb2.WorkerMessage(error=worker_pb2.StepError(step_id=step_id, message=str(exc)))
                 return
+            session.unanswered -= 1
             yield worker_pb2.WorkerMessage(result=result_to_proto(result))
 
 
@@ -164,13 +263,27 @@ class WorkerServer:
     servicer: WorkerServicer
 
 
+@dataclass(frozen=True)
+class WorkerAccess:
+    credentials: grpc.ServerCredentials | None = None  # None: plaintext
+    token: str | None = None  # --worker-token: required as `authorization: Bearer <token>`
+    scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S
+
+
 async def build_server(
-    engine: WorkerEngine, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+    engine: WorkerEngine, host: str, port: int, access: WorkerAccess = WorkerAccess()
 ) -> WorkerServer:
-    """Plaintext unless `credentials`; health and reflection share the port and its TLS."""
-    server = grpc.aio.server(options=GRPC_OPTIONS + KEEPALIVE_SERVER_OPTIONS + NO_PORT_SHARING)
-    servicer = WorkerServicer(engine)
+    """Plaintext unless TLS credentials; health and reflection share the port and its TLS but
+    need no token."""
+    info = engine.info
+    metrics = SessionMetrics(engine.metrics.registry, info.model, info.device)
+    refused = metrics.refused["unauthenticated"].inc
+    interceptors = [BearerTokenInterceptor(access.token, "worker token", refused)] if access.token else []
+    server = grpc.aio.server(
+        interceptors=interceptors, options=GRPC_OPTIONS + KEEPALIVE_SERVER_OPTIONS + NO_PORT_SHARING
+    )
+    servicer = WorkerServicer(engine, metrics, access.scheduler_timeout_s)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
-    bound = add_port(server, f"{host}:{port}", credentials)
+    bound = add_port(server, f"{host}:{port}", access.credentials)
     return WorkerServer(server, bound, health_servicer, servicer)

@@ -1,0 +1,144 @@
+"""Checks of one Launch against the worker's capacities, before any work is done.
+
+NOTE: every check here takes time and memory linear in the lengths of the
+launch's lists, never in the token counts the launch claims. The engine runs
+them before it expands rows into per-token index lists, touches a device
+tensor or changes slot state, so a malformed launch costs what its message
+costs and fails as a LaunchError, never as a device-side assert.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stepahead.protocol import Launch, NewRequest
+
+# NOTE: the step budget when the scheduler announces none. A launch writes one
+# distinct KV pool slot per token, so it never holds more tokens than the pool
+# (an announced budget is capped there too); 65,536 is 128 steps of the
+# scheduler's default budget (512), and keeps the per-token index lists of a
+# launch on the host to a few MB.
+DEFAULT_MAX_BATCH_TOKENS = 65_536
+
+
+class LaunchError(ValueError):
+    """A launch that does not fit the worker's capacities or state."""
+
+
+@dataclass(frozen=True)
+class LaunchLimits:
+    """What one session's launches are held to."""
+
+    kv_slots: int
+    request_slots: int
+    max_context_len: int
+    vocab_size: int
+    max_batch_tokens: int  # tokens per launch
+
+
+def step_budget(kv_slots: int, announced: int | None) -> int:
+    """The scheduler's announced budget, or the derived one; never above the KV pool."""
+    if announced is None:
+        return min(kv_slots, DEFAULT_MAX_BATCH_TOKENS)
+    if announced < 1:
+        raise ValueError(f"max_batch_tokens: must be at least 1, got {announced}")
+    return min(kv_slots, announced)
+
+
+def check_launch(launch: Launch, limits: LaunchLimits) -> None:
+    """Raise LaunchError naming the first field of `launch` that breaks `limits`."""
+    _check_row_arrays(launch)
+    _check_row_tokens(launch, limits.max_batch_tokens)
+    _check_token_totals(launch, limits.max_batch_tokens)
+    _check_positions(launch, limits.max_context_len)
+    _check_range("prompt_ids[{}]", launch.prompt_ids, limits.vocab_size, "the vocabulary")
+    _check_range("kv_slots[{}]", launch.kv_slots, limits.kv_slots, "the KV pool")
+    _check_range("row_req_slots[{}]", launch.row_req_slots, limits.request_slots, "the request slots")
+    _check_slot_deltas(launch, limits.request_slots)
+    for i, request in enumerate(launch.new_requests):
+        _check_sampling(i, request)
+
+
+def _check_row_arrays(launch: Launch) -> None:
+    rows = len(launch.row_req_slots)
+    columns: dict[str, Sequence[object]] = {
+        "row_start_pos": launch.row_start_pos,
+        "row_num_tokens": launch.row_num_tokens,
+        "row_from_future": launch.row_from_future,
+        "row_sample": launch.row_sample,
+    }
+    for name, column in columns.items():
+        if len(column) != rows:
+            raise LaunchError(f"{name}: {len(column)} entries for {rows} rows in row_req_slots")
+
+
+def _check_row_tokens(launch: Launch, budget: int) -> None:
+    for i, (n, from_future) in enumerate(zip(launch.row_num_tokens, launch.row_from_future, strict=True)):
+        if n < 1:
+            raise LaunchError(f"row_num_tokens[{i}]: {n} tokens; a row carries at least 1")
+        if n > budget:
+            raise LaunchError(f"row_num_tokens[{i}]: {n} tokens exceed the step budget of {budget}")
+        if from_future and n != 1:
+            raise LaunchError(f"row_num_tokens[{i}]: {n} tokens in a row_from_future row, which carries 1")
+
+
+def _check_token_totals(launch: Launch, budget: int) -> None:
+    total = sum(launch.row_num_tokens)
+    if total > budget:
+        raise LaunchError(f"row_num_tokens: {total} tokens in all exceed the step budget of {budget}")
+    if len(launch.kv_slots) != total:
+        raise LaunchError(f"kv_slots: {len(launch.kv_slots)} slots for {total} tokens")
+    rows = zip(launch.row_num_tokens, launch.row_from_future, strict=True)
+    prompt_tokens = sum(n for n, from_future in rows if not from_future)
+    if len(launch.prompt_ids) != prompt_tokens:
+        raise LaunchError(
+            f"prompt_ids: {len(launch.prompt_ids)} ids for {prompt_tokens} tokens of non-future rows"
+        )
+
+
+def _check_positions(launch: Launch, max_context_len: int) -> None:
+    for i, (start, n) in enumerate(zip(launch.row_start_pos, launch.row_num_tokens, strict=True)):
+        if start < 0:
+            raise LaunchError(f"row_start_pos[{i}]: {start} is negative")
+        if start + n > max_context_len:
+            raise LaunchError(
+                f"row_start_pos[{i}]: positions {start}..{start + n - 1} exceed "
+                f"the context length of {max_context_len}"
+            )
+
+
+def _check_slot_deltas(launch: Launch, request_slots: int) -> None:
+    new_slots = [r.req_slot for r in launch.new_requests]
+    _check_range("released_slots[{}]", launch.released_slots, request_slots, "the request slots")
+    _check_range("new_requests[{}].req_slot", new_slots, request_slots, "the request slots")
+    _check_unique("released_slots[{}]", launch.released_slots)
+    _check_unique("new_requests[{}].req_slot", new_slots)
+
+
+def _check_sampling(i: int, r: NewRequest) -> None:
+    if not (math.isfinite(r.temperature) and r.temperature >= 0):
+        raise LaunchError(f"new_requests[{i}].temperature: must be a finite number >= 0, got {r.temperature}")
+    if not (math.isfinite(r.top_p) and 0 < r.top_p <= 1):
+        raise LaunchError(f"new_requests[{i}].top_p: must be in (0, 1], got {r.top_p}")
+    if r.top_k < 0:
+        raise LaunchError(f"new_requests[{i}].top_k: must be >= 0, got {r.top_k}")
+
+
+def _check_range(field: str, values: Sequence[int], end: int, what: str) -> None:
+    """Every value in [0, end); `field` names an entry by its index ({})."""
+    if not values or (min(values) >= 0 and max(values) < end):
+        return
+    i = next(i for i, v in enumerate(values) if not 0 <= v < end)
+    raise LaunchError(f"{field.format(i)}: {values[i]} is outside {what} [0, {end})")
+
+
+def _check_unique(field: str, values: Sequence[int]) -> None:
+    if len(set(values)) == len(values):
+        return
+    seen: set[int] = set()
+    for i, v in enumerate(values):
+        if v in seen:
+            raise LaunchError(f"{field.format(i)}: slot {v} appears twice")
+        seen.add(v)
