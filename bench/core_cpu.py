@@ -136,15 +136,7 @@ class HostWorker:
     def _sample(self, launch: Launch) -> list[int]:
         prompt = iter(launch.prompt_ids)
         sampled = []
-        rows = zip(
-            launch.row_req_slots,
-            launch.row_start_pos,
-            launch.row_num_tokens,
-            launch.row_from_future,
-            launch.row_sample,
-            strict=True,
-        )
-        for slot, start, n, from_future, sample in rows:
+        for slot, start, n, from_future, sample in launch.rows():
             last = self.future_map[slot] if from_future else [next(prompt) for _ in range(n)][-1]
             if sample:
                 self.future_map[slot] = token = next_token(last, start + n)

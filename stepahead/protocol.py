@@ -8,6 +8,7 @@ of the process boundary.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from stepahead.v1 import worker_pb2
@@ -78,6 +79,17 @@ class Launch:
     @property
     def num_rows(self) -> int:
         return len(self.row_req_slots)
+
+    def rows(self) -> Iterator[tuple[int, int, int, bool, bool]]:
+        """Each row's (request slot, start position, tokens, from the FutureMap, samples)."""
+        return zip(
+            self.row_req_slots,
+            self.row_start_pos,
+            self.row_num_tokens,
+            self.row_from_future,
+            self.row_sample,
+            strict=True,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -62,14 +62,7 @@ class FakeWorker:
             self.live_slots.add(new.req_slot)
         prompt = iter(launch.prompt_ids)
         sampled = []
-        for slot, start, n, from_future, sample in zip(
-            launch.row_req_slots,
-            launch.row_start_pos,
-            launch.row_num_tokens,
-            launch.row_from_future,
-            launch.row_sample,
-            strict=True,
-        ):
+        for slot, start, n, from_future, sample in launch.rows():
             assert slot in self.live_slots
             ids = [self.future_map[slot]] if from_future else [next(prompt) for _ in range(n)]
             if sample:
