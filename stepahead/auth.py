@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -60,13 +60,18 @@ def _refusing_handler(handler: Handler, reason: str) -> Handler:
     async def refuse(request: object, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
+    async def refuse_stream(request: object, context: Context) -> AsyncIterator[None]:
+        """A streaming method's handler must be an async generator, even one that never yields."""
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        yield None
+
     def ignore(payload: bytes) -> None:
         return None
 
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=ignore)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(refuse, request_deserializer=ignore)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, request_deserializer=ignore)
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore)
     return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=ignore)

@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
@@ -135,18 +135,21 @@ def test_a_stopped_scheduler_frees_the_worker_for_another_one() -> None:
         first.proc.kill()
 
 
-async def foreign_hello(address: str, token: str | None) -> grpc.StatusCode:
-    """A client that is not the scheduler opens a session (and would drive the device)."""
+async def foreign_hello(address: str, token: str | None, send_hello: bool = True) -> grpc.StatusCode:
+    """A client that is not the scheduler opens a session (and would drive the device).
+
+    NOTE: under load the gRPC client sometimes reports a stream the server refuses at once as
+    INTERNAL ("execute_batch" of a send failed) instead of the server's status; the tests
+    therefore count the worker's own refusals, by reason, in its metrics. A call the worker
+    refuses before reading it (no or a wrong token) sends no Hello.
+    """
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id="foreign")
-
-    async def messages() -> AsyncIterator[worker_pb2.SchedulerMessage]:
-        yield worker_pb2.SchedulerMessage(hello=hello)
-        await asyncio.Event().wait()  # keep the stream open, as a session would
-
     async with grpc.aio.insecure_channel(address) as channel:
-        call = worker_pb2_grpc.WorkerStub(channel).Connect(messages(), metadata=metadata)
+        call = worker_pb2_grpc.WorkerStub(channel).Connect(metadata=metadata)
         try:
+            if send_hello:
+                await call.write(worker_pb2.SchedulerMessage(hello=hello))
             await call.read()
         except grpc.aio.AioRpcError as exc:
             return exc.code()
@@ -182,13 +185,17 @@ def test_a_foreign_client_cannot_take_over_or_disturb_the_live_session(token: st
         outputs, refusals, epoch, after = asyncio.run(scenario())
         assert outputs == [sim_expected(f"link {i}".encode(), 300) for i in range(8)]
         assert epoch == after  # the scheduler's session was never replaced
-        expected = grpc.StatusCode.UNAUTHENTICATED if token else grpc.StatusCode.FAILED_PRECONDITION
-        assert set(refusals[:2]) == {expected}
-        assert refusals[2] == grpc.StatusCode.FAILED_PRECONDITION  # even with the token: one at a time
+        busy = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL}  # see foreign_hello
+        with_hello = [code for i, code in enumerate(refusals) if not token or i % 3 == 2]
+        without = [code for i, code in enumerate(refusals) if token and i % 3 != 2]
+        assert set(with_hello) <= busy and grpc.StatusCode.FAILED_PRECONDITION in with_hello
+        assert set(without) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL}
         samples = scrape(worker.metrics_url)
-        assert total(samples, "stepahead_worker_sessions_refused_total", reason="busy") >= 5
-        if token:
-            assert total(samples, "stepahead_worker_sessions_refused_total", reason="unauthenticated") == 10
+        refused = {
+            r: total(samples, "stepahead_worker_sessions_refused_total", reason=r)
+            for r in ("busy", "unauthenticated")
+        }
+        assert refused == {"busy": len(with_hello), "unauthenticated": len(without)}
 
 
 def test_stats_need_the_worker_token() -> None:
