@@ -20,6 +20,8 @@ from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.inprocess import InProcessTransport
 
+CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class WorkItem:
@@ -49,10 +51,11 @@ def make_engine(
     request_slots: int,
     dtype: torch.dtype = torch.float32,
     sim_step_ms: float = 1.0,
+    device: torch.device = CPU,
 ) -> WorkerEngine:
-    backend = load_backend(model, torch.device("cpu"), dtype, sim_step_ms, 0.0)
+    backend = load_backend(model, device, dtype, sim_step_ms, 0.0)
     config = EngineConfig(kv_slots, request_slots, check_invariants=True)
-    return WorkerEngine(backend, config, backend.make_streams(torch.device("cpu")))
+    return WorkerEngine(backend, config, backend.make_streams(device))
 
 
 @dataclass
@@ -109,9 +112,10 @@ async def serve_workload(
     dtype: torch.dtype = torch.float32,
     late_pick: bool = False,
     sim_step_ms: float = 1.0,
+    device: torch.device = CPU,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
-    engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms)
+    engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device)
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
         policy=PolicyConfig(max_batch_tokens=max_batch_tokens),

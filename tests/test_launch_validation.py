@@ -202,7 +202,6 @@ def data_limit(headroom: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
 @pytest.mark.parametrize("claimed", [10_000_000, 2**31])
 def test_a_tiny_launch_claiming_huge_rows_is_refused_without_allocating_them(
     engine: WorkerEngine, claimed: int

@@ -8,11 +8,18 @@ A launch goes through two single-thread executors:
   copy thread:    wait for that copy, hand the ids back.
 Both are FIFO, so batches run and complete in launch order, and batch k+1 can
 be enqueued on the device while batch k's copy is awaited.
+
+NOTE: the forward thread never waits for the device. Host values reach it only
+through `DeviceStreams.to_device` (the model's through `transfers_through`), and
+nothing on that thread reads a device value back (`.item()`, `.tolist()`,
+`.cpu()`, `int(t)`), except the FutureMap sentinel check that
+`--check-invariants` turns on, which synchronises by design.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass
 
@@ -25,7 +32,13 @@ from worker_svc.batch import ForwardBatch
 from worker_svc.future_map import FutureMap
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch, step_budget
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.streams import DeviceStreams, PendingCopy, StepTiming
+from worker_svc.streams import (
+    DeviceStreams,
+    PendingCopy,
+    StepTiming,
+    to_device_columns,
+    transfers_through,
+)
 
 __all__ = ["EngineConfig", "EngineStats", "LaunchError", "WorkerEngine"]
 
@@ -60,12 +73,17 @@ class SlotTable:
         self.host: dict[int, NewRequest] = {}  # the same constants, for host-side decisions
 
     def register(self, requests: list[NewRequest], streams: DeviceStreams) -> None:
-        slots = streams.to_device([r.req_slot for r in requests])
-        self.temperature[slots] = torch.tensor([r.temperature for r in requests]).to(slots.device)
-        self.top_p[slots] = torch.tensor([r.top_p for r in requests]).to(slots.device)
-        self.top_k[slots] = streams.to_device([r.top_k for r in requests])
+        """Two transfers whatever the count: the integer constants, then the float ones."""
         # Seeds are uint64 on the wire; the sampler mixes their 63 low bits.
-        self.seed[slots] = streams.to_device([r.seed & (2**63 - 1) for r in requests])
+        ints = [[r.req_slot for r in requests], [r.top_k for r in requests]]
+        ints.append([r.seed & (2**63 - 1) for r in requests])
+        slots, top_k, seed = to_device_columns(ints, streams.device, streams)
+        floats = [r.temperature for r in requests] + [r.top_p for r in requests]
+        temperature, top_p = streams.to_device(floats, torch.float32).split_with_sizes([len(requests)] * 2)
+        self.temperature.index_copy_(0, slots, temperature)
+        self.top_p.index_copy_(0, slots, top_p)
+        self.top_k.index_copy_(0, slots, top_k)
+        self.seed.index_copy_(0, slots, seed)
         self.host.update((r.req_slot, r) for r in requests)
 
     def release(self, slots: list[int]) -> None:
@@ -78,10 +96,10 @@ class SlotTable:
     def rows(self, host_slots: list[int], slots: torch.Tensor, positions: torch.Tensor) -> RowSampling:
         params = [self.host[s] for s in host_slots]
         return RowSampling(
-            self.temperature[slots],
-            self.top_p[slots],
-            self.top_k[slots],
-            self.seed[slots],
+            self.temperature.index_select(0, slots),
+            self.top_p.index_select(0, slots),
+            self.top_k.index_select(0, slots),
+            self.seed.index_select(0, slots),
             positions,
             all_greedy=all(p.temperature <= 0 for p in params),
             any_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
@@ -133,16 +151,56 @@ def _host_rows(launch: Launch) -> _HostRows:
 
 
 @dataclass(frozen=True)
+class _DeviceRows:
+    """The launch's index columns on the device: views of one transfer."""
+
+    positions: torch.Tensor
+    kv_slots: torch.Tensor
+    token_req_slots: torch.Tensor
+    row_req_slots: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_token_index: torch.Tensor
+    future_token_index: torch.Tensor
+    future_req_slots: torch.Tensor
+    sample_token_index: torch.Tensor
+    sample_req_slots: torch.Tensor
+    sample_positions: torch.Tensor
+
+
+def _device_rows(launch: Launch, rows: _HostRows, streams: DeviceStreams) -> _DeviceRows:
+    columns = [
+        rows.positions,
+        launch.kv_slots,
+        rows.token_req_slots,
+        launch.row_req_slots,
+        launch.prompt_ids,
+        rows.prompt_token_index,
+        rows.future_token_index,
+        rows.future_req_slots,
+        rows.sample_token_index,
+        rows.sample_req_slots,
+        rows.sample_positions,
+    ]
+    return _DeviceRows(*to_device_columns(columns, streams.device, streams))
+
+
+@dataclass(frozen=True)
 class _Enqueued:
     copy: PendingCopy
     live_after: int  # request slots live once this launch has run
     epoch: int  # the session it ran in
 
 
+_FORWARD_THREAD = threading.local()
+
+
 def _enter_inference_mode() -> None:
     """For the forward thread's whole life: no autograd bookkeeping, and no
     per-step enter/exit between two forwards (it shows in the device gap)."""
-    torch.inference_mode().__enter__()
+    # NOTE: inference mode lasts as long as its guard object: it is kept for the thread's life.
+    guard = torch.inference_mode()
+    guard.__enter__()
+    _FORWARD_THREAD.inference_mode = guard
 
 
 class WorkerEngine:
@@ -233,8 +291,10 @@ class WorkerEngine:
 
     def _reset_for_session(self, limits: LaunchLimits) -> WorkerInfo:
         # NOTE: runs on the forward thread, so every launch queued before it
-        # counts in the previous session and none after it does.
-        self._future.reset_all()
+        # counts in the previous session and none after it does; and on the
+        # forward stream, ordered with the steps.
+        with self.streams.forward():
+            self._future.reset_all()
         self._slots.clear()
         self._live_after_last_step = False
         self._epoch += 1
@@ -277,7 +337,7 @@ class WorkerEngine:
         self._check_order(launch.step_id)
         check_launch(launch, self._limits)
         self._check_live_rows(launch)
-        with self.streams.forward():
+        with self.streams.forward(), transfers_through(self.streams):
             self._apply_slot_deltas(launch)
             self._steps_executed += 1
             if not launch.num_rows:  # a launch that only releases slots
@@ -285,13 +345,13 @@ class WorkerEngine:
                     self.streams.copy_to_host(self._no_tokens), len(self._slots.host), self._epoch
                 )
             rows = _host_rows(launch)
-            batch = self._build_batch(launch, rows)
-            sample_slots = self.streams.to_device(rows.sample_req_slots)
+            on_device = _device_rows(launch, rows, self.streams)
+            batch = self._build_batch(launch, rows, on_device)
             sampling = self._slots.rows(
-                rows.sample_req_slots, sample_slots, self.streams.to_device(rows.sample_positions)
+                rows.sample_req_slots, on_device.sample_req_slots, on_device.sample_positions
             )
             tokens = self.backend.compute(batch, sampling)
-            self._future.store(sample_slots, tokens)
+            self._future.store(on_device.sample_req_slots, tokens)
             return _Enqueued(self.streams.copy_to_host(tokens), len(self._slots.host), self._epoch)
 
     def _check_order(self, step_id: int) -> None:
@@ -316,32 +376,28 @@ class WorkerEngine:
             if not live:
                 raise LaunchError(f"row_req_slots[{i}]: request slot {slot} is not registered")
 
-    def _build_batch(self, launch: Launch, rows: _HostRows) -> ForwardBatch:
-        to_device = self.streams.to_device
-        positions = to_device(rows.positions)
-        out_kv_slots = to_device(launch.kv_slots)
-        self._req_to_token[to_device(rows.token_req_slots), positions] = out_kv_slots
+    def _build_batch(self, launch: Launch, rows: _HostRows, on_device: _DeviceRows) -> ForwardBatch:
+        self._req_to_token.index_put_((on_device.token_req_slots, on_device.positions), on_device.kv_slots)
         return ForwardBatch(
-            input_ids=self._input_ids(launch, rows),
-            positions=positions,
-            out_kv_slots=out_kv_slots,
-            row_req_slots=to_device(launch.row_req_slots),
+            input_ids=self._input_ids(rows, on_device),
+            positions=on_device.positions,
+            out_kv_slots=on_device.kv_slots,
+            row_req_slots=on_device.row_req_slots,
             row_token_starts=rows.row_token_starts,
             row_num_tokens=launch.row_num_tokens,
             row_ctx_lens=rows.row_ctx_lens,
-            sample_token_index=to_device(rows.sample_token_index),
+            sample_token_index=on_device.sample_token_index,
             req_to_token=self._req_to_token,
         )
 
-    def _input_ids(self, launch: Launch, rows: _HostRows) -> torch.Tensor:
+    def _input_ids(self, rows: _HostRows, on_device: _DeviceRows) -> torch.Tensor:
         """Prompt ids come from the host, decode ids from the FutureMap on the device."""
-        to_device = self.streams.to_device
         if not rows.future_token_index:
-            return to_device(launch.prompt_ids)
-        from_future = self._future.read(to_device(rows.future_req_slots))
+            return on_device.prompt_ids
+        from_future = self._future.read(on_device.future_req_slots)
         if not rows.prompt_token_index:
             return from_future
         ids = torch.empty(len(rows.positions), dtype=torch.int64, device=self.streams.device)
-        ids[to_device(rows.future_token_index)] = from_future
-        ids[to_device(rows.prompt_token_index)] = to_device(launch.prompt_ids)
+        ids.index_copy_(0, on_device.future_token_index, from_future)
+        ids.index_copy_(0, on_device.prompt_token_index, on_device.prompt_ids)
         return ids

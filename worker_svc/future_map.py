@@ -21,7 +21,8 @@ class FutureMap:
 
     NOTE: reads and writes happen on the forward stream only, in launch
     order; so a decode row of batch k+1 reads what batch k stored, whether or
-    not the scheduler has seen that token yet.
+    not the scheduler has seen that token yet. Each is one device op with
+    device indices (no host value, no read back), except the sentinel check.
     """
 
     def __init__(self, num_slots: int, device: torch.device, check_sentinel: bool) -> None:
@@ -30,22 +31,23 @@ class FutureMap:
         self.sentinel_reads = 0
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        tokens = self._tokens[slots]
+        tokens = self._tokens.index_select(0, slots)
         if self._check_sentinel:
             self._assert_written(tokens)
         return tokens
 
     def store(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        self._tokens[slots] = tokens
+        self._tokens.index_copy_(0, slots, tokens)
 
     def reset(self, slots: torch.Tensor) -> None:
-        self._tokens[slots] = SENTINEL
+        self._tokens.index_fill_(0, slots, SENTINEL)
 
     def reset_all(self) -> None:
         self._tokens.fill_(SENTINEL)
 
     def _assert_written(self, tokens: torch.Tensor) -> None:
-        # NOTE: synchronises with the device; enabled in tests and debug runs only.
+        # NOTE: reads a count back, so the forward thread waits for the device here:
+        # the one sync on that thread, under --check-invariants (tests and debug runs) only.
         unwritten = int((tokens == SENTINEL).sum().item())
         if unwritten:
             self.sentinel_reads += unwritten

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.batch import ForwardBatch
+from worker_svc.streams import to_device_columns
 
 RopeScaling = tuple[tuple[str, float | int | str], ...]
 
@@ -204,19 +205,18 @@ class AttentionPlan:
 
 def _decode_group(batch: ForwardBatch, rows: list[int]) -> DecodeGroup:
     device = batch.input_ids.device
-    ctx_lens = _host_ints([batch.row_ctx_lens[i] for i in rows], device)
-    max_len = max(batch.row_ctx_lens[i] for i in rows)
-    req_slots = batch.row_req_slots.index_select(0, _host_ints(rows, device))
+    host_ctx_lens = [batch.row_ctx_lens[i] for i in rows]
+    # NOTE: one transfer, through the running step's streams (worker_svc/streams.py),
+    # so that building the plan never waits for the device.
+    row_index, ctx_lens, token_index = to_device_columns(
+        [rows, host_ctx_lens, [batch.row_token_starts[i] for i in rows]], device
+    )
+    max_len = max(host_ctx_lens)
+    req_slots = batch.row_req_slots.index_select(0, row_index)
     table = batch.req_to_token.index_select(0, req_slots)[:, :max_len]
     valid = torch.arange(max_len, device=device)[None, :] < ctx_lens[:, None]
-    token_index = _host_ints([batch.row_token_starts[i] for i in rows], device)
     kv_slots = torch.where(valid, table, torch.zeros_like(table))
     return DecodeGroup(token_index, kv_slots, valid[:, None, None, :])
-
-
-def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    # Asynchronous, so that building a batch never waits for the device to drain.
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _prefill_row(batch: ForwardBatch, row: int, query_group: int) -> PrefillRow:
@@ -414,9 +414,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """float32 logits [R, vocab] of the sampling rows; writes the batch's K/V into `kv`."""
+        """float32 logits [R, vocab] of the sampling rows; writes the batch's K/V into `kv`.
+
+        NOTE: enters no grad mode of its own: the worker's forward thread runs in
+        inference mode for its whole life, and the weights need no gradient anyway.
+        """
         logits: torch.Tensor = self.lm_head(self.model(batch, kv))
         return logits.float()
 

@@ -1,8 +1,10 @@
 """The forward stream and the copy stream, on CUDA and on the CPU.
 
-CUDA: the forward runs on its own stream; a copy stream waits for it, copies
-the sampled ids into pinned host memory and records an event that is waited
-on only when the result is sent.
+CUDA: the forward runs on its own stream; every host value a step needs goes to
+the device by one path (`DeviceStreams.to_device`): written into pinned staging
+buffers reused across steps, copied without blocking on the forward stream. A
+copy stream waits for the forward, copies the sampled ids into pinned host
+memory and records an event that is waited on only when the result is sent.
 CPU: torch has no streams or events there, so the worker's single ordered
 forward thread plays the forward stream; the forward has finished when the
 thread returns, and the "copy" is a plain host read.
@@ -14,12 +16,17 @@ traces line up with the scheduler's clock.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import itertools
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+HostValues = Sequence[int] | Sequence[float]
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,46 @@ class DeviceStreams(Protocol):
 
     def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy: ...
 
-    def to_device(self, values: list[int]) -> torch.Tensor: ...
+    def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """`values` as a tensor on the device, enqueued on the forward stream (inside `forward()`)."""
+        ...
+
+
+# NOTE: the streams whose forward is running on this thread, for code that has no
+# handle on them (the model); set by the engine around each step (`transfers_through`).
+_ACTIVE: contextvars.ContextVar[DeviceStreams | None] = contextvars.ContextVar("streams", default=None)
+
+
+@contextlib.contextmanager
+def transfers_through(streams: DeviceStreams) -> Iterator[None]:
+    """Within the block, `to_device_columns` without explicit streams goes through `streams`."""
+    token = _ACTIVE.set(streams)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def to_device_columns(
+    columns: Sequence[Sequence[int]], device: torch.device, streams: DeviceStreams | None = None
+) -> list[torch.Tensor]:
+    """int64 columns on `device` in one transfer: device views of one packed tensor.
+
+    Through `streams`, else the streams of the running step, else (outside the engine)
+    a direct copy.
+    """
+    path = streams if streams is not None else _ACTIVE.get()
+    packed = list(itertools.chain.from_iterable(columns))
+    flat = path.to_device(packed) if path is not None else _direct_to_device(packed, device)
+    return list(flat.split_with_sizes([len(column) for column in columns]))
+
+
+def _direct_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    # Pinned, so that the copy does not block the host.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class _HostCopy:
@@ -85,26 +131,134 @@ class CpuStreams:
     def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
         return _HostCopy(tokens, self._started, time.time())
 
-    def to_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+    def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)
+
+
+class StagingEvent(Protocol):
+    def record(self) -> None:
+        """On the current stream."""
+        ...
+
+    def query(self) -> bool:
+        """Whether the work before the last record has completed; never waits."""
+        ...
+
+
+STAGING_ALIGN = 8  # bytes: every staged column starts at a multiple of the widest element
+
+
+@dataclass
+class _Arena:
+    """One step's staging buffer, and the event recorded after that step's copies."""
+
+    buffer: torch.Tensor  # uint8
+    copied: StagingEvent
+    used: int = 0
+    recorded: bool = False
+    retired: list[torch.Tensor] = field(default_factory=list)  # outgrown, still read by pending copies
+
+    def reusable(self) -> bool:
+        return not self.recorded or self.copied.query()
+
+
+class HostStaging:
+    """Host buffers that each step's host-to-device copies read from, reused across steps.
+
+    NOTE: a non-blocking copy reads its source when the forward stream reaches it, which
+    may be steps after the host wrote it. So each step writes into an arena of its own,
+    and an arena is written again only once the event recorded after its step's copies
+    has completed (`query`, never a wait): while the device is behind, the ring grows
+    by one arena instead of the forward thread waiting for it.
+    """
+
+    def __init__(
+        self,
+        allocate: Callable[[int], torch.Tensor],
+        new_event: Callable[[], StagingEvent],
+        arena_bytes: int = 1 << 16,
+    ) -> None:
+        self._allocate = allocate
+        self._new_event = new_event
+        self._arena_bytes = arena_bytes
+        self._ring: deque[_Arena] = deque()  # oldest step first
+        self._current: _Arena | None = None
+
+    @property
+    def arenas(self) -> int:
+        return len(self._ring) + (self._current is not None)
+
+    def begin_step(self) -> None:
+        if self._ring and self._ring[0].reusable():
+            arena = self._ring.popleft()
+            arena.used, arena.retired = 0, []
+        else:
+            arena = _Arena(self._allocate(self._arena_bytes), self._new_event())
+        self._current = arena
+
+    def end_step(self) -> None:
+        """Record, on the current (forward) stream, that this step's copies are enqueued."""
+        arena = self._current_arena()
+        arena.copied.record()
+        arena.recorded = True
+        self._ring.append(arena)
+        self._current = None
+
+    def stage(self, values: HostValues, dtype: torch.dtype) -> torch.Tensor:
+        """`values` written into this step's arena: the host tensor to copy from."""
+        arena = self._current_arena()
+        nbytes = len(values) * dtype.itemsize
+        start = -(-arena.used // STAGING_ALIGN) * STAGING_ALIGN
+        if start + nbytes > arena.buffer.numel():
+            arena.retired.append(arena.buffer)
+            arena.buffer = self._allocate(max(2 * arena.buffer.numel(), nbytes))
+            start = 0
+        host = arena.buffer[start : start + nbytes].view(dtype)
+        host.copy_(torch.tensor(values, dtype=dtype))
+        arena.used = start + nbytes
+        return host
+
+    def _current_arena(self) -> _Arena:
+        if self._current is None:
+            raise RuntimeError("host values staged outside a step (DeviceStreams.forward)")
+        return self._current
 
 
 class _DeviceClock:
-    """Maps CUDA events to Unix seconds through one event recorded at a known time."""
+    """Maps CUDA events to Unix seconds through an anchor event whose time is known.
+
+    NOTE: CUDA reports elapsed times in float32 milliseconds, which lose resolution
+    as the interval grows (about 60 us after 17 minutes), so the anchor moves to
+    each completed batch's last event (`advance`): every interval stays one step long.
+    """
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         torch.cuda.synchronize(stream.device)
-        self._origin = _timing_event()
-        self._origin.record(stream)
-        self._origin.synchronize()
-        self._origin_unix = time.time()
+        self._anchor = _timing_event()
+        self._anchor.record(stream)
+        self._anchor.synchronize()
+        self._anchor_unix = time.time()
 
     def unix(self, event: torch.cuda.Event) -> float:
-        return self._origin_unix + float(self._origin.elapsed_time(event)) / 1000.0
+        return self._anchor_unix + float(self._anchor.elapsed_time(event)) / 1000.0
+
+    def advance(self, event: torch.cuda.Event) -> None:
+        """Anchor on `event`, which has completed."""
+        self._anchor_unix = self.unix(event)
+        self._anchor = event
 
 
 def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def _staging_event() -> StagingEvent:
+    event: StagingEvent = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    return event
+
+
+def _pinned_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 class _CudaCopy:
@@ -113,28 +267,49 @@ class _CudaCopy:
 
     def wait(self) -> tuple[list[int], StepTiming]:
         start, end, done = self._events
+        # NOTE: the one host wait of a step, on the copy thread.
         done.synchronize()
         tokens: list[int] = self._host.tolist()
         timing = StepTiming(self._clock.unix(start), self._clock.unix(end), self._clock.unix(done))
+        self._clock.advance(done)
         return tokens, timing
 
 
 class CudaStreams:
-    """A forward stream, a copy stream, pinned host buffers, one event per batch."""
+    """A forward stream, a copy stream, pinned host buffers, one event per batch.
+
+    NOTE: only the copy thread waits for the device (`_CudaCopy.wait`, on the batch's
+    event); the forward thread only enqueues.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._forward_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._clock = _DeviceClock(self._forward_stream)
+        self._staging = HostStaging(_pinned_bytes, _staging_event)
         self._start = _timing_event()
+        self._after_default_stream = False
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         with torch.cuda.stream(self._forward_stream):
+            self._join_default_stream()
+            self._staging.begin_step()
             self._start = _timing_event()
             self._start.record()
-            yield
+            try:
+                yield
+            finally:
+                self._staging.end_step()
+
+    def _join_default_stream(self) -> None:
+        # NOTE: the weights, the KV pool and the engine's tables are filled on the
+        # default stream when the worker is built, and CUDA does not order the
+        # forward stream after it; every later step runs on the forward stream.
+        if not self._after_default_stream:
+            self._forward_stream.wait_stream(torch.cuda.default_stream(self.device))
+            self._after_default_stream = True
 
     def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
         end = _timing_event()
@@ -149,8 +324,10 @@ class CudaStreams:
         tokens.record_stream(self._copy_stream)
         return _CudaCopy(host, (self._start, end, done), self._clock)
 
-    def to_device(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64).pin_memory()
+    def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        if not values:
+            return torch.empty(0, dtype=dtype, device=self.device)
+        host = self._staging.stage(values, dtype)
         return host.to(self.device, non_blocking=True)
 
 
@@ -202,8 +379,8 @@ class SimStreams:
     def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
         return _SimCopy(tokens, *self._sim.take_last_run())
 
-    def to_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+    def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)
 
 
 def make_streams(device: torch.device) -> DeviceStreams:

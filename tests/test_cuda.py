@@ -1,0 +1,211 @@
+"""The CUDA tier (`pytest -m cuda`): the worker's streams, staging buffers, FutureMap and engine
+on a GPU. Skipped wherever torch.cuda.is_available() is false."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import statistics
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from stepahead.protocol import Launch
+from tests.harness import mixed_workload
+from tests.test_equivalence import serve_both
+from tests.transfer_guard import (
+    Script,
+    greedy,
+    guard_engine,
+    run_back_to_back,
+    sampled_rows,
+    scripted_launches,
+)
+from worker_svc.backends import load_backend
+from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.future_map import FutureMap, FutureMapSentinelError
+from worker_svc.streams import CudaStreams
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="torch.cuda.is_available() is false: the CUDA tier needs a GPU"
+    ),
+]
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+MAX_GAP_S = 100e-6
+
+
+def engine_on(
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    kv_slots: int = 256,
+    request_slots: int = 8,
+    check_invariants: bool = False,
+) -> WorkerEngine:
+    backend = load_backend("tiny", device, dtype, 1.0, 0.0)
+    config = EngineConfig(kv_slots, request_slots, check_invariants)
+    engine = WorkerEngine(backend, config, backend.make_streams(device))
+    engine.begin_session().result()
+    return engine
+
+
+@contextlib.contextmanager
+def syncs_are_errors() -> Iterator[None]:
+    """Any synchronising CUDA call (a blocking copy, .item(), synchronize()) raises."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def test_the_enqueue_path_neither_syncs_nor_transfers_outside_the_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = engine_on(CUDA)
+    try:
+        launches = scripted_launches().launches
+        run_back_to_back(engine, launches)  # first use: library handles, kernel loading
+        engine.begin_session().result()
+        guard = guard_engine(engine, monkeypatch)
+        with syncs_are_errors():
+            tokens = run_back_to_back(engine, launches)
+        assert not guard.violations, "\n".join(guard.violations)
+        assert [len(t) for t in tokens] == [sampled_rows(launch) for launch in launches]
+    finally:
+        engine.shutdown()
+
+
+def test_cuda_gives_the_cpu_tokens_in_float64() -> None:
+    # Staging, stream order and the FutureMap relay on the device; float64 keeps the two
+    # devices' logits within ~1e-15, and the sampler draws alike on both.
+    launches = scripted_launches().launches
+    on_cpu, on_cuda = (tokens_on(device, launches) for device in (CPU, CUDA))
+    assert on_cuda == on_cpu
+
+
+def tokens_on(device: torch.device, launches: list[Launch]) -> list[list[int]]:
+    engine = engine_on(device, torch.float64, check_invariants=True)
+    try:
+        return run_back_to_back(engine, launches)
+    finally:
+        engine.shutdown()
+
+
+def timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def test_cuda_streams_time_each_forward_from_its_events() -> None:
+    streams = CudaStreams(CUDA)
+    a = torch.randn(2048, 2048, device=CUDA)
+    before = time.time()
+    pending = []
+    for k in range(3):
+        with streams.forward():
+            inner = timing_event(), timing_event()
+            inner[0].record()
+            x = a
+            for _ in range(10):
+                x = (x @ a).clamp_(-1, 1)
+            inner[1].record()
+            pending.append((streams.copy_to_host(streams.to_device([k, k + 1])), inner))
+    done = [(copy.wait(), inner) for copy, inner in pending]
+    after = time.time()
+    previous_end = before - 2e-3
+    for k, ((tokens, timing), (start, end)) in enumerate(done):
+        assert tokens == [k, k + 1]
+        assert previous_end <= timing.forward_start <= timing.forward_end <= timing.copy_end <= after + 2e-3
+        assert timing.forward_seconds >= start.elapsed_time(end) / 1e3 - 1e-5
+        assert timing.forward_seconds <= start.elapsed_time(end) / 1e3 + 1e-3
+        previous_end = timing.forward_end - 1e-6
+
+
+def test_staged_values_survive_a_device_that_is_behind() -> None:
+    # Each step's copies queue behind ~10 ms of spinning, so the host writes the next steps'
+    # values while earlier copies are still to run; and some steps outgrow their arena.
+    streams = CudaStreams(CUDA)
+    sizes = [5_000, 20_000, 5_000, 40_000, 5_000, 5_000]
+    staged = []
+    for k, n in enumerate(sizes):
+        with streams.forward():
+            torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+            ints = streams.to_device(list(range(k, k + n)))
+            floats = streams.to_device([k + 0.5] * 3, torch.float32)
+            staged.append((ints, floats))
+    torch.cuda.synchronize()
+    for k, (n, (ints, floats)) in enumerate(zip(sizes, staged, strict=True)):
+        assert ints.tolist() == list(range(k, k + n))
+        assert floats.tolist() == [k + 0.5] * 3
+    assert streams._staging.arenas > 1, "the device was never behind: the test proves nothing"
+
+
+def test_the_future_map_sentinel_check_on_cuda() -> None:
+    fmap = FutureMap(8, CUDA, check_sentinel=True)
+    fmap.store(torch.tensor([2, 5], device=CUDA), torch.tensor([11, 12], device=CUDA))
+    assert fmap.read(torch.tensor([5, 2], device=CUDA)).tolist() == [12, 11]
+    with pytest.raises(FutureMapSentinelError):
+        fmap.read(torch.tensor([2, 3], device=CUDA))
+    assert fmap.sentinel_reads == 1
+    fmap.reset(torch.tensor([2], device=CUDA))
+    with pytest.raises(FutureMapSentinelError):
+        fmap.read(torch.tensor([2], device=CUDA))
+
+
+def test_a_decode_before_any_sample_fails_on_cuda() -> None:
+    engine = engine_on(CUDA, check_invariants=True)
+    try:
+        engine.submit(Launch(1, new_requests=[greedy(1)])).result()
+        decode = Launch(
+            2,
+            row_req_slots=[1],
+            row_start_pos=[0],
+            row_num_tokens=[1],
+            row_from_future=[True],
+            row_sample=[True],
+            kv_slots=[0],
+        )
+        with pytest.raises(FutureMapSentinelError):
+            engine.submit(decode).result()
+        assert engine.stats().sentinel_reads == 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.anyio
+async def test_tiny_overlap_equals_serial_on_cuda() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # the default; TF32 would widen row differences
+    items = mixed_workload(200, seed=2, sampled=False)
+    await serve_both("tiny", items, kv_slots=1500, request_slots=48, dtype=torch.float32, device=CUDA)
+
+
+def decode_steps(batch: int, steps: int) -> list[Launch]:
+    s = Script()
+    s.step(
+        [s.prefill(slot, list(range(32, 48))) for slot in range(batch)], new=[greedy(r) for r in range(batch)]
+    )
+    for _ in range(steps):
+        s.step([s.decode(slot) for slot in range(batch)])
+    return s.launches
+
+
+def test_back_to_back_decodes_at_batch_64_leave_the_device_idle_under_100us() -> None:
+    batch, steps, warmup = 64, 60, 10
+    launches = decode_steps(batch, steps)
+    engine = engine_on(CUDA, kv_slots=batch * (16 + steps), request_slots=batch)
+    try:
+        run_back_to_back(engine, launches)  # first use
+        engine.begin_session().result()
+        results = [future.result(timeout=120) for future in [engine.submit(x) for x in launches]]
+    finally:
+        engine.shutdown()
+    decodes = results[1 + warmup :]
+    gaps = [b.forward_start - a.forward_end for a, b in itertools.pairwise(decodes)]
+    figures = f"median {statistics.median(gaps) * 1e6:.1f} us, max {max(gaps) * 1e6:.1f} us"
+    print(f"device gap between back-to-back decodes at batch {batch}: {figures}")
+    assert statistics.median(gaps) < MAX_GAP_S, figures
