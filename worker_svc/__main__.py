@@ -1,4 +1,4 @@
-"""python -m worker_svc --model tiny|sim|PATH --port 50061 [--device cpu|cuda]"""
+"""python -m worker_svc --model tiny|sim|smollm2|PATH.gguf|DIR --port 50061 [--device cpu|cuda]"""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ DTYPES = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker_svc", description="Stepahead worker")
-    p.add_argument("--model", default="tiny", help="tiny, sim, or a Llama checkpoint directory")
+    p.add_argument("--model", default="tiny", help="tiny, sim, smollm2, a Llama .gguf file or checkpoint dir")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50061)
     add_tls_server_args(

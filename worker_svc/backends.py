@@ -11,6 +11,7 @@ import torch
 
 from stepahead.protocol import TokenizerSpec
 from worker_svc.batch import ForwardBatch
+from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
 from worker_svc.model import TINY_CONFIG, KVCache, LlamaForCausalLM, build_tiny, load_hf_checkpoint
 from worker_svc.sampler import sample
 from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
@@ -39,6 +40,7 @@ class ModelBackend(Protocol):
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     tokenizer: TokenizerSpec
+    chat_template: str | None  # a Jinja template over `messages`, as the model's files give it
 
     def allocate_kv(self, num_slots: int) -> None: ...
 
@@ -52,7 +54,9 @@ class ModelBackend(Protocol):
 
 
 class LlamaBackend:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: TokenizerSpec) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, tokenizer: TokenizerSpec, chat_template: str | None = None
+    ) -> None:
         config = model.config
         self.model = model
         self.name = config.name
@@ -61,6 +65,7 @@ class LlamaBackend:
         self.eos_token_ids = config.eos_token_ids
         self.bos_token_id = config.bos_token_id
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self._kv: KVCache | None = None
 
     def make_streams(self, device: torch.device) -> DeviceStreams:
@@ -122,6 +127,7 @@ class SimBackend:
         self.eos_token_ids = TINY_CONFIG.eos_token_ids
         self.bos_token_id = TINY_CONFIG.bos_token_id
         self.tokenizer = BYTE_TOKENIZER
+        self.chat_template: str | None = None
         self._step_s = step_ms / 1e3
         self._token_s = token_us / 1e6
         self._device = SimDevice()
@@ -143,16 +149,27 @@ class SimBackend:
 def load_backend(
     model: str, device: torch.device, dtype: torch.dtype, sim_step_ms: float, sim_token_us: float
 ) -> ModelBackend:
-    """`tiny`, `sim`, or a path to a Hugging Face Llama-style checkpoint directory."""
+    """`tiny`, `sim`, `smollm2`, a `.gguf` file, or a Hugging Face Llama-style checkpoint directory."""
     if model == "sim":
         return SimBackend(sim_step_ms, sim_token_us)
     if model == "tiny":
         return LlamaBackend(build_tiny(dtype, device), BYTE_TOKENIZER)
+    if model == SMOLLM2_NAME:
+        return _gguf_backend(smollm2_path(), dtype, device, SMOLLM2_NAME)
     path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_backend(path, dtype, device, path.stem)
     if not path.is_dir():
-        raise ValueError(f"--model: {model!r} is not tiny, sim, or a checkpoint directory")
+        raise ValueError(
+            f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
+        )
     llama = load_hf_checkpoint(path, dtype, device)
     return LlamaBackend(llama, _checkpoint_tokenizer(path, llama.config.vocab_size))
+
+
+def _gguf_backend(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LlamaBackend:
+    loaded = load_gguf(path, dtype, device, name)
+    return LlamaBackend(loaded.model, TokenizerSpec("hf", loaded.tokenizer_json), loaded.chat_template)
 
 
 def _checkpoint_tokenizer(path: Path, vocab_size: int) -> TokenizerSpec:

@@ -1,0 +1,439 @@
+"""GGUF models: SmolLM2-135M-Instruct against transformers' loading of the same file, a Llama GGUF
+written here against the model it was written from, and the worker serving smollm2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import random
+from dataclasses import dataclass, replace
+
+import grpc
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType, dequantize, quantize
+from tokenizers import Tokenizer, pre_tokenizers
+
+from scheduler_svc.tokenizer import REPLACEMENT_CHAR, HFTokenizer
+from stepahead.processes import serving_pair
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc
+from tests.live import server_info
+from tests.smollm2 import Transformers
+from tests.test_checkpoint import write_tokenizer
+from tests.test_model import SMALL, prefill_all_logits, random_model
+from worker_svc.backends import load_backend
+from worker_svc.batch import ForwardBatch
+from worker_svc.gguf import GGUFModel, load_gguf
+from worker_svc.model import KVCache, LlamaForCausalLM
+
+CPU = torch.device("cpu")
+Q8_0 = GGMLQuantizationType.Q8_0
+NEW_TOKENS = 32
+# NOTE: float32 on both sides, the same operations up to the order of some reductions: the
+# differences measured are below 1e-4, and greedy choices here win by at least 1e-3.
+LOGITS_ATOL = 1e-3
+
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chatml(user: str) -> str:
+    """The smollm2 chat template rendered by hand for one user turn and the assistant's reply."""
+    return (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+FRANCE = chatml("What is the capital of France?")
+PROMPTS = [
+    FRANCE,
+    chatml("Write a haiku about the sea."),
+    "def fibonacci(n):\n",
+    "The three largest planets of the solar system are",
+    "Le petit prince est un livre écrit par",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The file's facts
+
+
+def test_smollm2_config_tokenizer_and_template(smollm2: GGUFModel) -> None:
+    config = smollm2.model.config
+    shape = (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim)
+    assert shape == (30, 576, 9, 3, 64)
+    assert (config.intermediate_size, config.vocab_size, config.max_context_len) == (1536, 49152, 8192)
+    assert (config.rope_theta, config.bos_token_id, config.eos_token_ids) == (100000.0, 1, (2,))
+    assert (
+        config.tie_word_embeddings and smollm2.model.lm_head.weight is smollm2.model.model.embed_tokens.weight
+    )
+    assert HFTokenizer(smollm2.tokenizer_json).vocab_size == 49152
+    assert smollm2.chat_template is not None and "<|im_start|>" in smollm2.chat_template
+
+
+# ---------------------------------------------------------------------------------------------
+# Model against transformers
+
+
+@dataclass
+class Rows:
+    """Requests run together, one request slot each, over KV slots handed out in shuffled order."""
+
+    seqs: list[list[int]]
+    cached: list[int]
+    free: list[int]
+    req_to_token: torch.Tensor
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], steps: int) -> Rows:
+        longest = max(map(len, prompts)) + steps
+        free = torch.randperm(len(prompts) * longest, generator=torch.Generator().manual_seed(0)).tolist()
+        table = torch.zeros(len(prompts), longest, dtype=torch.int64)
+        return cls([list(p) for p in prompts], [0] * len(prompts), free, table)
+
+    def next_batch(self) -> ForwardBatch:
+        """Every row's tokens not in the KV pool yet: the prompts first, then one token a row."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        for row, seq in enumerate(self.seqs):
+            new_slots = [self.free.pop() for _ in seq[self.cached[row] :]]
+            self.req_to_token[row, self.cached[row] : len(seq)] = torch.tensor(new_slots)
+            starts.append(len(ids))
+            ids += seq[self.cached[row] :]
+            positions += range(self.cached[row], len(seq))
+            slots += new_slots
+        counts = [len(seq) - done for seq, done in zip(self.seqs, self.cached, strict=True)]
+        self.cached = [len(seq) for seq in self.seqs]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            out_kv_slots=torch.tensor(slots),
+            row_req_slots=torch.arange(len(self.seqs)),
+            row_token_starts=starts,
+            row_num_tokens=counts,
+            row_ctx_lens=list(self.cached),
+            sample_token_index=torch.tensor([s + n - 1 for s, n in zip(starts, counts, strict=True)]),
+            req_to_token=self.req_to_token,
+        )
+
+
+def greedy_batched(
+    model: LlamaForCausalLM, prompts: list[list[int]], steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy continuations of all prompts at once (one prefill, then decode steps of every row),
+    and the logits [rows, vocab] of each step."""
+    rows = Rows.of(prompts, steps)
+    kv = KVCache.allocate(model.config, len(rows.free), torch.float32, CPU)
+    step_logits = []
+    for _ in range(steps):
+        logits = model(rows.next_batch(), kv)
+        step_logits.append(logits)
+        for seq, token in zip(rows.seqs, logits.argmax(-1).tolist(), strict=True):
+            seq.append(token)
+    return [seq[len(p) :] for seq, p in zip(rows.seqs, prompts, strict=True)], step_logits
+
+
+def transformers_greedy(reference: Transformers, prompt: list[int], steps: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = reference.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False
+        )
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
+
+
+def transformers_logits(reference: Transformers, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = reference.model(torch.tensor([tokens])).logits[0].float()
+    return logits
+
+
+def test_greedy_tokens_and_logits_match_transformers(
+    smollm2: GGUFModel, smollm2_transformers: Transformers
+) -> None:
+    tokenizer = HFTokenizer(smollm2.tokenizer_json)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    ours, our_logits = greedy_batched(smollm2.model, prompts, NEW_TOKENS)
+    for row, prompt in enumerate(prompts):
+        # transformers over the prompt and our continuation: its greedy choice after every prefix.
+        expected = transformers_logits(smollm2_transformers, prompt + ours[row][:-1])[len(prompt) - 1 :]
+        assert expected.argmax(-1).tolist() == ours[row], PROMPTS[row]
+        logits = torch.stack([step[row] for step in our_logits])
+        torch.testing.assert_close(logits[0], expected[0], atol=LOGITS_ATOL, rtol=0)
+        torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL, rtol=0)
+    # And transformers' own generate loop, with its KV cache, on the first prompt.
+    assert transformers_greedy(smollm2_transformers, prompts[0], NEW_TOKENS) == ours[0]
+    assert "Paris" in tokenizer.decode(ours[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer against transformers
+
+PLAIN_TEXTS = [
+    "",
+    "Hello, my name is",
+    "I'm sure they'll say it's fine, don't you think? We've seen it.",
+    "héllo wörld — naïve café, Ærøskøbing, Straße, façade",
+    "你好\uff0c世界\uff01日本語のテキスト、한국어 텍스트, Привет мир, مرحبا بالعالم, שלום",
+    "emoji 😀👍🏽 👨\u200d👩\u200d👧\u200d👦 🇫🇷 ❤️ 🎉🎉🎉",
+    "digits 0 1 22 333 4444 55555 3.14159 -1e-10 2024-06-01 +33 (0)1 42 68 53 00 v1.2.3 x86_64",
+    "    leading spaces, inner   runs\t\ttabs\n\n\nnewlines  \r\n and trailing   ",
+    "def f(x):\n    return [i * 2 for i in range(x)]  # doubled\n\nclass A:\n\tpass\n",
+    '{"key": [1, 2, 3], "nested": {"a": null, "b": true}, "s": "a\\nb"}',
+    "SELECT name, COUNT(*) FROM users WHERE age >= 18 GROUP BY name;",
+    "\u200bzero\u00a0width and non-breaking\u3000spaces, \x00 nul, \x7f del",
+]
+WITH_SPECIAL_TOKENS = [
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>tail <repo_name>x<file_sep>y",
+]
+CORPUS = PLAIN_TEXTS + WITH_SPECIAL_TOKENS
+# NOTE: SmolLM2's own tokenizer.json and llama.cpp's `smollm` pre-tokenizer put every digit on
+# its own before GPT-2's split; transformers 5.23's GGUF conversion has no `smollm` entry and
+# splits as GPT-2. The two differ only where a run of two or more whitespace characters meets a
+# digit (GPT-2's split then moves the run's last space onto the digit), so those texts are
+# compared with the tokenizer.json pre-tokenizer over transformers' vocabulary and merges.
+WHITESPACE_BEFORE_DIGITS = ["x   1", "a\n\n1", "x = [\n    1,\n    2,\n]", "\t\t3 items", "   42"]
+PINNED = {"x   1": ["x", "ĠĠĠ", "1"], "   42": ["ĠĠĠ", "4", "2"]}
+
+
+def tokenizer_json_reference(reference: Transformers) -> Tokenizer:
+    """transformers' GGUF tokenizer with the pre-tokenizer of SmolLM2's own tokenizer.json."""
+    tokenizer = Tokenizer.from_str(reference.tokenizer.backend_tokenizer.to_str())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return tokenizer
+
+
+def random_texts(count: int, seed: int) -> list[str]:
+    alphabet = [*"ab Z09 \n\t.,'é你😀", "  ", "\n\n", "<|im_end|>"]
+    rng = random.Random(seed)
+    return ["".join(rng.choices(alphabet, k=rng.randint(1, 40))) for _ in range(count)]
+
+
+def test_tokenizer_matches_transformers(smollm2: GGUFModel, smollm2_transformers: Transformers) -> None:
+    ours = HFTokenizer(smollm2.tokenizer_json)
+    raw = Tokenizer.from_str(smollm2.tokenizer_json.decode())
+    for text in CORPUS:
+        ids = ours.encode(text)
+        assert ids == smollm2_transformers.tokenizer.encode(text), text
+        assert raw.decode(ids, skip_special_tokens=False) == text
+        assert smollm2_transformers.tokenizer.decode(ids) == text
+
+
+def test_tokenizer_splits_digits_as_smollm2_tokenizer_json(
+    smollm2: GGUFModel, smollm2_transformers: Transformers
+) -> None:
+    ours = HFTokenizer(smollm2.tokenizer_json)
+    raw = Tokenizer.from_str(smollm2.tokenizer_json.decode())
+    reference = tokenizer_json_reference(smollm2_transformers)
+    for text in [*CORPUS, *WHITESPACE_BEFORE_DIGITS, *random_texts(300, seed=1)]:
+        assert ours.encode(text) == reference.encode(text).ids, repr(text)
+        assert raw.decode(ours.encode(text), skip_special_tokens=False) == text
+    for text, tokens in PINNED.items():
+        assert raw.encode(text).tokens == tokens
+
+
+def test_incremental_decoding_emits_whole_characters(smollm2: GGUFModel) -> None:
+    tokenizer = HFTokenizer(smollm2.tokenizer_json)
+    for text in PLAIN_TEXTS:
+        decoder = tokenizer.new_decoder()
+        chunks = [decoder.push([token]) for token in tokenizer.encode(text)]
+        chunks.append(decoder.flush())
+        assert "".join(chunks) == text
+        assert not any(REPLACEMENT_CHAR in chunk for chunk in chunks), text
+
+
+# ---------------------------------------------------------------------------------------------
+# A Llama GGUF written here
+
+# NOTE: every matrix row a multiple of Q8_0's 32-value block; eps exact in float32 as GGUF stores it.
+GGUF_SMALL = replace(SMALL, vocab_size=0, intermediate_size=64, rms_norm_eps=2.0**-17, name="small")
+
+
+def permute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter: each head's rows from halves order to interleaved pairs order."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name in GGUF_NAMES:
+        return GGUF_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{GGUF_BLOCK_NAMES[module]}.{suffix}"
+
+
+def write_llama_gguf(
+    path: pathlib.Path,
+    model: LlamaForCausalLM,
+    tokenizer_json: dict[str, object],
+    architecture: str = "llama",
+    tokenizer: tuple[str, str] = ("gpt2", "default"),
+) -> dict[str, torch.Tensor]:
+    """The model as llama.cpp's converter writes it: matrices Q8_0, norms F32, q/k rows permuted.
+    Returns the model's weights as the file holds them once dequantized, in the model's layout
+    (Q8_0 rounds each row on its own, so rounding and the row permutation commute)."""
+    cfg = model.config
+    writer = GGUFWriter(path, architecture)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_context_len)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_tokenizer(writer, tokenizer_json, *tokenizer)
+    stored = {}
+    for name, weight in model.state_dict().items():
+        if weight.ndim == 1:
+            writer.add_tensor(gguf_name(name), weight.numpy())
+            stored[name] = weight
+            continue
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            weight = permute_rotary_rows(weight, heads)
+        writer.add_tensor(gguf_name(name), quantize(weight.numpy(), Q8_0), raw_dtype=Q8_0)
+        stored[name] = torch.from_numpy(dequantize(quantize(model.state_dict()[name].numpy(), Q8_0), Q8_0))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def add_tokenizer(writer: GGUFWriter, tokenizer_json: dict[str, object], kind: str, pre: str) -> None:
+    model = tokenizer_json["model"]
+    assert isinstance(model, dict)
+    vocab: dict[str, int] = model["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    writer.add_tokenizer_model(kind)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in ("<s>", "</s>") else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(pair) for pair in model["merges"]])
+    writer.add_bos_token_id(vocab["<s>"])
+    writer.add_eos_token_id(vocab["</s>"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{{ messages[0]['content'] }}")
+
+
+@pytest.fixture
+def small_gguf(tmp_path: pathlib.Path) -> tuple[pathlib.Path, LlamaForCausalLM, dict[str, torch.Tensor]]:
+    vocab = write_tokenizer(tmp_path)
+    cfg = replace(GGUF_SMALL, vocab_size=vocab)
+    model = random_model(cfg, seed=3)
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    stored = write_llama_gguf(tmp_path / "small.gguf", model, tokenizer_json)
+    return tmp_path / "small.gguf", model, stored
+
+
+def test_llama_gguf_loads_as_the_model_it_was_written_from(
+    small_gguf: tuple[pathlib.Path, LlamaForCausalLM, dict[str, torch.Tensor]],
+) -> None:
+    path, model, stored = small_gguf
+    backend = load_backend(str(path), CPU, torch.float32, 1.0, 0.0)
+    assert (backend.name, backend.eos_token_ids, backend.bos_token_id) == ("small", (1,), 0)
+    assert backend.chat_template == "{{ messages[0]['content'] }}"
+    loaded = load_gguf(path, torch.float32, CPU).model
+    assert loaded.config == replace(model.config, eos_token_ids=(1,), bos_token_id=0)
+    weights = loaded.state_dict()
+    for name, weight in stored.items():
+        assert torch.equal(weights[name], weight), name
+    expected = random_model(model.config, seed=0)
+    expected.load_state_dict(stored)
+    tokens = list(range(0, model.config.vocab_size, 7))
+    torch.testing.assert_close(
+        prefill_all_logits(loaded, tokens), prefill_all_logits(expected, tokens), atol=0, rtol=0
+    )
+
+
+def test_gguf_tokenizer_matches_the_tokenizer_it_was_written_from(
+    small_gguf: tuple[pathlib.Path, LlamaForCausalLM, dict[str, torch.Tensor]],
+) -> None:
+    path = small_gguf[0]
+    original = HFTokenizer((path.parent / "tokenizer.json").read_bytes())
+    ours = HFTokenizer(load_gguf(path, torch.float32, CPU).tokenizer_json)
+    for text in ["hello world", "the quick brown fox", "héllo wörld 你好", "  two  spaces\n"]:
+        assert ours.encode(text) == [0, *original.encode(text)]  # the file asks for BOS
+        assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tokenizer", "message"),
+    [
+        ("gpt2", ("gpt2", "default"), "unsupported GGUF architecture 'gpt2'"),
+        ("llama", ("llama", "default"), "GGUF tokenizer model 'llama' is not supported"),
+        ("llama", ("gpt2", "mystery"), "GGUF pre-tokenizer 'mystery' is not supported"),
+    ],
+)
+def test_unsupported_gguf_is_rejected_with_the_reason(
+    tmp_path: pathlib.Path, architecture: str, tokenizer: tuple[str, str], message: str
+) -> None:
+    vocab = write_tokenizer(tmp_path)
+    model = random_model(replace(GGUF_SMALL, vocab_size=vocab), seed=4)
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    write_llama_gguf(tmp_path / "bad.gguf", model, tokenizer_json, architecture, tokenizer)
+    with pytest.raises(ValueError, match=rf"bad\.gguf: {message}"):
+        load_backend(str(tmp_path / "bad.gguf"), CPU, torch.float32, 1.0, 0.0)
+
+
+def test_a_file_that_is_not_gguf_is_rejected(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_backend(str(tmp_path / "junk.gguf"), CPU, torch.float32, 1.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the services
+
+
+async def generate(address: str, text: str, n: int) -> list[pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_new_tokens=n))
+        return [r async for r in stub.Generate(request, timeout=60)]
+
+
+def test_worker_serves_smollm2(smollm2: GGUFModel) -> None:
+    tokenizer = HFTokenizer(smollm2.tokenizer_json)
+    (expected,), _ = greedy_batched(smollm2.model, [tokenizer.encode(FRANCE)], 16)
+    with serving_pair(["--model", "smollm2", "--kv-slots", "2048", "--request-slots", "8"]) as (_, scheduler):
+        info = asyncio.run(server_info(scheduler.address))
+        stream = asyncio.run(generate(scheduler.address, FRANCE, 16))
+    assert (info.model, info.tokenizer, info.vocab_size, list(info.eos_token_ids)) == (
+        "smollm2",
+        "hf",
+        49152,
+        [2],
+    )
+    ids = [t for r in stream for t in r.token_ids]
+    text = "".join(r.text for r in stream)
+    # Greedy: the tokens of the model run directly, up to and including EOS.
+    assert ids == expected[: expected.index(2) + 1] and "Paris" in text, text
+    assert stream[-1].finish_reason == pb.FINISH_REASON_STOP
