@@ -62,16 +62,19 @@ describe() {
 
 benchmark() {
     "$PY" - <<'EOF'
-from bench.configs import QUICK, Plan
+from bench.configs import QUICK, THIRD, Case, Configuration, Device, Plan, Workload
 from bench.harness import run_plan
 from bench.report import to_markdown
 
-# The quick plan's sim and tiny workloads, serial and overlap over gRPC (no sweep).
+# The quick plan's sim and tiny workloads, serial and overlap over gRPC (no sweep), and smollm2.
 cases = tuple(
     case
     for case in QUICK.cases
     if case.configuration.transport == "grpc" and not case.configuration.late_pick
 )
+smollm2 = Device("smollm2", ("--model", "smollm2", "--device", "cuda"))
+workload = Workload(64, 16, 48, 64, THIRD, warmup_prompts=16)
+cases += tuple(Case(Configuration(smollm2, mode, "grpc"), workload) for mode in ("serial", "overlap"))
 run = run_plan(Plan("gpu-check", cases, sweep=None))
 print(to_markdown(run, "scripts/gpu-check.sh", None))
 EOF

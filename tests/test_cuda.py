@@ -209,3 +209,34 @@ def test_back_to_back_decodes_at_batch_64_leave_the_device_idle_under_100us() ->
     figures = f"median {statistics.median(gaps) * 1e6:.1f} us, max {max(gaps) * 1e6:.1f} us"
     print(f"device gap between back-to-back decodes at batch {batch}: {figures}")
     assert statistics.median(gaps) < MAX_GAP_S, figures
+
+
+def test_smollm2_bf16_overlap_equals_serial_through_the_services() -> None:
+    """Greedy answers of the real model on the GPU, the same in both loops (bf16)."""
+    import asyncio
+
+    import grpc
+
+    from stepahead.processes import serving_pair
+    from stepahead.v1 import generation_pb2 as pb
+    from stepahead.v1 import generation_pb2_grpc
+
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Count from 1 to 10."]
+
+    async def answers(address: str) -> list[list[int]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            calls = [
+                stub.Generate(
+                    pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_new_tokens=32)), timeout=120
+                )
+                for p in prompts
+            ]
+            return [[t async for r in call for t in r.token_ids] for call in calls]
+
+    got = {}
+    for mode in ("serial", "overlap"):
+        with serving_pair(["--model", "smollm2", "--device", "cuda"], ["--mode", mode]) as (_, scheduler):
+            got[mode] = asyncio.run(answers(scheduler.address))
+    assert got["serial"] == got["overlap"]
+    assert all(got["overlap"])
