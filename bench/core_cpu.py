@@ -13,9 +13,7 @@ Writes bench/results/<UTC date-time>-core-cpu.{json,md} and prints the table.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import Machine, describe_machine
-from bench.save import RESULTS, save_named
+from bench.save import RESULTS, command_line, publish
 from scheduler_svc.batch import ScheduledBatch
 from scheduler_svc.link import outputs_to_proto
 from scheduler_svc.outputs import Outbox, StepOutputs
@@ -369,12 +367,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = shlex.join(["python", "-m", "bench.core_cpu", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.core_cpu", argv)
     result = run(CoreCpuConfig(args.batch_sizes, args.steps, args.warmup_steps))
-    markdown = to_markdown(result, command)
-    saved = save_named("core-cpu", result.started_at, to_json(result, command), markdown, args.out)
-    print(markdown)
-    print(f"wrote {saved.json} and {saved.markdown}", file=sys.stderr)
+    publish("core-cpu", result.started_at, to_json(result, command), to_markdown(result, command), args.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -26,7 +25,7 @@ from bench.figures import CPU, Figures, figures, ratio
 from bench.machine import Machine, describe_machine, load_average
 from bench.promtext import total
 from bench.run import Endpoints, Measurement, measure, serving
-from bench.save import RESULTS, save_named
+from bench.save import RESULTS, command_line, publish
 
 FRONTEND_CPU = "stepahead_frontend_cpu_seconds_total"
 GENERATED = "stepahead_generation_tokens_total"
@@ -357,12 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = shlex.join(["python", "-m", "bench.frontends", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.frontends", argv)
     run = run_plan(QUICK if args.quick else FULL)
-    markdown = to_markdown(run, command)
-    saved = save_named("frontends", run.started_at, to_json(run, command), markdown, args.out)
-    print(markdown)
-    print(f"wrote {saved.json} and {saved.markdown}", file=sys.stderr)
+    publish("frontends", run.started_at, to_json(run, command), to_markdown(run, command), args.out)
 
 
 if __name__ == "__main__":

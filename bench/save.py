@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -82,3 +84,15 @@ def save_named(
     shutil.copyfile(json_path, out / f"latest-{name}.json")
     shutil.copyfile(markdown_path, out / f"latest-{name}.md")
     return Saved(json_path, markdown_path, None)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How the benchmark was invoked, for its report."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def publish(name: str, started_at: datetime, document: dict[str, Any], markdown: str, out: Path) -> None:
+    """Save a benchmark's files (`save_named`), print its markdown and where the files went."""
+    saved = save_named(name, started_at, document, markdown, out)
+    print(markdown)
+    print(f"wrote {saved.json} and {saved.markdown}", file=sys.stderr)
