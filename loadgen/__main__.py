@@ -1,14 +1,23 @@
-"""python -m loadgen: benchmark a Stepahead scheduler over its Generation API."""
+"""python -m loadgen: benchmark a Stepahead scheduler over its Generation API or its
+OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
 
-from loadgen.benchmark import DEFAULT_CONNECTIONS, BenchmarkConfig, BenchmarkResult, run_benchmark
+from loadgen.backend import BACKENDS, BackendError
+from loadgen.benchmark import (
+    DEFAULT_BASE_URL,
+    DEFAULT_CONNECTIONS,
+    BenchmarkConfig,
+    BenchmarkResult,
+    run_benchmark,
+)
 from loadgen.progress import ProgressBar
 from loadgen.report import format_summary, write_result
 from loadgen.stats import parse_slos
@@ -16,20 +25,47 @@ from loadgen.workload import Dataset, JsonlDataset, RandomDataset, WorkloadError
 
 DEFAULT_NUM_PROMPTS = 1000
 EXIT_INTERRUPTED = 130
+EXIT_BAD_SETUP = 2
+API_KEY_ENV = "OPENAI_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadgen",
-        description="Load generator for stepahead.v1.Generation: throughput and latency "
-        "(TTFT, TPOT, ITL, E2E) under a chosen arrival process.",
+        description="Load generator for stepahead.v1.Generation or an OpenAI-compatible HTTP API: "
+        "throughput and latency (TTFT, TPOT, ITL, E2E) under a chosen arrival process.",
     )
-    parser.add_argument("--server", default="127.0.0.1:50051", help="scheduler address HOST:PORT")
+    _add_backend_args(parser)
     _add_load_args(parser)
     _add_dataset_args(parser)
     _add_sampling_args(parser)
     _add_output_args(parser)
     return parser
+
+
+def _add_backend_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backend")
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="grpc",
+        help="grpc (default): stepahead.v1.Generation; openai: streaming /v1/completions; "
+        "openai-chat: streaming /v1/chat/completions (text prompts only)",
+    )
+    group.add_argument("--server", default="127.0.0.1:50051", help="grpc: scheduler address HOST:PORT")
+    group.add_argument(
+        "--base-url",
+        default=DEFAULT_BASE_URL,
+        help=f"openai*: the server, without /v1 (default {DEFAULT_BASE_URL})",
+    )
+    group.add_argument(
+        "--model", default=None, help="openai*: the model to name (default: the first of /v1/models)"
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"openai*: sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
 
 
 def _add_load_args(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +98,10 @@ def _add_load_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--connections",
         type=int,
-        default=DEFAULT_CONNECTIONS,
-        help="TCP connections to the server; request i goes over connection i mod N "
-        f"(default {DEFAULT_CONNECTIONS})",
+        default=None,
+        help="grpc: TCP connections to the server, request i goes over connection i mod N "
+        f"(default {DEFAULT_CONNECTIONS}); openai*: at most N pooled HTTP connections, so at most N "
+        "requests in flight (default: no cap)",
     )
     group.add_argument("--warmup", type=int, default=0, help="requests sent and awaited first, not measured")
     group.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrivals")
@@ -123,7 +160,11 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     if num_prompts is None and args.duration is None:
         num_prompts = DEFAULT_NUM_PROMPTS
     return BenchmarkConfig(
+        backend=args.backend,
         server=args.server,
+        base_url=args.base_url,
+        model=args.model,
+        api_key=api_key_from_args(args),
         dataset=dataset_from_args(args),
         num_prompts=num_prompts,
         duration_s=args.duration,
@@ -137,6 +178,13 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         temperature=args.temperature,
         slos=parse_slos(args.goodput),
     )
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    if args.backend == "grpc":
+        return None
+    key: str | None = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return key or None
 
 
 def dataset_from_args(args: argparse.Namespace) -> Dataset:
@@ -173,9 +221,23 @@ def describe(config: BenchmarkConfig) -> str:
     limit = "" if config.duration_s is None else f" for {config.duration_s:g} s"
     concurrency = "" if config.max_concurrency is None else f", at most {config.max_concurrency} in flight"
     return (
-        f"Starting benchmark: {count} requests{limit} to {config.server} over {config.connections} "
-        f"connections at {config.request_rate:g} req/s (burstiness {config.burstiness:g}){concurrency}"
+        f"Starting benchmark: {count} requests{limit} to {config.target} ({_api(config)}) over "
+        f"{_connections(config)} at {config.request_rate:g} req/s (burstiness {config.burstiness:g})"
+        f"{concurrency}"
     )
+
+
+def _api(config: BenchmarkConfig) -> str:
+    if config.backend == "grpc":
+        return "grpc"
+    return f"{config.backend}, model {config.model or 'from /v1/models'}"
+
+
+def _connections(config: BenchmarkConfig) -> str:
+    limit = config.connection_limit
+    if config.backend == "grpc":
+        return f"{limit} connections"
+    return "an uncapped connection pool" if limit is None else f"a pool of at most {limit} connections"
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -189,10 +251,14 @@ def run(argv: list[str] | None = None) -> int:
         load_workload(config.dataset, config.seed)  # a bad dataset stops us before any request
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_SETUP
     show_progress = not args.no_progress and sys.stderr.isatty()
     progress = ProgressBar(sys.stderr, config.num_prompts, config.duration_s) if show_progress else None
-    result = asyncio.run(run_until_interrupted(config, progress))
+    try:
+        result = asyncio.run(run_until_interrupted(config, progress))
+    except BackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETUP
     print(format_summary(result), flush=True)
     if args.save_result is not None and not save(args.save_result, result, args.save_detailed):
         return 1

@@ -6,40 +6,48 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-import grpc
 import numpy as np
 
 from loadgen.arrivals import check_arrival_params, send_offsets
-from loadgen.client import RequestTiming, build_request, connect, open_channels, send_request
+from loadgen.backend import BACKENDS, Backend, BackendName, Sampling
+from loadgen.client import GrpcBackend
+from loadgen.openai_client import OpenAIBackend, OpenAITarget
 from loadgen.records import RequestRecord
 from loadgen.stats import Slos, Summary, summarize
+from loadgen.timing import RequestTiming
 from loadgen.workload import WARMUP_STREAM, Dataset, RandomDataset, Workload, load_workload
-from stepahead.v1 import generation_pb2_grpc
 
 ARRIVAL_STREAM = 2  # keeps the arrival rng apart from the workload's
-DEFAULT_CONNECTIONS = 8
+DEFAULT_CONNECTIONS = 8  # over gRPC; the HTTP connection pool has no cap unless given one
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    server: str = "127.0.0.1:50051"
+    server: str = "127.0.0.1:50051"  # grpc
     dataset: Dataset = field(default_factory=RandomDataset)
     num_prompts: int | None = 1000  # None: as many as fit in duration_s
     duration_s: float | None = None  # stop issuing after this long; in-flight requests finish
     request_rate: float = math.inf  # requests per second
     burstiness: float = 1.0  # gamma shape of the inter-arrival gaps; 1 is Poisson
     max_concurrency: int | None = None
-    connections: int = DEFAULT_CONNECTIONS  # TCP connections to the server; request i uses i mod this
+    # grpc: TCP connections to the server, request i uses i mod this (None: DEFAULT_CONNECTIONS);
+    # openai*: the cap of the HTTP connection pool, so of requests in flight (None: no cap)
+    connections: int | None = None
     seed: int = 0
     warmup: int = 0  # requests sent and awaited before the measured run, not counted
     ignore_eos: bool = False
     temperature: float = 0.0
     slos: Slos = field(default_factory=Slos)
+    backend: BackendName = "grpc"
+    base_url: str = DEFAULT_BASE_URL  # openai*, without /v1
+    model: str | None = None  # openai*: None takes the first of GET /v1/models
+    api_key: str | None = field(default=None, repr=False)  # openai*: sent as a bearer token
 
     def __post_init__(self) -> None:
         check_arrival_params(self.request_rate, self.burstiness)
@@ -51,6 +59,7 @@ class BenchmarkConfig:
             raise ValueError(f"duration must be > 0 s, got {self.duration_s}")
         self._check_bounded()
         self._check_counts()
+        self._check_backend()
 
     def _check_bounded(self) -> None:
         if self.num_prompts is None and math.isinf(self.request_rate) and self.max_concurrency is None:
@@ -59,12 +68,39 @@ class BenchmarkConfig:
     def _check_counts(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max concurrency must be at least 1, got {self.max_concurrency}")
-        if self.connections < 1:
+        if self.connections is not None and self.connections < 1:
             raise ValueError(f"connections must be at least 1, got {self.connections}")
         if self.warmup < 0 or self.seed < 0:
             raise ValueError("warmup and seed must be >= 0")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+
+    def _check_backend(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
+        if self.backend == "openai-chat" and _sends_token_ids(self.dataset):
+            raise ValueError(
+                "openai-chat sends chat messages, which are text, and token ids cannot be "
+                "decoded here: use the random dataset's text prompts (--prompt-as-text)"
+            )
+
+    @property
+    def target(self) -> str:
+        """Where the requests go: the gRPC address or the HTTP base URL."""
+        return self.server if self.backend == "grpc" else self.base_url
+
+    @property
+    def connection_limit(self) -> int | None:
+        """The connections in use: gRPC channels, or the HTTP pool's cap (None: no cap)."""
+        if self.backend == "grpc" and self.connections is None:
+            return DEFAULT_CONNECTIONS
+        return self.connections
+
+
+def _sends_token_ids(dataset: Dataset) -> bool:
+    return isinstance(dataset, RandomDataset) and not dataset.as_text
 
 
 @dataclass(frozen=True)
@@ -75,6 +111,7 @@ class BenchmarkResult:
     summary: Summary
     interrupted: bool  # stopped before every request was issued and answered
     warmup_failed: int
+    model: str | None = None  # the model the requests named (openai backends)
 
 
 class Observer(Protocol):
@@ -89,33 +126,38 @@ async def run_benchmark(
     config: BenchmarkConfig, stop: asyncio.Event | None = None, observer: Observer | None = None
 ) -> BenchmarkResult:
     """Runs the benchmark; setting `stop` stops issuing, cancels what is in flight and returns
-    the result of what completed. Raises WorkloadError before connecting if the dataset is bad."""
+    the result of what completed. Raises WorkloadError before connecting if the dataset is bad,
+    and BackendError if the backend cannot start (no model to name)."""
     workload = load_workload(config.dataset, config.seed)
     warmup = load_workload(config.dataset, config.seed, WARMUP_STREAM)
     started_at = datetime.now()
-    channels = open_channels(config.server, config.connections)
+    backend = open_backend(config)
     try:
-        run = _Run(channels, config, observer)
+        run = _Run(backend, config, observer)
         interrupted = await run.until_done_or(stop if stop is not None else asyncio.Event(), workload, warmup)
     finally:
-        await asyncio.gather(*(channel.close() for channel in channels))
+        await backend.close()
     records = run.records()
     summary = summarize(records, run.elapsed, config.slos)
-    return BenchmarkResult(config, started_at, records, summary, interrupted, run.warmup_failed)
+    return BenchmarkResult(
+        config, started_at, records, summary, interrupted, run.warmup_failed, backend.model
+    )
+
+
+def open_backend(config: BenchmarkConfig) -> Backend:
+    sampling = Sampling(config.temperature, config.ignore_eos)
+    if config.backend == "grpc":
+        return GrpcBackend(config.server, config.connection_limit or DEFAULT_CONNECTIONS, sampling)
+    target = OpenAITarget(config.base_url, config.model, config.api_key, chat=config.backend == "openai-chat")
+    return OpenAIBackend(target, config.connection_limit, sampling)
 
 
 class _Run:
     """One run's state. Times are seconds since `origin`, which moves to the start of the
-    measured part once the channels are connected and the warmup is over."""
+    measured part once the backend is connected and the warmup is over."""
 
-    def __init__(
-        self,
-        channels: Sequence[grpc.aio.Channel],
-        config: BenchmarkConfig,
-        observer: Observer | None,
-    ) -> None:
-        self.channels, self.config, self.observer = channels, config, observer
-        self.stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in channels]
+    def __init__(self, backend: Backend, config: BenchmarkConfig, observer: Observer | None) -> None:
+        self.backend, self.config, self.observer = backend, config, observer
         self.slots = None if config.max_concurrency is None else asyncio.Semaphore(config.max_concurrency)
         self.origin = time.perf_counter()
         self.elapsed = 0.0
@@ -156,7 +198,7 @@ class _Run:
                 raise outcome
 
     async def execute(self, workload: Workload, warmup: Workload) -> None:
-        await asyncio.gather(*(connect(channel) for channel in self.channels))
+        await self.backend.connect()
         await self.warm_up(warmup)
         self.origin, self.measuring = time.perf_counter(), True
         if self.observer is not None:
@@ -212,9 +254,7 @@ class _Run:
                 self.observer.on_request_done(timing.record(self.clock()))
 
     async def send(self, timing: RequestTiming) -> None:
-        request = build_request(timing.spec, self.config.temperature, self.config.ignore_eos)
-        stub = self.stubs[timing.index % len(self.stubs)]
-        await send_request(stub, request, timing, self.clock)
+        await self.backend.send(timing, self.clock)
 
     async def acquire_slot(self) -> None:
         if self.slots is not None:

@@ -1,19 +1,17 @@
-"""Client connections, issuing one request over gRPC, and recording when its tokens arrive."""
+"""The gRPC backend: client connections, one request over gRPC, and what its messages tell."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import asyncio
 
 import grpc
 
-from loadgen.records import RequestRecord
+from loadgen.backend import Sampling
+from loadgen.timing import Clock, RequestTiming
 from loadgen.workload import PromptSpec
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 
-Clock = Callable[[], float]
-CANCELLED = grpc.StatusCode.CANCELLED.name
 # NOTE: channels to the same target with the same arguments share one subchannel, so one TCP
 # connection; a local subchannel pool gives each channel a connection of its own.
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
@@ -49,58 +47,13 @@ def build_request(spec: PromptSpec, temperature: float, ignore_eos: bool) -> pb.
     return pb.GenerateRequest(input_ids=pb.TokenIds(ids=spec.prompt), sampling=sampling)
 
 
-@dataclass
-class RequestTiming:
-    """Filled in while a request runs; `record` freezes it, as cancelled if it has not closed."""
-
-    index: int
-    spec: PromptSpec
-    send_time: float | None = None
-    end_time: float | None = None
-    closed: bool = False
-    message_times: list[float] = field(default_factory=list)
-    message_tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    error_detail: str = ""
-
-    def sent(self, now: float) -> None:
-        self.send_time = now
-
-    def received(self, now: float, response: pb.GenerateResponse) -> None:
-        self.end_time = now
-        self.prompt_tokens = response.prompt_tokens
-        if response.token_ids:
-            self.message_times.append(now)
-            self.message_tokens.append(len(response.token_ids))
-        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.finish_reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_")
-
-    def ended(self, now: float) -> None:
-        """The stream closed with OK; the request ended at its last message, if it had one."""
-        self.closed = True
-        if self.end_time is None:
-            self.end_time = now
-
-    def failed(self, now: float, status: str, detail: str) -> None:
-        self.closed = True
-        self.end_time, self.error, self.error_detail = now, status, detail
-
-    def record(self, now: float) -> RequestRecord:
-        if not self.closed:
-            self.failed(now, CANCELLED, "stopped by the client")
-        return RequestRecord(
-            index=self.index,
-            input_len=self.spec.known_input_len if self.prompt_tokens is None else self.prompt_tokens,
-            send_time=now if self.send_time is None else self.send_time,
-            end_time=now if self.end_time is None else self.end_time,
-            message_times=tuple(self.message_times),
-            message_tokens=tuple(self.message_tokens),
-            finish_reason=self.finish_reason,
-            error=self.error,
-            error_detail=self.error_detail,
-        )
+def received(timing: RequestTiming, now: float, response: pb.GenerateResponse) -> None:
+    timing.heard(now)
+    timing.prompt_tokens = response.prompt_tokens
+    if response.token_ids:
+        timing.arrived(now, len(response.token_ids))
+    if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        timing.finish_reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_")
 
 
 async def send_request(
@@ -113,8 +66,30 @@ async def send_request(
     timing.sent(clock())
     try:
         async for response in stub.Generate(request):
-            timing.received(clock(), response)
+            received(timing, clock(), response)
     except grpc.aio.AioRpcError as exc:
         timing.failed(clock(), exc.code().name, exc.details() or "")
         return
     timing.ended(clock())
+
+
+class GrpcBackend:
+    """Request i goes over connection i mod `connections`."""
+
+    model = None
+
+    def __init__(self, server: str, connections: int, sampling: Sampling) -> None:
+        self.channels = open_channels(server, connections)
+        self.stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in self.channels]
+        self.sampling = sampling
+
+    async def connect(self) -> None:
+        await asyncio.gather(*(connect(channel) for channel in self.channels))
+
+    async def send(self, timing: RequestTiming, clock: Clock) -> None:
+        request = build_request(timing.spec, self.sampling.temperature, self.sampling.ignore_eos)
+        stub = self.stubs[timing.index % len(self.stubs)]
+        await send_request(stub, request, timing, clock)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))

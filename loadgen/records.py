@@ -11,7 +11,10 @@ class RequestRecord:
 
     `message_times[i]` is the arrival of the i-th response message that carried tokens and
     `message_tokens[i]` how many it carried (several when the client lagged behind the server).
-    Messages without tokens (a bare finish) only move `end_time`.
+    Messages without tokens (a bare finish) only move `end_time`. `output_tokens` is the
+    server's count of generated tokens where it reports one apart from the messages (the
+    OpenAI usage chunk); it then is the output length, and `message_tokens` only weight the
+    inter-token latencies.
     """
 
     index: int
@@ -20,8 +23,9 @@ class RequestRecord:
     end_time: float
     message_times: tuple[float, ...] = ()
     message_tokens: tuple[int, ...] = ()
+    output_tokens: int | None = None
     finish_reason: str | None = None
-    error: str | None = None  # gRPC status name; None for a completed request
+    error: str | None = None  # gRPC status name or "HTTP 429"-like; None for a completed request
     error_detail: str = ""
 
     @property
@@ -30,4 +34,4 @@ class RequestRecord:
 
     @property
     def output_len(self) -> int:
-        return sum(self.message_tokens)
+        return sum(self.message_tokens) if self.output_tokens is None else self.output_tokens

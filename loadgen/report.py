@@ -38,7 +38,8 @@ def _row(label: str, value: object) -> str:
 
 def _count_lines(result: BenchmarkResult) -> list[str]:
     s, config = result.summary, result.config
-    lines = [_row("Successful requests", s.completed), _row("Failed requests", s.failed)]
+    lines = [_row("Backend", _backend_text(result))]
+    lines += [_row("Successful requests", s.completed), _row("Failed requests", s.failed)]
     lines += [_row(f"  {name}", count) for name, count in sorted(s.errors.items())]
     if result.interrupted:
         lines.append(_row("Interrupted", "yes (in-flight requests cancelled)"))
@@ -48,6 +49,11 @@ def _count_lines(result: BenchmarkResult) -> list[str]:
         lines.append(_row("Maximum request concurrency", config.max_concurrency))
     lines.append(_row("Peak concurrent requests", s.peak_concurrency))
     return lines
+
+
+def _backend_text(result: BenchmarkResult) -> str:
+    backend = result.config.backend
+    return backend if result.model is None else f"{backend} (model {result.model})"
 
 
 def _throughput_lines(s: Summary) -> list[str]:
@@ -87,12 +93,14 @@ def _header_json(result: BenchmarkResult) -> dict[str, object]:
     rate = config.request_rate
     return {
         "date": result.started_at.strftime("%Y%m%d-%H%M%S"),
-        "server": config.server,
+        "backend": config.backend,
+        "server": config.target,
+        "model": result.model,
         "num_prompts": config.num_prompts,
         "request_rate": rate if math.isfinite(rate) else "inf",
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
-        "connections": config.connections,
+        "connections": config.connection_limit,
         "interrupted": result.interrupted,
     }
 

@@ -12,7 +12,7 @@ Definitions, in seconds per request, as `vllm bench serve` defines them:
   arrive with it and get no entry (their wait is TTFT).
 
 Latencies and throughputs cover completed requests only; a request that ended in an error is
-failed and counted under its gRPC status name.
+failed and counted under its status: the gRPC status name, or "HTTP 429" and the like.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class Summary:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution
-    errors: Mapping[str, int]  # failed requests by gRPC status name
+    errors: Mapping[str, int]  # failed requests by status (gRPC name, HTTP code, ...)
     finish_reasons: Mapping[str, int]  # completed requests by finish reason
 
 

@@ -11,14 +11,18 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
 from scheduler_svc.core import CoreConfig, EngineCore
 from scheduler_svc.frontend import Frontend, FrontendConfig
+from scheduler_svc.http_server import HttpServer, HttpTls
 from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.link import LocalCore
+from scheduler_svc.openai_api import HttpApiConfig, build_app
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, ApiConfig, build_server, health_follows_worker
 from scheduler_svc.supervisor import FrontendSupervisor
@@ -130,6 +134,18 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         "which, unlike the flag, does not show in the process list)",
     )
     p.add_argument(
+        "--http-port",
+        type=_at_least(0),
+        default=8000,
+        help="port of the OpenAI-compatible HTTP API, on --host with the same TLS and API key (0: off)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=text_file,
+        metavar="FILE",
+        help="Jinja chat template used in place of the model's own (for models without one)",
+    )
+    p.add_argument(
         "--max-request-bytes",
         type=_at_least(1),
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -173,6 +189,14 @@ def check_worker_link_args(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("--worker-tls-cert needs --worker-tls-ca")
 
 
+def text_file(path: str) -> str:
+    """argparse type: a text file's contents, read once at startup."""
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+
+
 def _at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -199,6 +223,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         RequestLimits(args.max_text_bytes, args.max_prompt_tokens),
         args.stream_interval,
         args.frontend_index,
+        args.chat_template,
     )
 
 
@@ -227,21 +252,26 @@ async def _serve_frontend_here(core: EngineCore, args: argparse.Namespace, stop:
     LocalCore(core, frontend)
     start_metrics(core_registry(core, lambda: [frontend.telemetry.registry.collect()]), args, "scheduler")
     server, port, health_servicer = await build_server(frontend, args.host, args.port, api_config(args))
+    http = http_api(frontend, args, share_port=False)
     health_follows_worker(frontend, health_servicer)
     await server.start()
-    print(f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker})", flush=True)
+    if http is not None:
+        await http.start()
+    where = f"{args.host}:{port}{describe_http(http)}"
+    print(f"scheduler listening on {where} (mode {args.mode}, worker {args.worker})", flush=True)
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", args.grace)
-    await graceful_stop(server, health_servicer, args.grace)
+    await stop_apis(server, health_servicer, http, args.grace)
 
 
 async def _serve_frontend_processes(core: EngineCore, args: argparse.Namespace, stop: asyncio.Event) -> None:
     with tempfile.TemporaryDirectory(prefix="stepahead-core-") as private:  # mode 0700
         supervisor = FrontendSupervisor(core, args, f"{private}/core.sock")
         start_metrics(core_registry(core, supervisor.metric_sources), args, "scheduler")
-        port = await supervisor.start()
+        port, http_port = await supervisor.start()
+        http = f", HTTP on port {http_port}" if http_port else ""
         print(
-            f"scheduler listening on {args.host}:{port} (mode {args.mode}, worker {args.worker}, "
+            f"scheduler listening on {args.host}:{port}{http} (mode {args.mode}, worker {args.worker}, "
             f"{args.frontends} frontend processes)",
             flush=True,
         )
@@ -272,6 +302,32 @@ def api_config(args: argparse.Namespace, share_port: bool = False) -> ApiConfig:
         max_request_bytes=args.max_request_bytes,
         share_port=share_port,
     )
+
+
+def http_api(frontend: Frontend, args: argparse.Namespace, share_port: bool) -> HttpServer | None:
+    """The OpenAI-compatible API on --http-port (None when it is 0), bound at once."""
+    if args.http_port == 0:
+        return None
+    app = build_app(frontend, HttpApiConfig(args.api_key, args.max_request_bytes))
+    tls = None if args.tls_cert is None else HttpTls(args.tls_cert, args.tls_key, args.tls_ca)
+    return HttpServer(app, args.host, args.http_port, tls, share_port)
+
+
+def describe_http(http: HttpServer | None) -> str:
+    return "" if http is None else f", HTTP on port {http.port}"
+
+
+async def stop_apis(
+    server: grpc.aio.Server,
+    health_servicer: health_aio.HealthServicer,
+    http: HttpServer | None,
+    grace_s: float,
+) -> None:
+    """Both APIs drain at once, each for up to `grace_s`."""
+    drains = [graceful_stop(server, health_servicer, grace_s)]
+    if http is not None:
+        drains.append(http.stop(grace_s))
+    await asyncio.gather(*drains)
 
 
 def worker_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:

@@ -21,13 +21,14 @@ from typing import Protocol
 
 import grpc
 
+from scheduler_svc.chat import ChatTemplate, ChatTemplateError
 from scheduler_svc.outputs import StepOutputs
 from scheduler_svc.request import FinishReason, SamplingParams
 from scheduler_svc.streams import ClientRequest, OutputStream
 from scheduler_svc.telemetry import FrontendTelemetry
 from scheduler_svc.text import RequestText
 from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
-from scheduler_svc.validation import InvalidRequest, RequestLimits, validate_request
+from scheduler_svc.validation import InvalidRequest, NoChatTemplate, RequestLimits, validate_request
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import generation_pb2
 
@@ -40,6 +41,7 @@ class FrontendConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     stream_interval: int = 1  # wake a client's stream every N tokens (and at its finish)
     index: int = 0  # which frontend process (0 for the one inside the core)
+    chat_template: str | None = None  # overrides the model's own (--chat-template)
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,10 @@ class CoreClient(Protocol):
 
 
 class ApiError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.field = field  # the offending request field, for INVALID_ARGUMENT
 
 
 def random_seed() -> int:
@@ -88,6 +91,7 @@ class Frontend:
         self._handles = itertools.count(1)
         self.info: WorkerInfo | None = None
         self.tokenizer: Tokenizer | None = None
+        self.chat: ChatTemplate | None = None
         self.connected = False
         self.on_ready: Callable[[bool], None] = lambda ready: None
 
@@ -101,14 +105,20 @@ class Frontend:
 
     # ---- requests from clients -----------------------------------------------------------
 
-    def admit(self, request: generation_pb2.GenerateRequest) -> ClientRequest:
-        """Validate and tokenize, then hand the request to the core; raises ApiError."""
+    def admit(self, request: generation_pb2.GenerateRequest, open_ended: bool = False) -> ClientRequest:
+        """Validate and tokenize, then hand the request to the core; raises ApiError. With
+        `open_ended`, max_new_tokens 0 asks for the rest of the context (the HTTP API's default)."""
         if self.info is None or self.tokenizer is None:
             raise ApiError(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+        limits = self.config.limits
         try:
-            valid = validate_request(request, self.tokenizer, self.info, random_seed(), self.config.limits)
+            valid = validate_request(
+                request, self.tokenizer, self.info, random_seed(), limits, self.chat, open_ended
+            )
         except InvalidRequest as exc:
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+        except NoChatTemplate as exc:
+            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "input.messages") from exc
         return self.submit(request.request_id or uuid.uuid4().hex, valid.prompt_ids, valid.params)
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> ClientRequest:
@@ -161,6 +171,17 @@ class Frontend:
         except Exception:
             log.exception("cannot load the tokenizer of worker session %d; not serving", info.epoch)
             self.info, self.tokenizer = None, None
+            return
+        self.chat = self._chat_template(self.tokenizer, self.config.chat_template or spec.chat_template)
+
+    def _chat_template(self, tokenizer: Tokenizer, source: str) -> ChatTemplate | None:
+        if not source:
+            return None
+        try:
+            return ChatTemplate(source, tokenizer.special_tokens())
+        except ChatTemplateError:
+            log.exception("the chat template does not compile; serving without chat")
+            return None
 
     def send(self, outputs: StepOutputs) -> None:
         """One step's rows of this frontend's requests."""

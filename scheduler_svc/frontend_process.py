@@ -18,12 +18,12 @@ import sys
 import grpc
 from prometheus_client import generate_latest
 
-from scheduler_svc.__main__ import api_config, frontend_config, parse_args
+from scheduler_svc.__main__ import api_config, frontend_config, http_api, parse_args, stop_apis
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.link import RemoteCore
 from scheduler_svc.server import SERVICE_NAME, build_server, health_follows_worker
 from scheduler_svc.telemetry import FrontendTelemetry
-from stepahead.serving import graceful_stop, run_service, set_serving, setup_logging
+from stepahead.serving import run_service, set_serving, setup_logging
 
 log = logging.getLogger("stepahead.frontend")
 
@@ -34,22 +34,25 @@ async def serve(args: argparse.Namespace) -> int:
     server, port, health_servicer = await build_server(
         frontend, args.host, args.port, api_config(args, share_port=True)
     )
+    http = http_api(frontend, args, share_port=True)
     health_follows_worker(frontend, health_servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await server.start()
+    if http is not None:
+        await http.start()
     attached = asyncio.create_task(core.attach(args.frontend_index, os.getpid(), port))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({attached, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
-        await graceful_stop(server, health_servicer, args.grace)
+        await stop_apis(server, health_servicer, http, args.grace)
         await core.close()
         return 0
     log.error("the engine core is gone: ending every request here and exiting")
     await set_serving(health_servicer, SERVICE_NAME, False)
     frontend.fail_all(grpc.StatusCode.UNAVAILABLE, "the engine core is gone")
-    await server.stop(1.0)
+    await stop_apis(server, health_servicer, http, 1.0)
     return 1
 
 

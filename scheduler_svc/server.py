@@ -80,6 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         response = await self._frontend.core.server_info()
         if self._frontend.tokenizer is not None and response.model:
             response.tokenizer = self._frontend.tokenizer.name
+            response.chat_template = self._frontend.chat is not None
         return response
 
 

@@ -24,7 +24,7 @@ from prometheus_client.core import Metric
 from scheduler_svc.core import EngineCore
 from scheduler_svc.link import CoreLinkServicer, RemoteFrontend, start_link_server
 from scheduler_svc.telemetry import FrontendTelemetry, parse_exposition
-from stepahead.serving import PortInUse
+from stepahead.serving import reserve_shared_port
 
 log = logging.getLogger("stepahead.supervisor")
 
@@ -40,6 +40,7 @@ class FrontendSupervisor:
         self._argv: list[str] = list(args.argv)
         self._host: str = args.host
         self._port: int = args.port
+        self._http_port: int = args.http_port
         self._socket_path = socket_path
         self._servicer = CoreLinkServicer(core, self._on_hello)
         self._link: grpc.aio.Server | None = None
@@ -47,14 +48,16 @@ class FrontendSupervisor:
         self._attached = {i: asyncio.Event() for i in range(self._count)}
         self._watchers: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self._port_guard: socket.socket | None = None
+        self._port_guards: list[socket.socket] = []
         self._zeros = FrontendTelemetry(core.config.mode).registry  # names exist before any frontend
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def start(self) -> int:
-        """Starts every frontend and returns the public port once all of them serve it."""
+    async def start(self) -> tuple[int, int]:
+        """Starts every frontend and returns the public ports (gRPC, HTTP or 0) once all serve them."""
         self._loop = asyncio.get_running_loop()
-        self._port = self._reserve_port()  # first: a port in use stops nothing running
+        self._port = self._reserve(self._port, "--port")  # first: a port in use stops nothing running
+        if self._http_port:
+            self._http_port = self._reserve(self._http_port, "--http-port")
         self._link = await start_link_server(self._servicer, self._socket_path)
         for index in range(self._count):
             await self._spawn(index, restart_delay=None)
@@ -64,7 +67,12 @@ class FrontendSupervisor:
             task.cancel()
         if pending:
             raise RuntimeError(f"{len(pending)} frontend processes did not start in {START_TIMEOUT_S:.0f}s")
-        return self._port
+        return self._port, self._http_port
+
+    def _reserve(self, port: int, flag: str) -> int:
+        guard = reserve_shared_port(self._host, port, flag)
+        self._port_guards.append(guard)
+        return int(guard.getsockname()[1])
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM every frontend (each drains for `grace_s`), then the link."""
@@ -79,8 +87,8 @@ class FrontendSupervisor:
                 proc.kill()
         if self._link is not None:
             await self._link.stop(0)
-        if self._port_guard is not None:
-            self._port_guard.close()
+        for guard in self._port_guards:
+            guard.close()
 
     def metric_sources(self) -> list[Iterable[Metric]]:
         """Called from the /metrics thread: every frontend's exposition, asked over its link."""
@@ -91,7 +99,7 @@ class FrontendSupervisor:
     # ---- processes -------------------------------------------------------------------------
 
     async def _spawn(self, index: int, restart_delay: float | None) -> None:
-        flags = [*self._argv, "--port", str(self._port)]
+        flags = [*self._argv, "--port", str(self._port), "--http-port", str(self._http_port)]
         flags += ["--core-socket", self._socket_path, "--frontend-index", str(index)]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "scheduler_svc.frontend_process", *flags
@@ -116,21 +124,3 @@ class FrontendSupervisor:
         if frontend.index in self._attached:
             self._attached[frontend.index].set()
         self._core.telemetry.frontends.set(len(self._servicer.frontends))
-
-    def _reserve_port(self) -> int:
-        """The public port, checked free, then held with SO_REUSEPORT (not listening, so it
-        takes no connections) so that only our frontends share it."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        with socket.socket(family) as probe:
-            try:
-                probe.bind((self._host, self._port))
-            except OSError as exc:
-                raise PortInUse(
-                    f"cannot listen on {self._host}:{self._port} ({exc.strerror}): choose another with --port"
-                ) from exc
-            port = int(probe.getsockname()[1])
-        guard = socket.socket(family)
-        guard.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        guard.bind((self._host, port))
-        self._port_guard = guard
-        return port

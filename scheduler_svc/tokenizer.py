@@ -40,9 +40,15 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for rendered chat templates, which write their own."""
+        ...
 
     def new_decoder(self) -> IncrementalDecoder: ...
+
+    def special_tokens(self) -> dict[str, str]:
+        """The texts of BOS and EOS (`bos_token`, `eos_token`) as chat templates name them."""
+        ...
 
 
 class Utf8ByteDecoder:
@@ -88,8 +94,11 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def special_tokens(self) -> dict[str, str]:
+        return {}  # byte ids 256+ have no text
 
     def new_decoder(self) -> IncrementalDecoder:
         return Utf8ByteDecoder()
@@ -184,8 +193,13 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def special_tokens(self) -> dict[str, str]:
+        named = {"bos_token": self.bos_id, "eos_token": self.eos_ids[0] if self.eos_ids else None}
+        texts = {name: self._tokenizer.id_to_token(i) for name, i in named.items() if i is not None}
+        return {name: text for name, text in texts.items() if text is not None}
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -13,6 +13,7 @@ from typing import TypeVar, cast
 
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message, message_factory
 
+from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from stepahead.protocol import WorkerInfo
@@ -23,12 +24,23 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MESSAGES_FIELD = "input.messages.messages"
 
 M = TypeVar("M", bound=message.Message)
 
 
 class InvalidRequest(ValueError):
-    """The request cannot be served as sent (INVALID_ARGUMENT)."""
+    """The request cannot be served as sent (INVALID_ARGUMENT); the message starts with the field."""
+
+    @property
+    def field(self) -> str:
+        return str(self).split(":", 1)[0]
+
+
+class NoChatTemplate(ValueError):
+    """A conversation, for a model without a chat template (FAILED_PRECONDITION)."""
 
 
 @dataclass(frozen=True)
@@ -54,14 +66,33 @@ def validate_request(
     info: WorkerInfo,
     seed: int,
     limits: RequestLimits = default_limits,
+    chat: ChatTemplate | None = None,
+    open_ended: bool = False,
 ) -> ValidRequest:
-    """`seed` is used when the request brings none."""
+    """`seed` is used when the request brings none; `chat` renders a `messages` input. With
+    `open_ended`, a max_new_tokens of 0 means as many as the context and KV pool leave room for."""
     _check_request_id(request.request_id)
     max_prompt_tokens = limits.max_prompt_tokens or info.max_context_len
-    prompt_ids = _prompt_ids(request, tokenizer, info.vocab_size, limits.max_text_bytes, max_prompt_tokens)
-    params = _sampling_params(request.sampling, info.vocab_size, seed)
+    source = PromptSource(tokenizer, chat, limits.max_text_bytes, max_prompt_tokens)
+    prompt_ids = _prompt_ids(request, source, info.vocab_size)
+    sampling = request.sampling
+    if open_ended and sampling.max_new_tokens == 0:
+        sampling = _with_room_left(sampling, len(prompt_ids), info)
+    params = _sampling_params(sampling, info.vocab_size, seed)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)
     return ValidRequest(prompt_ids, params)
+
+
+def _with_room_left(
+    sampling: generation_pb2.SamplingParams, prompt_len: int, info: WorkerInfo
+) -> generation_pb2.SamplingParams:
+    room = min(info.max_context_len, info.kv_slots) - prompt_len
+    if room < 1:
+        raise InvalidRequest(f"input: the prompt ({prompt_len} tokens) leaves no room for an answer")
+    filled = generation_pb2.SamplingParams()
+    filled.CopyFrom(sampling)
+    filled.max_new_tokens = room
+    return filled
 
 
 def _check_request_id(rid: str) -> None:
@@ -72,37 +103,75 @@ def _check_request_id(rid: str) -> None:
             raise InvalidRequest(f"request_id: must be printable, got U+{ord(char):04X} at index {i}")
 
 
-def _prompt_ids(
-    request: generation_pb2.GenerateRequest,
-    tokenizer: Tokenizer,
-    vocab: int,
-    max_text_bytes: int,
-    max_prompt_tokens: int,
-) -> list[int]:
+@dataclass(frozen=True)
+class PromptSource:
+    """What turns a request's input into prompt ids, and its bounds."""
+
+    tokenizer: Tokenizer
+    chat: ChatTemplate | None
+    max_text_bytes: int
+    max_prompt_tokens: int
+
+
+def _prompt_ids(request: generation_pb2.GenerateRequest, source: PromptSource, vocab: int) -> list[int]:
     which = request.WhichOneof("input")
     if which is None:
-        raise InvalidRequest("input: set text or input_ids")
+        raise InvalidRequest("input: set text, input_ids or messages")
     if which == "text":
-        return _text_ids(request.text, tokenizer, max_text_bytes, max_prompt_tokens)
+        return _text_ids(request.text, source)
+    if which == "messages":
+        return _chat_ids(list(request.messages.messages), source)
     if not request.input_ids.ids:
         raise InvalidRequest("input.input_ids.ids: must not be empty")
-    _check_prompt_length(len(request.input_ids.ids), "input.input_ids.ids", max_prompt_tokens)
+    _check_prompt_length(len(request.input_ids.ids), "input.input_ids.ids", source.max_prompt_tokens)
     ids = list(request.input_ids.ids)
     _check_in_vocab(ids, "input.input_ids.ids", vocab)
     return ids
 
 
-def _text_ids(text: str, tokenizer: Tokenizer, max_text_bytes: int, max_prompt_tokens: int) -> list[int]:
+def _text_ids(text: str, source: PromptSource) -> list[int]:
     if not text:
         raise InvalidRequest("input.text: must not be empty")
-    size = len(text.encode())
-    if size > max_text_bytes:
-        raise InvalidRequest(f"input.text: at most {max_text_bytes} bytes of UTF-8, got {size}")
-    ids = tokenizer.encode(text)
+    _check_text_size(len(text.encode()), "input.text", source.max_text_bytes)
+    ids = source.tokenizer.encode(text)
     if not ids:
         raise InvalidRequest("input.text: encodes to no tokens")
-    _check_prompt_length(len(ids), "input.text", max_prompt_tokens)
+    _check_prompt_length(len(ids), "input.text", source.max_prompt_tokens)
     return ids
+
+
+def _chat_ids(messages: list[generation_pb2.ChatMessage], source: PromptSource) -> list[int]:
+    """Checked before rendering: the sizes bound what the template is given."""
+    if source.chat is None:
+        raise NoChatTemplate("input.messages: the model has no chat template; send text or input_ids")
+    checked = _check_chat_messages(messages, source.max_text_bytes)
+    try:
+        text = source.chat.render(checked)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(f"input.messages: the chat template refused them: {exc}") from exc
+    ids = source.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise InvalidRequest("input.messages: renders to no tokens")
+    _check_prompt_length(len(ids), "input.messages", source.max_prompt_tokens)
+    return ids
+
+
+def _check_chat_messages(messages: list[generation_pb2.ChatMessage], max_bytes: int) -> list[ChatMessage]:
+    field = MESSAGES_FIELD
+    if not messages:
+        raise InvalidRequest(f"{field}: must not be empty")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{field}: at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(f"{field}[{i}].role: must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
+    _check_text_size(sum(len(m.content.encode()) for m in messages), field, max_bytes)
+    return [ChatMessage(m.role, m.content) for m in messages]
+
+
+def _check_text_size(size: int, field: str, max_text_bytes: int) -> None:
+    if size > max_text_bytes:
+        raise InvalidRequest(f"{field}: at most {max_text_bytes} bytes of UTF-8, got {size}")
 
 
 def _check_prompt_length(num_tokens: int, field: str, max_prompt_tokens: int) -> None:

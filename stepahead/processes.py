@@ -21,6 +21,7 @@ from stepahead.serving import API_KEY_ENV
 
 LISTEN_RE = re.compile(r"listening on [\d.]+:(\d+)")
 METRICS_RE = re.compile(r"(\w+) metrics on http://[\d.]+:(\d+)/metrics")
+HTTP_RE = re.compile(r"HTTP on port (\d+)")
 START_TIMEOUT_S = 60.0
 
 
@@ -34,6 +35,12 @@ class Service:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (the scheduler must run with --http-port)."""
+        found = next(m for line in self.output if (m := HTTP_RE.search(line)))
+        return f"http://127.0.0.1:{found.group(1)}"
 
     @property
     def metrics_url(self) -> str:
@@ -67,7 +74,7 @@ def spawn_scheduler(
     worker_address: str, args: list[str], port: int = 0, api_key: str | None = None
 ) -> Service:
     """`api_key` reaches the scheduler in its environment, as an operator should pass it."""
-    flags = ["--worker", worker_address, *_with_free_metrics_port(args)]
+    flags = ["--worker", worker_address, *_with_http_off(_with_free_metrics_port(args))]
     return _spawn("scheduler_svc", flags, port, {API_KEY_ENV: api_key} if api_key else {})
 
 
@@ -76,7 +83,7 @@ def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: in
     worker_flags = shlex.join(_with_free_metrics_port(worker_args))
     return _spawn(
         "stepahead.colocated",
-        ["--worker-flags", worker_flags, *_with_free_metrics_port(args)],
+        ["--worker-flags", worker_flags, *_with_http_off(_with_free_metrics_port(args))],
         port,
         name="scheduler",
     )
@@ -85,6 +92,11 @@ def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: in
 def _with_free_metrics_port(args: list[str]) -> list[str]:
     """Tests run many services at once: their metrics take any free port unless told."""
     return args if "--metrics-port" in args else [*args, "--metrics-port", "0"]
+
+
+def _with_http_off(args: list[str]) -> list[str]:
+    """Schedulers serve HTTP only where a test asks for it (with a port of its own)."""
+    return args if "--http-port" in args else [*args, "--http-port", "0"]
 
 
 def _spawn(

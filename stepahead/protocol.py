@@ -25,6 +25,7 @@ GRPC_OPTIONS = [
 class TokenizerSpec:
     kind: str  # "byte" or "hf"
     hf_json: bytes = b""
+    chat_template: str = ""  # the model's Jinja template over `messages`; empty: none
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:
         kv_slots=info.kv_slots,
         request_slots=info.request_slots,
         device=info.device,
-        tokenizer=worker_pb2.TokenizerSpec(kind=info.tokenizer.kind, hf_json=info.tokenizer.hf_json),
+        tokenizer=tokenizer_to_proto(info.tokenizer),
         worker_unix_time=info.worker_unix_time,
     )
     if info.bos_token_id is not None:
@@ -144,7 +145,12 @@ def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:
     return welcome
 
 
+def tokenizer_to_proto(spec: TokenizerSpec) -> worker_pb2.TokenizerSpec:
+    return worker_pb2.TokenizerSpec(kind=spec.kind, hf_json=spec.hf_json, chat_template=spec.chat_template)
+
+
 def info_from_proto(welcome: worker_pb2.Welcome) -> WorkerInfo:
+    t = welcome.tokenizer
     return WorkerInfo(
         model=welcome.model,
         vocab_size=welcome.vocab_size,
@@ -154,7 +160,7 @@ def info_from_proto(welcome: worker_pb2.Welcome) -> WorkerInfo:
         kv_slots=welcome.kv_slots,
         request_slots=welcome.request_slots,
         device=welcome.device,
-        tokenizer=TokenizerSpec(welcome.tokenizer.kind, welcome.tokenizer.hf_json),
+        tokenizer=TokenizerSpec(t.kind, t.hf_json, t.chat_template),
         epoch=welcome.epoch,
         worker_unix_time=welcome.worker_unix_time,
     )

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -108,6 +109,23 @@ class PortInUse(RuntimeError):
 # port on purpose (--frontends N) turn it on.
 NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
 PORT_SHARING = [("grpc.so_reuseport", 1)]
+
+
+def reserve_shared_port(host: str, port: int, flag: str) -> socket.socket:
+    """A port for processes that share it: checked free, then held with SO_REUSEPORT (not
+    listening, so it takes no connections) so that only processes of this user can join it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            message = f"cannot listen on {host}:{port} ({exc.strerror}): choose another with {flag}"
+            raise PortInUse(message) from exc
+        port = int(probe.getsockname()[1])
+    guard = socket.socket(family)
+    guard.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    guard.bind((host, port))
+    return guard
 
 
 def add_port(

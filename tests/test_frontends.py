@@ -228,6 +228,8 @@ def busy_port() -> socket.socket:
         ("scheduler_svc", "--port", ["--frontends", "0"]),
         ("scheduler_svc", "--port", ["--frontends", "2"]),
         ("scheduler_svc", "--metrics-port", []),
+        ("scheduler_svc", "--http-port", ["--frontends", "0"]),
+        ("scheduler_svc", "--http-port", ["--frontends", "2"]),
         ("worker_svc", "--port", ["--model", "sim"]),
         ("worker_svc", "--metrics-port", ["--model", "sim"]),
     ],
@@ -235,7 +237,10 @@ def busy_port() -> socket.socket:
 def test_a_port_in_use_names_the_flag_to_change(module: str, flag: str, extra: list[str]) -> None:
     with busy_port() as taken:
         port = str(taken.getsockname()[1])
-        args = {"--port": str(unused_port()), "--metrics-port": str(unused_port()), flag: port}
+        args = {"--port": str(unused_port()), "--metrics-port": str(unused_port())}
+        if module == "scheduler_svc":
+            args["--http-port"] = str(unused_port())
+        args[flag] = port
         argv = [sys.executable, "-m", module, *extra, *(x for kv in args.items() for x in kv)]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType, dequantize, quantize
-from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import Tokenizer
 
 from scheduler_svc.tokenizer import REPLACEMENT_CHAR, HFTokenizer
 from stepahead.processes import serving_pair
@@ -192,22 +192,51 @@ WITH_SPECIAL_TOKENS = [
     "<|endoftext|>tail <repo_name>x<file_sep>y",
 ]
 CORPUS = PLAIN_TEXTS + WITH_SPECIAL_TOKENS
-# NOTE: SmolLM2's own tokenizer.json and llama.cpp's `smollm` pre-tokenizer put every digit on
-# its own before GPT-2's split; transformers 5.23's GGUF conversion has no `smollm` entry and
-# splits as GPT-2. The two differ only where a run of two or more whitespace characters meets a
-# digit (GPT-2's split then moves the run's last space onto the digit), so those texts are
-# compared with the tokenizer.json pre-tokenizer over transformers' vocabulary and merges.
-WHITESPACE_BEFORE_DIGITS = ["x   1", "a\n\n1", "x = [\n    1,\n    2,\n]", "\t\t3 items", "   42"]
-PINNED = {"x   1": ["x", "ĠĠĠ", "1"], "   42": ["ĠĠĠ", "4", "2"]}
-
-
-def tokenizer_json_reference(reference: Transformers) -> Tokenizer:
-    """transformers' GGUF tokenizer with the pre-tokenizer of SmolLM2's own tokenizer.json."""
-    tokenizer = Tokenizer.from_str(reference.tokenizer.backend_tokenizer.to_str())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    return tokenizer
+# NOTE: where two or more whitespace characters precede a digit, the split of transformers'
+# GGUF tokenizer (GPT-2's) and that of llama.cpp's `smollm` pre-tokenizer (digits first) differ.
+WHITESPACE_BEFORE_DIGITS = [
+    "x   1",
+    "   42",
+    "a\n\n1",
+    "\t\t3 items",
+    "x = [\n    1,\n    2,\n]",
+    "total:  \t 7.5",
+    "row\r\n\r\n2024",
+    "\u00a0\u00a01\u3000\u30002",
+    "     1234567890",
+]
+CODE = [
+    "import math\n\n\ndef area(r: float) -> float:\n    if r < 0:\n        raise ValueError(r)\n"
+    "    return math.pi * r**2  # 3.14159...\n",
+    "for i in range(10):\n    for j in range(i, 100, 7):\n"
+    "        print(f'{i:03d} {j:>5}', 0x1F, 1_000_000, 2e-3)\n",
+    "class Point:\n\tdef __init__(self, x=0, y=0):\n\t\tself.x, self.y = x, y\n",
+    '{\n  "id": 12345,\n  "price": 19.99,\n  "tags": ["a", "b"],\n  "nested": {"ok": true, "n": null}\n}',
+    '[{"x":1,"y":-2.5e10},{"x":  3 ,"y":  4}]',
+    "#include <stdio.h>\nint main(void) {\n    int a[3] = {1, 2, 3};\n    return a[2] - 3;\n}\n",
+    "    \n        \n\t\n",
+]
+UNICODE = [
+    "中文字符测试\uff0c日本語の文章です。漢字とひらがなとカタカナ。",
+    "한국어 문장입니다. 我们123个\uff0c第4章",
+    "accents: àéîõü ÀÉÎÕÜ ñ ç ø å ł ő ű ş ğ ț",
+    "decomposed e\u0301 a\u0308 n\u0303 versus composed é ä ñ",
+    "combining Z\u0324\u0354\u0367\u0311a\u0308\u0356\u032d\u0308\u0307l\u036e\u0312g\u030c\u0317o\u0319",
+    "RTL: مرحبا بكم في العالم 123, עברית שלום עולם, \u200fmark\u200e \u202eoverride\u202c",
+    "Devanagari नमस्ते, Thai สวัสดีครับ, Greek Ελληνικά, Cyrillic ёжик",
+    "math \U0001d400\U0001d401 \U0001d538\u2102 \u2200x\u2208\u211d: x² ≥ 0, ∑ᵢ aᵢ ≈ ∞",
+]
+EMOJI = [
+    "👨\u200d👩\u200d👧\u200d👦 family, 👩\u200d💻 coder, 🧑🏽\u200d🚀 astronaut, 🏳️\u200d🌈 flag",
+    "flags 🇫🇷🇯🇵🇺🇸🇧🇷 🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f",
+    "skin tones 👍🏻👍🏼👍🏽👍🏾👍🏿 keycaps 1️⃣ #️⃣ *️⃣",
+    "🙂🙃😉😊😇🥰😍🤩 ✨🔥💯 ☕️ ♥️♠️",
+]
+SPECIAL = [
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2 + 2 =<|im_end|>\n",
+    "text<|im_end|><|im_end|>  <|im_start|>  <|endoftext|>\n",
+]
 
 
 def random_texts(count: int, seed: int) -> list[str]:
@@ -216,32 +245,34 @@ def random_texts(count: int, seed: int) -> list[str]:
     return ["".join(rng.choices(alphabet, k=rng.randint(1, 40))) for _ in range(count)]
 
 
-def test_tokenizer_matches_transformers(smollm2: GGUFModel, smollm2_transformers: Transformers) -> None:
-    ours = HFTokenizer(smollm2.tokenizer_json)
-    raw = Tokenizer.from_str(smollm2.tokenizer_json.decode())
-    for text in CORPUS:
-        ids = ours.encode(text)
-        assert ids == smollm2_transformers.tokenizer.encode(text), text
-        assert raw.decode(ids, skip_special_tokens=False) == text
-        assert smollm2_transformers.tokenizer.decode(ids) == text
+TOKENIZER_TEXTS = {
+    "corpus": CORPUS,
+    "whitespace_before_digits": WHITESPACE_BEFORE_DIGITS,
+    "code": CODE,
+    "unicode": UNICODE,
+    "emoji": EMOJI,
+    "special": SPECIAL,
+    "random": random_texts(300, seed=1),
+}
 
 
-def test_tokenizer_splits_digits_as_smollm2_tokenizer_json(
-    smollm2: GGUFModel, smollm2_transformers: Transformers
+@pytest.mark.parametrize("texts", TOKENIZER_TEXTS.values(), ids=TOKENIZER_TEXTS.keys())
+def test_tokenizer_matches_transformers(
+    smollm2: GGUFModel, smollm2_transformers: Transformers, texts: list[str]
 ) -> None:
     ours = HFTokenizer(smollm2.tokenizer_json)
     raw = Tokenizer.from_str(smollm2.tokenizer_json.decode())
-    reference = tokenizer_json_reference(smollm2_transformers)
-    for text in [*CORPUS, *WHITESPACE_BEFORE_DIGITS, *random_texts(300, seed=1)]:
-        assert ours.encode(text) == reference.encode(text).ids, repr(text)
-        assert raw.decode(ours.encode(text), skip_special_tokens=False) == text
-    for text, tokens in PINNED.items():
-        assert raw.encode(text).tokens == tokens
+    reference = smollm2_transformers.tokenizer
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), repr(text)
+        assert raw.decode(ids, skip_special_tokens=False) == text, repr(text)
+        assert reference.decode(ids) == text, repr(text)
 
 
 def test_incremental_decoding_emits_whole_characters(smollm2: GGUFModel) -> None:
     tokenizer = HFTokenizer(smollm2.tokenizer_json)
-    for text in PLAIN_TEXTS:
+    for text in [*PLAIN_TEXTS, *UNICODE, *EMOJI]:
         decoder = tokenizer.new_decoder()
         chunks = [decoder.push([token]) for token in tokenizer.encode(text)]
         chunks.append(decoder.flush())
@@ -359,7 +390,7 @@ def test_llama_gguf_loads_as_the_model_it_was_written_from(
     path, model, stored = small_gguf
     backend = load_backend(str(path), CPU, torch.float32, 1.0, 0.0)
     assert (backend.name, backend.eos_token_ids, backend.bos_token_id) == ("small", (1,), 0)
-    assert backend.chat_template == "{{ messages[0]['content'] }}"
+    assert backend.tokenizer.chat_template == "{{ messages[0]['content'] }}"
     loaded = load_gguf(path, torch.float32, CPU).model
     assert loaded.config == replace(model.config, eos_token_ids=(1,), bos_token_id=0)
     weights = loaded.state_dict()

@@ -23,13 +23,13 @@ from loadgen import (
     JsonlDataset,
     RandomDataset,
     Slos,
-    benchmark,
+    client,
     run_benchmark,
 )
 from loadgen.__main__ import build_parser, config_from_args
 from loadgen.__main__ import run as run_cli
 from loadgen.arrivals import arrival_intervals, send_offsets
-from loadgen.client import RequestTiming, build_request, open_channels
+from loadgen.client import build_request, open_channels, received
 from loadgen.progress import render_progress
 from loadgen.records import RequestRecord
 from loadgen.report import format_summary, result_json
@@ -44,6 +44,7 @@ from loadgen.stats import (
     time_per_output_token,
     time_to_first_token,
 )
+from loadgen.timing import RequestTiming
 from loadgen.workload import (
     JsonlWorkload,
     PromptSpec,
@@ -347,10 +348,12 @@ def test_empty_or_missing_jsonl_is_an_error(tmp_path: Path) -> None:
 def test_request_timing_records_messages_and_the_server_prompt_length() -> None:
     timing = RequestTiming(7, PromptSpec((65, 66), 4))
     timing.sent(1.0)
-    timing.received(1.2, pb.GenerateResponse(token_ids=[1], prompt_tokens=2, completion_tokens=1))
-    timing.received(1.5, pb.GenerateResponse(token_ids=[2, 3, 4], prompt_tokens=2, completion_tokens=4))
-    timing.received(
-        1.6, pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=2, completion_tokens=4)
+    received(timing, 1.2, pb.GenerateResponse(token_ids=[1], prompt_tokens=2, completion_tokens=1))
+    received(timing, 1.5, pb.GenerateResponse(token_ids=[2, 3, 4], prompt_tokens=2, completion_tokens=4))
+    received(
+        timing,
+        1.6,
+        pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=2, completion_tokens=4),
     )
     timing.ended(1.7)
     assert timing.record(9.0) == RequestRecord(
@@ -799,7 +802,7 @@ async def test_every_connection_is_up_before_the_measured_run_starts(monkeypatch
         opened.extend(open_channels(server, count))
         return opened
 
-    monkeypatch.setattr(benchmark, "open_channels", recording_open)
+    monkeypatch.setattr(client, "open_channels", recording_open)
     observer = ReadyAtStart(opened)
     server, address = await serve(ScriptedGeneration())
     try:
@@ -812,7 +815,7 @@ async def test_every_connection_is_up_before_the_measured_run_starts(monkeypatch
 
 async def test_the_default_run_keeps_its_summary_and_result_keys() -> None:
     config = BenchmarkConfig(dataset=RandomDataset(4, 3), num_prompts=10)
-    assert config.connections == 8 and parse().connections == 8
+    assert config.connection_limit == 8 and parse().connection_limit == 8
     result = await bench_against(ScriptedGeneration(), config)
     assert (result.summary.completed, result.summary.failed, result.summary.total_output_tokens) == (
         10,
@@ -820,6 +823,13 @@ async def test_the_default_run_keeps_its_summary_and_result_keys() -> None:
         30,
     )
     data = result_json(result)
-    assert data.keys() == SUMMARY_KEYS | {"server", "interrupted", "finish_reasons", "connections"}
-    assert data["connections"] == 8
+    assert data.keys() == SUMMARY_KEYS | {
+        "backend",
+        "server",
+        "model",
+        "interrupted",
+        "finish_reasons",
+        "connections",
+    }
+    assert (data["backend"], data["model"], data["connections"]) == ("grpc", None, 8)
     assert "Successful requests:                    10" in format_summary(result).splitlines()

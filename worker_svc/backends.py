@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,7 @@ class ModelBackend(Protocol):
     max_context_len: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    tokenizer: TokenizerSpec
-    chat_template: str | None  # a Jinja template over `messages`, as the model's files give it
+    tokenizer: TokenizerSpec  # with the model's chat template, when its files have one
 
     def allocate_kv(self, num_slots: int) -> None: ...
 
@@ -54,9 +54,7 @@ class ModelBackend(Protocol):
 
 
 class LlamaBackend:
-    def __init__(
-        self, model: LlamaForCausalLM, tokenizer: TokenizerSpec, chat_template: str | None = None
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: TokenizerSpec) -> None:
         config = model.config
         self.model = model
         self.name = config.name
@@ -65,7 +63,6 @@ class LlamaBackend:
         self.eos_token_ids = config.eos_token_ids
         self.bos_token_id = config.bos_token_id
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
         self._kv: KVCache | None = None
 
     def make_streams(self, device: torch.device) -> DeviceStreams:
@@ -127,7 +124,6 @@ class SimBackend:
         self.eos_token_ids = TINY_CONFIG.eos_token_ids
         self.bos_token_id = TINY_CONFIG.bos_token_id
         self.tokenizer = BYTE_TOKENIZER
-        self.chat_template: str | None = None
         self._step_s = step_ms / 1e3
         self._token_s = token_us / 1e6
         self._device = SimDevice()
@@ -169,13 +165,24 @@ def load_backend(
 
 def _gguf_backend(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LlamaBackend:
     loaded = load_gguf(path, dtype, device, name)
-    return LlamaBackend(loaded.model, TokenizerSpec("hf", loaded.tokenizer_json), loaded.chat_template)
+    tokenizer = TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
+    return LlamaBackend(loaded.model, tokenizer)
+
+
+def checkpoint_chat_template(path: Path) -> str:
+    """A checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else ""
 
 
 def _checkpoint_tokenizer(path: Path, vocab_size: int) -> TokenizerSpec:
     tokenizer_json = path / "tokenizer.json"
     if tokenizer_json.is_file():
-        return TokenizerSpec("hf", tokenizer_json.read_bytes())
+        return TokenizerSpec("hf", tokenizer_json.read_bytes(), checkpoint_chat_template(path))
     if vocab_size < 256:
         raise ValueError(f"{path}: no tokenizer.json and a vocabulary too small for bytes")
     return BYTE_TOKENIZER

@@ -219,14 +219,15 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 GPT2_TOKENIZER = "gpt2"
 DEFAULT_PRE = "default"
 
-# NOTE: the splits follow llama.cpp's pre-tokenizer of each `tokenizer.ggml.pre` name.
+# NOTE: the splits follow transformers' GGUF conversion, the reference for outputs. llama.cpp
+# differs for the `smollm` family (smollm, starcoder, refact, codeshell): it puts every digit on its
+# own before GPT-2's split, which changes the tokens where two or more whitespace characters
+# precede a digit: SmolLM2 encodes "x   1" as x|ĠĠ|Ġ|1 in transformers, x|ĠĠĠ|1 in llama.cpp.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-GPT2_PRE_NAMES = frozenset({DEFAULT_PRE, "gpt2"})
-# Each digit on its own, then GPT-2's split: llama.cpp's STARCODER/SMOLLM family.
-DIGITS_THEN_GPT2_PRE_NAMES = frozenset({"smollm", "starcoder", "refact", "codeshell"})
+GPT2_PRE_NAMES = frozenset({DEFAULT_PRE, "gpt2", "smollm", "starcoder", "refact", "codeshell"})
 LLAMA3_PRE_NAMES = frozenset({"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3"})
 
 
@@ -276,17 +277,14 @@ def _merge_pair(merge: str) -> tuple[str, str]:
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in GPT2_PRE_NAMES:
-        return byte_level
-    if pre in DIGITS_THEN_GPT2_PRE_NAMES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in LLAMA3_PRE_NAMES:
         split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
         return pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
-    known = sorted(GPT2_PRE_NAMES | DIGITS_THEN_GPT2_PRE_NAMES | LLAMA3_PRE_NAMES)
+    known = sorted(GPT2_PRE_NAMES | LLAMA3_PRE_NAMES)
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {known}")
 
 

@@ -1,0 +1,315 @@
+"""The OpenAI-compatible HTTP API of a frontend: /v1/chat/completions, /v1/completions,
+/v1/models, /health. It runs on the frontend's event loop, next to the gRPC API, and admits
+requests through the same `Frontend`.
+
+A streamed response starts only once its request has its first output or its error, so a
+refusal (queue full, no worker) still gets its HTTP status; errors after that come as a
+final `data: {"error": ...}` event. A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, TypeVar
+
+import grpc
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scheduler_svc.frontend import ApiError, Frontend
+from scheduler_svc.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    ResponseIds,
+    error_body,
+    http_field,
+    http_message,
+)
+from scheduler_svc.streams import ClientRequest, OutputChunk
+
+Endpoint: TypeAlias = Literal["completions", "chat"]
+Body: TypeAlias = CompletionRequest | ChatCompletionRequest
+T = TypeVar("T")
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+@dataclass(frozen=True)
+class HttpApiConfig:
+    api_key: str | None = None  # None: no key asked
+    max_request_bytes: int = 4 << 20
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), ERROR_TYPES.get(self.status, "server_error"), self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def build_app(frontend: Frontend, config: HttpApiConfig = HttpApiConfig()) -> FastAPI:
+    app = FastAPI(title="Stepahead", docs_url=None, redoc_url=None, openapi_url=None)
+    api = OpenAIApi(frontend, config)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_exception_handler(HttpError, _http_error_response)
+    return app
+
+
+async def _http_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HttpError)
+    return exc.response()
+
+
+class OpenAIApi:
+    def __init__(self, frontend: Frontend, config: HttpApiConfig) -> None:
+        self._frontend = frontend
+        self._config = config
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self._frontend.ready else 503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        model = self._model_name()
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "stepahead"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, "completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, "chat")
+
+    # ---- one request ---------------------------------------------------------------------
+
+    async def _serve(self, request: Request, model: type[Body], endpoint: Endpoint) -> Response:
+        self._authorize(request)
+        body = await self._parse(request, model)
+        served = self._model_name()
+        if body.model is not None and body.model != served:
+            message = f"model: `{body.model}` does not exist; this server serves `{served}`"
+            raise HttpError(404, message, "model", "model_not_found")
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        ids = ResponseIds(f"{prefix}-{uuid.uuid4().hex}", served, endpoint)
+        client = self._admit(body, endpoint, ids.rid)
+        try:
+            if body.stream:
+                return await self._stream(request, client, ids, body.include_usage, endpoint)
+            return await self._whole(request, client, ids, endpoint)
+        except BaseException:
+            self._frontend.cancel(client)  # a no-op once it finished: else the client went away
+            raise
+
+    def _admit(self, body: Body, endpoint: Endpoint, rid: str) -> ClientRequest:
+        try:
+            generate = body.to_proto()
+            generate.request_id = rid
+            return self._frontend.admit(generate, open_ended=True)
+        except FieldError as exc:
+            raise HttpError(400, str(exc), exc.field) from exc
+        except ApiError as exc:
+            raise _api_error(exc, endpoint) from exc
+
+    async def _whole(
+        self, request: Request, client: ClientRequest, ids: ResponseIds, endpoint: Endpoint
+    ) -> Response:
+        texts: list[str] = []
+        chunk = await _unless_disconnected(request, _collect(client, texts))
+        if client.stream.error is not None:
+            raise _stream_error(client, endpoint)
+        counts = (len(client.prompt_ids), chunk.completion_tokens)
+        return JSONResponse(ids.body("".join(texts), chunk.finish_reason, counts))
+
+    async def _stream(
+        self,
+        request: Request,
+        client: ClientRequest,
+        ids: ResponseIds,
+        include_usage: bool,
+        endpoint: Endpoint,
+    ) -> Response:
+        await _unless_disconnected(request, client.stream.ready.wait())
+        if client.stream.error is not None:
+            raise _stream_error(client, endpoint)
+        events = self._sse(client, ids, include_usage, endpoint)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _sse(
+        self, client: ClientRequest, ids: ResponseIds, include_usage: bool, endpoint: Endpoint
+    ) -> AsyncIterator[str]:
+        """Ends on the finish, an error, or the client's disconnect (the server then cancels it)."""
+        try:
+            if ids.chat:
+                yield _event(ids.role_chunk())
+            async for event in _chunks(client, ids, include_usage, endpoint):
+                yield event
+            yield "data: [DONE]\n\n"
+        finally:
+            self._frontend.cancel(client)
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self._config.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), key.encode()):
+            raise HttpError(
+                401, "a valid API key is required: Authorization: Bearer KEY", None, "invalid_api_key"
+            )
+
+    def _model_name(self) -> str:
+        if self._frontend.info is None or not self._frontend.ready:
+            raise HttpError(503, "no worker is connected yet")
+        return self._frontend.info.model
+
+    async def _parse(self, request: Request, model: type[Body]) -> Body:
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HttpError(400, f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise _validation_error(exc) from exc
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"the body is larger than {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"the body is larger than {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _validation_error(exc: pydantic.ValidationError) -> HttpError:
+    first = exc.errors()[0]
+    param = _loc_name(first["loc"])
+    return HttpError(400, f"{param}: {first['msg']}" if param else first["msg"], param or None)
+
+
+def _loc_name(loc: tuple[int | str, ...]) -> str:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not _is_union_branch(part):
+            name += f".{part}" if name else part
+    return name
+
+
+def _is_union_branch(part: str) -> bool:
+    """pydantic names the union member it tried (`str`, `list[int]`) in an error's location."""
+    return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")
+
+
+def _api_error(exc: ApiError, endpoint: Endpoint) -> HttpError:
+    status = HTTP_STATUS.get(exc.code, 500)
+    if exc.field is None:
+        return HttpError(status, str(exc))
+    return HttpError(status, http_message(str(exc), exc.field, endpoint), http_field(exc.field, endpoint))
+
+
+def _stream_error(client: ClientRequest, endpoint: Endpoint) -> HttpError:
+    assert client.stream.error is not None
+    code, message = client.stream.error
+    return _api_error(ApiError(code, message), endpoint)
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; CancelledError if the client disconnects first."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        job.cancel()  # a no-op once done
+    if job.cancelled():
+        raise asyncio.CancelledError("the client disconnected")
+    return job.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(client: ClientRequest, texts: list[str]) -> OutputChunk:
+    while True:
+        await client.stream.ready.wait()
+        if client.stream.error is not None:
+            return OutputChunk([], "", None, 0)
+        chunk = client.stream.take()
+        texts.append(chunk.text)
+        if chunk.finish_reason is not None:
+            return chunk
+
+
+async def _chunks(
+    client: ClientRequest, ids: ResponseIds, include_usage: bool, endpoint: Endpoint
+) -> AsyncIterator[str]:
+    while True:
+        await client.stream.ready.wait()
+        if client.stream.error is not None:
+            yield _event(_stream_error(client, endpoint).body())
+            return
+        chunk = client.stream.take()
+        if chunk.text or chunk.finish_reason is not None:
+            yield _event(ids.chunk(chunk.text, chunk.finish_reason))
+        if chunk.finish_reason is not None:
+            if include_usage:
+                yield _event(ids.usage_chunk((len(client.prompt_ids), chunk.completion_tokens)))
+            return
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

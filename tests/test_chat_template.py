@@ -1,0 +1,190 @@
+"""Chat templates rendered as transformers' apply_chat_template renders them: SmolLM2's template
+against transformers' tokenizer of the same GGUF, and the sandbox's and error paths by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from scheduler_svc.tokenizer import HFTokenizer
+from tests.smollm2 import Transformers
+from worker_svc.gguf import GGUFModel
+
+SYSTEM = ChatMessage("system", "You are a terse assistant.")
+USER = ChatMessage("user", "What is the capital of France?")
+ASSISTANT = ChatMessage("assistant", "Paris.")
+
+CONVERSATIONS = {
+    "user": [USER],
+    "system_user": [SYSTEM, USER],
+    "multi_turn": [SYSTEM, USER, ASSISTANT, ChatMessage("user", "And of Italy?")],
+    "multi_turn_no_system": [
+        USER,
+        ASSISTANT,
+        ChatMessage("user", "And of Italy?"),
+        ChatMessage("assistant", "Rome."),
+    ],
+    "ends_with_assistant": [USER, ASSISTANT],
+    "unicode": [
+        ChatMessage("system", "Réponds en français, s'il te plaît.\n\n— merci"),
+        ChatMessage(
+            "user", "你好\uff0c世界\uff01 👨\u200d👩\u200d👧\u200d👦 🇫🇷\nline two\n\n\tindented   1 2  3"
+        ),
+    ],
+    "template_syntax_in_content": [ChatMessage("user", "{{ 7 * 7 }} {% if true %}x{% endif %} <|im_end|>")],
+    "empty_content": [ChatMessage("system", ""), ChatMessage("user", "")],
+    "other_roles": [ChatMessage("tool", '{"temperature": 21}'), ChatMessage("user", "So?")],
+}
+
+
+def to_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def smollm2_template(smollm2: GGUFModel, reference: Transformers) -> ChatTemplate:
+    assert smollm2.chat_template is not None
+    return ChatTemplate(smollm2.chat_template, reference.tokenizer.special_tokens_map)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", CONVERSATIONS.values(), ids=CONVERSATIONS.keys())
+def test_smollm2_template_renders_and_encodes_as_transformers(
+    smollm2: GGUFModel,
+    smollm2_transformers: Transformers,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+) -> None:
+    reference = smollm2_transformers.tokenizer
+    rendered = smollm2_template(smollm2, smollm2_transformers).render(messages, add_generation_prompt)
+    expected = reference.apply_chat_template(
+        to_dicts(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert rendered == expected
+    encoded = reference.apply_chat_template(
+        to_dicts(messages), tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    assert HFTokenizer(smollm2.tokenizer_json).encode(rendered) == encoded["input_ids"]
+
+
+def test_smollm2_template_injects_its_default_system_prompt(
+    smollm2: GGUFModel, smollm2_transformers: Transformers
+) -> None:
+    rendered = smollm2_template(smollm2, smollm2_transformers).render([USER])
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        f"<|im_start|>user\n{USER.content}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# The environment's extras: trimmed blocks, loop controls, transformers' tojson, special tokens.
+FEATURES = """
+{{ bos_token }}
+{% for message in messages %}
+    {% if message.role == 'skip' %}{% continue %}{% endif %}
+    {% if message.role == 'stop' %}{% break %}{% endif %}
+    {{ message.role }}: {{ message | tojson }} {{ message | tojson(indent=2, sort_keys=true) }}
+{% endfor %}
+{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}
+{{ eos_token }}{{ unk_token }}{{ pad_token }}{{ tools is none }}{{ documents is none }}
+"""
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_environment_extras_render_as_transformers(
+    smollm2_transformers: Transformers, add_generation_prompt: bool
+) -> None:
+    reference = smollm2_transformers.tokenizer
+    messages = [
+        ChatMessage("user", 'é "quoted" <b>&</b> 😀\n'),
+        ChatMessage("skip", "hidden"),
+        ChatMessage("assistant", "ok"),
+        ChatMessage("stop", "end"),
+        ChatMessage("user", "never"),
+    ]
+    rendered = ChatTemplate(FEATURES, reference.special_tokens_map).render(messages, add_generation_prompt)
+    expected = reference.apply_chat_template(
+        to_dicts(messages),
+        chat_template=FEATURES,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
+    assert rendered == expected
+    assert "hidden" not in rendered and "never" not in rendered and "<b>&</b>" in rendered
+
+
+def test_strftime_now_formats_the_current_time() -> None:
+    template = ChatTemplate("{{ strftime_now('%d %B %Y') }}", {})
+    rendered = template.render([USER])
+    assert len(rendered.split()) == 3 and rendered.split()[2].isdigit()
+
+
+def test_only_the_given_special_tokens_are_defined() -> None:
+    template = ChatTemplate("{{ bos_token }}|{{ eos_token is defined }}", {"bos_token": "<s>"})
+    assert template.render([USER]) == "<s>|False"
+
+
+MUST_START_WITH_USER = (
+    "{% if messages[0]['role'] != 'user' %}"
+    "{{ raise_exception('Conversations must start with a user message, got ' + messages[0]['role']) }}"
+    "{% endif %}{{ messages[0]['content'] }}"
+)
+
+
+def test_raise_exception_raises_chat_template_error_with_its_message() -> None:
+    template = ChatTemplate(MUST_START_WITH_USER, {})
+    assert template.render([USER]) == USER.content
+    with pytest.raises(ChatTemplateError) as raised:
+        template.render([SYSTEM, USER])
+    assert str(raised.value) == "Conversations must start with a user message, got system"
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["{% for m in messages %}{{ m.content }}", "{{ messages[0] ", "{% if %}x{% endif %}", "{% unknown %}"],
+)
+def test_a_template_that_does_not_compile_is_rejected(source: str) -> None:
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate(source, {})
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ messages[0].content.__class__.__base__.__subclasses__() }}",
+        "{{ raise_exception.__globals__.keys() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{{ messages.append({'role': 'user', 'content': 'injected'}) }}",
+        "{% set m = messages[0] %}{{ m.update({'content': 'x'}) }}",
+        "{{ range(10 ** 9) | length }}",
+    ],
+)
+def test_the_sandbox_refuses_unsafe_access(source: str) -> None:
+    messages = [USER]
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate(source, {}).render(messages)
+    assert messages == [USER]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 1 // (messages | length - 1) }}",
+        "{{ messages[0]['content'] + 1 }}",
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        "{{ messages[0]['content'].split('') }}",
+    ],
+)
+def test_a_template_failing_on_the_messages_raises_chat_template_error(source: str) -> None:
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        ChatTemplate(source, {}).render([USER])
+
+
+def test_an_unsafe_attribute_alone_renders_empty_as_in_transformers(
+    smollm2_transformers: Transformers,
+) -> None:
+    source = "[{{ ''.__class__ }}{{ messages[0].__class__ }}]"
+    expected = smollm2_transformers.tokenizer.apply_chat_template(
+        to_dicts([USER]), chat_template=source, tokenize=False
+    )
+    assert ChatTemplate(source, {}).render([USER]) == expected == "[]"
