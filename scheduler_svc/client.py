@@ -1,4 +1,8 @@
-"""A small streaming client: python -m scheduler_svc.client "Hello" --max-new-tokens 32"""
+"""A small streaming client.
+
+python -m scheduler_svc.client --chat "What is the capital of France?"
+python -m scheduler_svc.client "Hello, my name is" --max-new-tokens 32
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,22 @@ import grpc
 from stepahead.serving import API_KEY_ENV, pem_file
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
+TEXT_MAX_NEW_TOKENS = 32
+CHAT_MAX_NEW_TOKENS = 256  # an answer usually ends with EOS well before
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc.client")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the text to continue, or with --chat the user's message")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
     p.add_argument("--server", default="127.0.0.1:50051")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens at most (default: {TEXT_MAX_NEW_TOKENS}, with --chat {CHAT_MAX_NEW_TOKENS})",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
@@ -41,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--tls-cert and --tls-key go together")
     if args.tls_cert is not None and args.tls_ca is None:
         p.error("--tls-cert needs --tls-ca")
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = CHAT_MAX_NEW_TOKENS if args.chat else TEXT_MAX_NEW_TOKENS
     return args
 
 
@@ -67,7 +85,14 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
-    return generation_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+    if not args.chat:
+        return generation_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+    turns = [("system", args.system)] if args.system is not None else []
+    turns.append(("user", args.prompt))
+    messages = [generation_pb2.ChatMessage(role=role, content=content) for role, content in turns]
+    return generation_pb2.GenerateRequest(
+        messages=generation_pb2.ChatMessages(messages=messages), sampling=sampling
+    )
 
 
 async def stream_reply(args: argparse.Namespace) -> int:

