@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import core_cpu
+from bench import core_cpu, smollm2_serving
 from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
@@ -619,3 +619,95 @@ def test_link_cost_measures_a_real_stream_per_batch_size() -> None:
     row = asyncio.run(measure(rows=64, messages=20))
     assert (row.rows, row.messages) == (64, 20)
     assert row.cpu_us_per_step > 0 and row.bytes_per_step > 64  # a handle, a token and a finish per row
+
+
+# ---- smollm2 through the services: tables, ratios, best thread count ---------------------------
+
+
+def smollm2_point(
+    threads: int, mode: Mode, concurrency: int, tokens_per_s: float, ttft_p50_ms: float
+) -> smollm2_serving.PointResult:
+    point = next(p for p in smollm2_serving.FULL.points if p.concurrency == concurrency)
+    configuration = Configuration(smollm2_serving.smollm2(threads), mode, "grpc")
+    case = Case(configuration, smollm2_serving.FULL.workload(point))
+    measured = replace(measurement(tokens_per_s), summary=summary(tokens_per_s, ttft_p50_ms))
+    return smollm2_serving.point_result(threads, case, measured)
+
+
+SMOLLM2_RESULTS = (
+    smollm2_point(1, "serial", 1, 20.0, 200.0),
+    smollm2_point(1, "overlap", 1, 22.0, 180.0),
+    smollm2_point(2, "serial", 1, 18.0, 160.0),
+    smollm2_point(2, "overlap", 1, 24.0, 240.0),
+    smollm2_point(1, "serial", 16, 60.0, 2000.0),
+    smollm2_point(1, "overlap", 16, 66.0, 1800.0),
+    smollm2_point(2, "overlap", 16, 50.0, 2100.0),  # no serial at (2, 16)
+)
+
+
+def test_smollm2_plans_send_exact_lengths_to_a_smollm2_worker_per_thread_count() -> None:
+    device = smollm2_serving.smollm2(2)
+    assert device.worker_args == ("--model", "smollm2", "--threads", "2", "--kv-slots", "4096")
+    assert device.sim_step_ms is None and device.ideal_tokens_per_s(16) is None
+    full, quick = smollm2_serving.FULL, smollm2_serving.QUICK
+    assert [(w.concurrency, w.num_prompts) for w in map(full.workload, full.points)] == [(1, 6), (16, 48)]
+    assert [(w.concurrency, w.num_prompts) for w in map(quick.workload, quick.points)] == [(1, 2), (16, 16)]
+    w = full.workload(full.points[1])
+    assert (w.input_bounds, w.output_bounds) == ((64, 64), (64, 64))
+    assert w.warmup_prompts == 16 and w.closed_loop
+    assert quick.workload(quick.points[0]).output_bounds == (16, 16)
+    assert full.thread_counts == quick.thread_counts == (1, 2)
+
+
+def test_smollm2_overlap_over_serial_at_the_same_threads_and_concurrency() -> None:
+    r = smollm2_serving.overlap_over_serial(SMOLLM2_RESULTS, 2, 1)
+    assert (r.tokens_per_s, r.ttft_p50) == pytest.approx((24.0 / 18.0, 1.5))
+    missing = smollm2_serving.overlap_over_serial(SMOLLM2_RESULTS, 2, 16)
+    assert (missing.tokens_per_s, missing.ttft_p50) == (None, None)
+    pairs = [(r.threads, r.concurrency) for r in smollm2_serving.all_ratios(SMOLLM2_RESULTS)]
+    assert pairs == [(1, 1), (1, 16), (2, 1), (2, 16)]
+
+
+def test_smollm2_best_threads_is_the_fastest_overlap_row_at_each_concurrency() -> None:
+    best = smollm2_serving.best_threads(SMOLLM2_RESULTS)
+    assert {c: r.threads for c, r in best.items()} == {1: 2, 16: 1}
+    tie = (smollm2_point(2, "overlap", 1, 22.0, 1.0), smollm2_point(1, "overlap", 1, 22.0, 1.0))
+    assert smollm2_serving.best_threads(tie)[1].threads == 1  # the fewer threads on a tie
+    assert smollm2_serving.best_threads(SMOLLM2_RESULTS[:1]) == {}  # serial rows never count
+
+
+def test_smollm2_table_puts_serial_before_overlap_with_the_ratios_on_overlap_rows() -> None:
+    lines = smollm2_serving.table(SMOLLM2_RESULTS)
+    assert lines[0].startswith("| threads | mode | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms |")
+    assert len(lines) == 2 + len(SMOLLM2_RESULTS)
+    assert lines[2:6] == [
+        "| 1 | serial | 1 | 20.0 | 200 | 600 | 11.0 | 10.5 | 0.750 |  |  |",
+        "| 1 | overlap | 1 | 22.0 | 180 | 540 | 11.0 | 10.5 | 0.750 | 1.10x | 0.90x |",
+        "| 1 | serial | 16 | 60.0 | 2,000 | 6,000 | 11.0 | 10.5 | 0.750 |  |  |",
+        "| 1 | overlap | 16 | 66.0 | 1,800 | 5,400 | 11.0 | 10.5 | 0.750 | 1.10x | 0.90x |",
+    ]
+    assert lines[-1] == "| 2 | overlap | 16 | 50.0 | 2,100 | 6,300 | 11.0 | 10.5 | 0.750 | — | — |"
+
+
+def test_smollm2_report_names_the_best_threads_and_is_strict_json() -> None:
+    run = smollm2_serving.Smollm2Run(
+        smollm2_serving.QUICK, datetime(2026, 1, 2, 3, 4, tzinfo=UTC), {"nproc": 2}, 1.5, SMOLLM2_RESULTS
+    )
+    markdown = smollm2_serving.to_markdown(run, "python -m bench.smollm2_serving")
+    assert "- best overlap tok/s at concurrency 1: 2 threads, 24.0 tok/s (vs 22.0 with 1)" in markdown
+    assert "- best overlap tok/s at concurrency 16: 1 thread, 66.0 tok/s (vs 50.0 with 2)" in markdown
+    assert "failed" not in markdown
+    broken = replace(SMOLLM2_RESULTS[0], figures=replace(SMOLLM2_RESULTS[0].figures, failed=2))
+    assert list(smollm2_serving.failure_lines([broken, *SMOLLM2_RESULTS[1:]])) == [
+        "",
+        "**2 of 66 requests failed** at threads 1, serial, concurrency 1.",
+    ]
+    document = json.loads(json.dumps(finite(smollm2_serving.to_json(run, "cmd")), allow_nan=False))
+    assert document["best_overlap_threads"] == {"1": 2, "16": 1}
+    assert document["points"][0]["worker_args"][:4] == ["--model", "smollm2", "--threads", "1"]
+    assert document["overlap_over_serial"][3] == {
+        "threads": 2,
+        "concurrency": 16,
+        "tokens_per_s": None,
+        "ttft_p50": None,
+    }

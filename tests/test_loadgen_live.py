@@ -178,3 +178,36 @@ def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Serv
     lines = stdout.splitlines()
     assert "Successful requests:                    0" in lines
     assert any(line.startswith("Interrupted:") for line in lines)
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+async def test_the_http_backends_against_the_real_api_match_its_metrics(backend: str, tmp_path: Path) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # the prompt as it is
+    dataset = RandomDataset(input_len=24, output_len=12, as_text=True)
+    config = BenchmarkConfig(
+        dataset=dataset,
+        num_prompts=16,
+        max_concurrency=4,
+        seed=5,
+        ignore_eos=True,
+        backend=backend,  # type: ignore[arg-type]
+    )
+    metrics_port, http_port = free_port(), free_port()
+    flags = [
+        "--metrics-port",
+        str(metrics_port),
+        "--http-port",
+        str(http_port),
+        "--chat-template",
+        str(template),
+    ]
+    with serving_pair(SIM, flags) as (_, scheduler):
+        result = await run_benchmark(replace(config, base_url=scheduler.http_url))
+        samples = scrape_when_finished(metrics_port, 16)
+    s = result.summary
+    assert (s.completed, s.failed, s.errors) == (16, 0, {})
+    assert s.total_output_tokens == 16 * 12 == samples[("stepahead_generation_tokens_total", "")]
+    # Text prompts of printable ASCII: one byte token each, whether sent as a prompt or a message.
+    assert s.total_input_tokens == 16 * 24 == samples[("stepahead_prompt_tokens_total", "")]
+    assert s.finish_reasons == {"LENGTH": 16} and result.model == "sim"
