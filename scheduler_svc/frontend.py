@@ -77,6 +77,9 @@ class ApiError(Exception):
         self.field = field  # the offending request field, for INVALID_ARGUMENT
 
 
+NO_WORKER = "no worker is connected (starting, or lost and reconnecting); retry later"
+
+
 def random_seed() -> int:
     return random.SystemRandom().getrandbits(63)
 
@@ -109,7 +112,10 @@ class Frontend:
         """Validate and tokenize, then hand the request to the core; raises ApiError. With
         `open_ended`, max_new_tokens 0 asks for the rest of the context (the HTTP API's default)."""
         if self.info is None or self.tokenizer is None:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+            raise ApiError(
+                grpc.StatusCode.UNAVAILABLE,
+                NO_WORKER,
+            )
         limits = self.config.limits
         try:
             valid = validate_request(

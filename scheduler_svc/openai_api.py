@@ -21,8 +21,9 @@ import grpc
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
-from scheduler_svc.frontend import ApiError, Frontend
+from scheduler_svc.frontend import NO_WORKER, ApiError, Frontend
 from scheduler_svc.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -101,6 +102,7 @@ class OpenAIApi:
     def __init__(self, frontend: Frontend, config: HttpApiConfig) -> None:
         self._frontend = frontend
         self._config = config
+        self._watchers: set[asyncio.Task[None]] = set()
 
     async def health(self) -> Response:
         return Response(status_code=200 if self._frontend.ready else 503)
@@ -128,16 +130,16 @@ class OpenAIApi:
             raise HttpError(404, message, "model", "model_not_found")
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         ids = ResponseIds(f"{prefix}-{uuid.uuid4().hex}", served, endpoint)
-        client = self._admit(body, endpoint, ids.rid)
+        client = self._admit(body, ids.rid)
         try:
             if body.stream:
-                return await self._stream(request, client, ids, body.include_usage, endpoint)
-            return await self._whole(request, client, ids, endpoint)
+                return await self._stream(request, client, ids, body.include_usage)
+            return await self._whole(request, client, ids)
         except BaseException:
             self._frontend.cancel(client)  # a no-op once it finished: else the client went away
             raise
 
-    def _admit(self, body: Body, endpoint: Endpoint, rid: str) -> ClientRequest:
+    def _admit(self, body: Body, rid: str) -> ClientRequest:
         try:
             generate = body.to_proto()
             generate.request_id = rid
@@ -145,46 +147,41 @@ class OpenAIApi:
         except FieldError as exc:
             raise HttpError(400, str(exc), exc.field) from exc
         except ApiError as exc:
-            raise _api_error(exc, endpoint) from exc
+            raise _api_error(exc, body) from exc
 
-    async def _whole(
-        self, request: Request, client: ClientRequest, ids: ResponseIds, endpoint: Endpoint
-    ) -> Response:
+    async def _whole(self, request: Request, client: ClientRequest, ids: ResponseIds) -> Response:
         texts: list[str] = []
         chunk = await _unless_disconnected(request, _collect(client, texts))
         if client.stream.error is not None:
-            raise _stream_error(client, endpoint)
+            raise _stream_error(client)
         counts = (len(client.prompt_ids), chunk.completion_tokens)
         return JSONResponse(ids.body("".join(texts), chunk.finish_reason, counts))
 
     async def _stream(
-        self,
-        request: Request,
-        client: ClientRequest,
-        ids: ResponseIds,
-        include_usage: bool,
-        endpoint: Endpoint,
+        self, request: Request, client: ClientRequest, ids: ResponseIds, include_usage: bool
     ) -> Response:
+        """A watcher of the connection cancels the request when the client leaves: the server
+        may notice only at its next write, or never (writes to a closed connection are dropped)."""
         await _unless_disconnected(request, client.stream.ready.wait())
         if client.stream.error is not None:
-            raise _stream_error(client, endpoint)
-        events = self._sse(client, ids, include_usage, endpoint)
+            raise _stream_error(client)
+        watcher = asyncio.create_task(self._cancel_on_disconnect(request, client))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
         return StreamingResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _sse(client, ids, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(self._stream_ended, client, watcher),
         )
 
-    async def _sse(
-        self, client: ClientRequest, ids: ResponseIds, include_usage: bool, endpoint: Endpoint
-    ) -> AsyncIterator[str]:
-        """Ends on the finish, an error, or the client's disconnect (the server then cancels it)."""
-        try:
-            if ids.chat:
-                yield _event(ids.role_chunk())
-            async for event in _chunks(client, ids, include_usage, endpoint):
-                yield event
-            yield "data: [DONE]\n\n"
-        finally:
-            self._frontend.cancel(client)
+    async def _cancel_on_disconnect(self, request: Request, client: ClientRequest) -> None:
+        await _disconnected(request)
+        self._frontend.cancel(client)
+
+    def _stream_ended(self, client: ClientRequest, watcher: asyncio.Task[None]) -> None:
+        watcher.cancel()
+        self._frontend.cancel(client)  # a no-op once it finished
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -200,7 +197,7 @@ class OpenAIApi:
 
     def _model_name(self) -> str:
         if self._frontend.info is None or not self._frontend.ready:
-            raise HttpError(503, "no worker is connected yet")
+            raise HttpError(503, NO_WORKER)
         return self._frontend.info.model
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
@@ -251,17 +248,18 @@ def _is_union_branch(part: str) -> bool:
     return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")
 
 
-def _api_error(exc: ApiError, endpoint: Endpoint) -> HttpError:
+def _api_error(exc: ApiError, body: Body | None = None) -> HttpError:
     status = HTTP_STATUS.get(exc.code, 500)
-    if exc.field is None:
+    if exc.field is None or body is None:
         return HttpError(status, str(exc))
-    return HttpError(status, http_message(str(exc), exc.field, endpoint), http_field(exc.field, endpoint))
+    return HttpError(status, http_message(str(exc), exc.field, body), http_field(exc.field, body))
 
 
-def _stream_error(client: ClientRequest, endpoint: Endpoint) -> HttpError:
+def _stream_error(client: ClientRequest) -> HttpError:
+    """An error the core sent for an admitted request (no field: it is not the input's)."""
     assert client.stream.error is not None
     code, message = client.stream.error
-    return _api_error(ApiError(code, message), endpoint)
+    return _api_error(ApiError(code, message))
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
@@ -294,13 +292,19 @@ async def _collect(client: ClientRequest, texts: list[str]) -> OutputChunk:
             return chunk
 
 
-async def _chunks(
-    client: ClientRequest, ids: ResponseIds, include_usage: bool, endpoint: Endpoint
-) -> AsyncIterator[str]:
+async def _sse(client: ClientRequest, ids: ResponseIds, include_usage: bool) -> AsyncIterator[str]:
+    if ids.chat:
+        yield _event(ids.role_chunk())
+    async for event in _chunks(client, ids, include_usage):
+        yield event
+    yield "data: [DONE]\n\n"
+
+
+async def _chunks(client: ClientRequest, ids: ResponseIds, include_usage: bool) -> AsyncIterator[str]:
     while True:
         await client.stream.ready.wait()
         if client.stream.error is not None:
-            yield _event(_stream_error(client, endpoint).body())
+            yield _event(_stream_error(client).body())
             return
         chunk = client.stream.take()
         if chunk.text or chunk.finish_reason is not None:

@@ -100,6 +100,11 @@ class SamplingFields(BaseModel):
         return sampling
 
     @property
+    def max_tokens_field(self) -> str:
+        """The field the request bounded its answer with (chat has two names for it)."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -163,6 +168,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs or self.top_logprobs:
@@ -209,23 +218,25 @@ def _token_ids(ids: list[int]) -> list[int]:
     return ids
 
 
-def http_field(field: str, endpoint: Literal["completions", "chat"]) -> str:
+def http_field(field: str, body: SamplingFields) -> str:
     """The HTTP API's name of a GenerateRequest field path (`sampling.temperature` -> temperature)."""
     for path, name in HTTP_FIELDS.items():
         if field == path or field.startswith(path + "[") or field.startswith(path + "."):
             rest = field[len(path) :]
-            if name == "prompt" and endpoint == "chat":
+            if name == "prompt" and isinstance(body, ChatCompletionRequest):
                 name = "messages"
+            elif name == "max_tokens":
+                name = body.max_tokens_field
             return (name + rest).lstrip(".") if name else rest.lstrip(".")
     return field
 
 
-def http_message(message: str, field: str, endpoint: Literal["completions", "chat"]) -> str:
+def http_message(message: str, field: str, body: SamplingFields) -> str:
     """A check's message with its field path renamed for the HTTP API."""
-    renamed = http_field(field, endpoint)
+    renamed = http_field(field, body)
     if not message.startswith(field):
         return message
-    return (renamed + message[len(field) :]).replace("max_new_tokens", "max_tokens")
+    return (renamed + message[len(field) :]).replace("max_new_tokens", body.max_tokens_field)
 
 
 # ---- responses -----------------------------------------------------------------------------
