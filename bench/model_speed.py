@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from bench.machine import load_average
 from worker_svc.batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
-from worker_svc.model import KVCache, LlamaForCausalLM
+from worker_svc.model import KVCache, LlamaForCausalLM, store_weights_input_major
 
 CPU = torch.device("cpu")
 PROMPT = "The history of the city begins in the Roman era, when a small settlement grew along the river"
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_gguf(smollm2_path(), torch.float32, CPU, SMOLLM2_NAME)
+    store_weights_input_major(loaded.model)  # as the worker serves it on the CPU
     theirs = load_transformers()
     prompt = Tokenizer.from_str(loaded.tokenizer_json.decode()).encode(PROMPT).ids
     load_before = load_average()

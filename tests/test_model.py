@@ -11,15 +11,18 @@ import pytest
 import safetensors.torch
 import torch
 
+from worker_svc.backends import BYTE_TOKENIZER, LlamaBackend
 from worker_svc.batch import ForwardBatch
 from worker_svc.model import (
     TINY_CONFIG,
     KVCache,
+    Linear,
     LlamaForCausalLM,
     ModelConfig,
     build_tiny,
     config_from_hf_dict,
     load_hf_checkpoint,
+    store_weights_input_major,
 )
 
 CPU = torch.device("cpu")
@@ -477,3 +480,28 @@ def test_matches_transformers(
     with torch.no_grad():
         expected = hf_model(torch.tensor([tokens])).logits[0].float()
     torch.testing.assert_close(prefill_all_logits(ours, tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_input_major_layout_keeps_every_weight_and_the_logits() -> None:
+    model = build_tiny(torch.float32, CPU)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    seqs = [Seq(req_slot=0, tokens=random_tokens(9, 1)), Seq(req_slot=3, tokens=random_tokens(4, 2))]
+    expected = model(SlotPool(seed=4).batch([Step(s, len(s.tokens)) for s in seqs]), new_kv(model))
+    store_weights_input_major(model)
+    linear_weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    assert linear_weights and all(w.stride() == (1, w.shape[0]) for w in linear_weights)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    for seq in seqs:
+        seq.cached = 0
+    got = model(SlotPool(seed=4).batch([Step(s, len(s.tokens)) for s in seqs]), new_kv(model))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def new_kv(model: LlamaForCausalLM) -> KVCache:
+    return KVCache.allocate(model.config, NUM_SLOTS, torch.float32, CPU)
+
+
+def test_the_cpu_backend_serves_the_input_major_layout() -> None:
+    backend = LlamaBackend(build_tiny(torch.float32, CPU), BYTE_TOKENIZER)
+    assert backend.model.lm_head.weight.stride() == (1, backend.vocab_size)

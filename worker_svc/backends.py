@@ -13,7 +13,14 @@ import torch
 from stepahead.protocol import TokenizerSpec
 from worker_svc.batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
-from worker_svc.model import TINY_CONFIG, KVCache, LlamaForCausalLM, build_tiny, load_hf_checkpoint
+from worker_svc.model import (
+    TINY_CONFIG,
+    KVCache,
+    LlamaForCausalLM,
+    build_tiny,
+    load_hf_checkpoint,
+    store_weights_input_major,
+)
 from worker_svc.sampler import sample
 from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
 
@@ -56,6 +63,8 @@ class ModelBackend(Protocol):
 class LlamaBackend:
     def __init__(self, model: LlamaForCausalLM, tokenizer: TokenizerSpec) -> None:
         config = model.config
+        if model.lm_head.weight.device.type == "cpu":
+            store_weights_input_major(model)
         self.model = model
         self.name = config.name
         self.vocab_size = config.vocab_size

@@ -269,6 +269,22 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+def store_weights_input_major(model: nn.Module) -> None:
+    """Every Linear weight keeps its [out, in] shape and values, laid out column-major.
+
+    NOTE: on the CPU, torch's matrix-vector product over a row-major [out, in] weight reads it
+    at about half the speed of the same product over its transpose stored row-major (smollm2's
+    [49152, 576] output layer here: 7.2 ms vs 4.0 ms at batch 1). With this layout `F.linear`
+    takes the fast path: smollm2 decodes 25 -> 33 tok/s at batch 1, the same at batch 16, with
+    the same tokens (`python -m bench.model_speed`). A tied embedding shares the layout; its
+    lookups read a few strided rows per step."""
+    done: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module.weight) not in done:
+            done.add(id(module.weight))
+            module.weight.data = module.weight.data.t().contiguous().t()
+
+
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
