@@ -31,10 +31,15 @@ class SpeedRow:
     batch: int
     ours_tok_s: float
     transformers_tok_s: float
+    ours_bf16_tok_s: float  # the worker's opt-in --dtype bfloat16 on the CPU
 
     @property
     def ratio(self) -> float:
         return self.ours_tok_s / self.transformers_tok_s
+
+    @property
+    def bf16_ratio(self) -> float:
+        return self.ours_bf16_tok_s / self.transformers_tok_s
 
 
 def _batch(tokens: list[list[int]], start: int, req_to_token: torch.Tensor) -> ForwardBatch:
@@ -60,7 +65,7 @@ def _batch(tokens: list[list[int]], start: int, req_to_token: torch.Tensor) -> F
 def ours_decode_tok_s(model: LlamaForCausalLM, prompt: list[int], batch: int, steps: int) -> float:
     width = len(prompt) + steps + 1
     req_to_token = torch.arange(batch * width).reshape(batch, width)
-    kv = KVCache.allocate(model.config, batch * width, torch.float32, CPU)
+    kv = KVCache.allocate(model.config, batch * width, model.lm_head.weight.dtype, CPU)
     next_ids = model(_batch([prompt] * batch, 0, req_to_token), kv).argmax(-1).tolist()
     position = len(prompt)
     started = 0.0
@@ -90,17 +95,31 @@ def transformers_decode_tok_s(model: Any, prompt: list[int], batch: int, steps: 
 
 
 def measure(
-    ours: LlamaForCausalLM, theirs: Any, prompt: list[int], batch: int, steps: int, repeats: int
+    ours: tuple[LlamaForCausalLM, LlamaForCausalLM],
+    theirs: Any,
+    prompt: list[int],
+    batch: int,
+    steps: int,
+    repeats: int,
 ) -> SpeedRow:
-    """The best of `repeats` runs of each, taken in turns so that a competing load hits both alike."""
+    """The best of `repeats` runs of each (ours in float32 and bfloat16, transformers in float32),
+    taken in turns so that a competing load hits all alike."""
     runs = [
         (
-            ours_decode_tok_s(ours, prompt, batch, steps),
+            ours_decode_tok_s(ours[0], prompt, batch, steps),
             transformers_decode_tok_s(theirs, prompt, batch, steps),
+            ours_decode_tok_s(ours[1], prompt, batch, steps),
         )
         for _ in range(repeats)
     ]
-    return SpeedRow(batch, max(r[0] for r in runs), max(r[1] for r in runs))
+    return SpeedRow(batch, *(max(r[i] for r in runs) for i in range(3)))
+
+
+def load_ours(dtype: torch.dtype) -> LlamaForCausalLM:
+    model = load_gguf(smollm2_path(), dtype, CPU, SMOLLM2_NAME).model
+    if dtype == torch.float32:
+        store_weights_input_major(model)  # as the worker serves float32 on the CPU
+    return model
 
 
 def load_transformers() -> Any:
@@ -123,20 +142,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best counts")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_gguf(smollm2_path(), torch.float32, CPU, SMOLLM2_NAME)
-    store_weights_input_major(loaded.model)  # as the worker serves it on the CPU
+    tokenizer_json = load_gguf(smollm2_path(), torch.float32, CPU, SMOLLM2_NAME).tokenizer_json
+    ours = (load_ours(torch.float32), load_ours(torch.bfloat16))
     theirs = load_transformers()
-    prompt = Tokenizer.from_str(loaded.tokenizer_json.decode()).encode(PROMPT).ids
+    prompt = Tokenizer.from_str(tokenizer_json.decode()).encode(PROMPT).ids
     load_before = load_average()
-    rows = [measure(loaded.model, theirs, prompt, batch, args.steps, args.repeats) for batch in args.batch]
+    rows = [measure(ours, theirs, prompt, batch, args.steps, args.repeats) for batch in args.batch]
     print(
         f"smollm2 float32, {args.threads} threads, prompt {len(prompt)} tokens, {args.steps} decode steps, "
         f"best of {args.repeats}; load average {load_before} before, {load_average()} after"
     )
-    print("| batch | ours tok/s | transformers tok/s | ours / transformers |")
-    print("|---:|---:|---:|---:|")
-    for row in rows:
-        print(f"| {row.batch} | {row.ours_tok_s:.1f} | {row.transformers_tok_s:.1f} | {row.ratio:.2f}x |")
+    print(
+        "| batch | ours tok/s | transformers tok/s | ours / transformers "
+        "| ours bfloat16 tok/s | bf16 / transformers |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r.batch} | {r.ours_tok_s:.1f} | {r.transformers_tok_s:.1f} | {r.ratio:.2f}x "
+            f"| {r.ours_bf16_tok_s:.1f} | {r.bf16_ratio:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ class ModelBackend(Protocol):
 class LlamaBackend:
     def __init__(self, model: LlamaForCausalLM, tokenizer: TokenizerSpec) -> None:
         config = model.config
-        if model.lm_head.weight.device.type == "cpu":
+        weight = model.lm_head.weight
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
             store_weights_input_major(model)
         self.model = model
         self.name = config.name
