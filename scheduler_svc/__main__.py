@@ -140,6 +140,11 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         help="port of the OpenAI-compatible HTTP API, on --host with the same TLS and API key (0: off)",
     )
     p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name on the HTTP API (`model`, /v1/models); default: the worker's",
+    )
+    p.add_argument(
         "--chat-template",
         type=text_file,
         metavar="FILE",
@@ -308,7 +313,7 @@ def http_api(frontend: Frontend, args: argparse.Namespace, share_port: bool) -> 
     """The OpenAI-compatible API on --http-port (None when it is 0), bound at once."""
     if args.http_port == 0:
         return None
-    app = build_app(frontend, HttpApiConfig(args.api_key, args.max_request_bytes))
+    app = build_app(frontend, HttpApiConfig(args.api_key, args.max_request_bytes, args.served_model_name))
     tls = None if args.tls_cert is None else HttpTls(args.tls_cert, args.tls_key, args.tls_ca)
     return HttpServer(app, args.host, args.http_port, tls, share_port)
 

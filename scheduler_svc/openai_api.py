@@ -22,6 +22,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler_svc.frontend import NO_WORKER, ApiError, Frontend
 from scheduler_svc.openai_protocol import (
@@ -68,6 +69,7 @@ ERROR_TYPES = {
 class HttpApiConfig:
     api_key: str | None = None  # None: no key asked
     max_request_bytes: int = 4 << 20
+    served_model_name: str | None = None  # None: the worker's model name
 
 
 class HttpError(Exception):
@@ -87,15 +89,24 @@ def build_app(frontend: Frontend, config: HttpApiConfig = HttpApiConfig()) -> Fa
     api = OpenAIApi(frontend, config)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_exception_handler(HttpError, _http_error_response)
+    app.add_exception_handler(StarletteHTTPException, _routing_error_response)
     return app
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HttpError)
     return exc.response()
+
+
+async def _routing_error_response(request: Request, exc: Exception) -> Response:
+    """An unknown route or method, in OpenAI's error body too."""
+    assert isinstance(exc, StarletteHTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return HttpError(exc.status_code, message).response()
 
 
 class OpenAIApi:
@@ -109,9 +120,12 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        model = self._model_name()
-        card = {"id": model, "object": "model", "created": 0, "owned_by": "stepahead"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [_model_card(self._model_name())]})
+
+    async def model(self, request: Request, model: str) -> JSONResponse:
+        self._authorize(request)
+        self._check_model(model)
+        return JSONResponse(_model_card(model))
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "completions")
@@ -124,10 +138,7 @@ class OpenAIApi:
     async def _serve(self, request: Request, model: type[Body], endpoint: Endpoint) -> Response:
         self._authorize(request)
         body = await self._parse(request, model)
-        served = self._model_name()
-        if body.model is not None and body.model != served:
-            message = f"model: `{body.model}` does not exist; this server serves `{served}`"
-            raise HttpError(404, message, "model", "model_not_found")
+        served = self._check_model(body.model)
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         ids = ResponseIds(f"{prefix}-{uuid.uuid4().hex}", served, endpoint)
         client = self._admit(body, ids.rid)
@@ -198,7 +209,15 @@ class OpenAIApi:
     def _model_name(self) -> str:
         if self._frontend.info is None or not self._frontend.ready:
             raise HttpError(503, NO_WORKER)
-        return self._frontend.info.model
+        return self._config.served_model_name or self._frontend.info.model
+
+    def _check_model(self, model: str | None) -> str:
+        """The served model's name; 404 when `model` names another (None: the served one)."""
+        served = self._model_name()
+        if model is not None and model != served:
+            message = f"model: `{model}` does not exist; this server serves `{served}`"
+            raise HttpError(404, message, "model", "model_not_found")
+        return served
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         raw = await self._read_body(request)
@@ -225,6 +244,10 @@ class OpenAIApi:
                 raise HttpError(413, f"the body is larger than {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "stepahead"}
 
 
 def _validation_error(exc: pydantic.ValidationError) -> HttpError:

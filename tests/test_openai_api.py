@@ -42,6 +42,7 @@ CONVERSATION: list[Any] = [
 ]
 MAX_REQUEST_BYTES = 16384
 API_KEY = "openai-api-test-key"
+SERVED_NAME = "stepahead/sim-demo"
 IGNORE_EOS = {"ignore_eos": True}
 PROMPT = "Once upon a time"
 LONG = 2000  # tokens: 40 s on the slow sim, so only an abort ends such a request in a test
@@ -103,7 +104,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 @pytest.fixture(scope="module")
 def tls(pki: Pki) -> Iterator[Service]:
     flags = http_flags(
-        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), *frontend_flags(0)
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--served-model-name",
+        SERVED_NAME,
+        *frontend_flags(0),
     )
     with serving_pair(SIM, flags, scheduler_credentials=server_auth(pki)) as (_, scheduler):
         yield scheduler
@@ -238,6 +245,22 @@ async def assert_still_serves(client: openai.AsyncOpenAI) -> None:
 async def test_models_lists_the_served_model(tiny: Service, client: openai.AsyncOpenAI) -> None:
     models = await client.models.list()
     assert [m.id for m in models.data] == [(await server_info(tiny.address)).model] == ["tiny"]
+
+
+async def test_a_model_is_retrieved_by_its_id_and_another_is_404(
+    tiny: Service, client: openai.AsyncOpenAI
+) -> None:
+    assert (await client.models.retrieve("tiny")).id == "tiny"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("gpt-4o")
+    assert error_of(missing.value.response, 404)["param"] == "model"
+
+
+async def test_an_unknown_route_is_404_in_openai_s_error_body(tiny: Service) -> None:
+    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+        response = await http.post(f"{tiny.http_url}/v1/embeddings", json={"input": "x"})
+    assert response.status_code == 404
+    assert "/v1/embeddings" in response.json()["error"]["message"]
 
 
 async def test_health_is_200_while_serving(tiny: Service) -> None:
@@ -581,10 +604,13 @@ def https(service: Service) -> str:
 async def test_https_trusting_the_ca_is_served(tls: Service, pki: Pki) -> None:
     trusting = httpx2.AsyncClient(verify=ssl.create_default_context(cafile=str(pki.ca)))
     async with api(https(tls), http_client=trusting) as client:
+        assert [m.id for m in (await client.models.list()).data] == [SERVED_NAME]
         done = await client.completions.create(
-            model="sim", prompt="sealed", max_tokens=5, extra_body=IGNORE_EOS
+            model=SERVED_NAME, prompt="sealed", max_tokens=5, extra_body=IGNORE_EOS
         )
-    assert done.choices[0].text == sim_text("sealed", 5)
+        with pytest.raises(openai.NotFoundError):  # the worker's own name is not the served one
+            await client.completions.create(model="sim", prompt="sealed", max_tokens=5)
+    assert done.choices[0].text == sim_text("sealed", 5) and done.model == SERVED_NAME
 
 
 async def test_https_without_trusting_the_ca_fails(tls: Service, pki: Pki) -> None:
