@@ -82,9 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--max-waiting",
-        type=_at_least(0),
+        type=_at_least(1),
         default=PolicyConfig.max_waiting,
-        help="requests that may wait for admission; more get RESOURCE_EXHAUSTED at once",
+        help="requests that may wait for admission (at least 1: every new request waits for the "
+        "next step); more get RESOURCE_EXHAUSTED at once",
     )
     p.add_argument(
         "--worker-retry-timeout",
