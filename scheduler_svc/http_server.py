@@ -20,7 +20,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from stepahead.serving import PortInUse
+from stepahead.serving import PortInUse, address_family
 
 HTTP_PORT_FLAG = "--http-port"
 START_TIMEOUT_S = 30.0
@@ -68,8 +68,7 @@ class HttpServer:
 
 
 def bind_socket(host: str, port: int, share_port: bool) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(address_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if share_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -77,9 +76,7 @@ def bind_socket(host: str, port: int, share_port: bool) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise PortInUse(
-            f"cannot listen on {host}:{port} ({exc.strerror}): choose another with {HTTP_PORT_FLAG}"
-        ) from exc
+        raise PortInUse.binding(host, port, exc, HTTP_PORT_FLAG) from exc
     sock.listen(2048)
     sock.setblocking(False)
     return sock

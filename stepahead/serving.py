@@ -103,6 +103,14 @@ def describe_tls(args: argparse.Namespace) -> str:
 class PortInUse(RuntimeError):
     """A port a service must bind is taken; the message names the flag that moves it."""
 
+    @classmethod
+    def binding(cls, host: str, port: int, exc: OSError, flag: str) -> PortInUse:
+        return cls(f"cannot listen on {host}:{port} ({exc.strerror}): choose another with {flag}")
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
 
 # NOTE: gRPC servers on Linux set SO_REUSEPORT by default, so a second service on a taken
 # port would silently share it. Single servers turn it off; frontends that share the public
@@ -114,13 +122,12 @@ PORT_SHARING = [("grpc.so_reuseport", 1)]
 def reserve_shared_port(host: str, port: int, flag: str) -> socket.socket:
     """A port for processes that share it: checked free, then held with SO_REUSEPORT (not
     listening, so it takes no connections) so that only processes of this user can join it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = address_family(host)
     with socket.socket(family) as probe:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            message = f"cannot listen on {host}:{port} ({exc.strerror}): choose another with {flag}"
-            raise PortInUse(message) from exc
+            raise PortInUse.binding(host, port, exc, flag) from exc
         port = int(probe.getsockname()[1])
     guard = socket.socket(family)
     guard.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
