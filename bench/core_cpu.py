@@ -209,7 +209,7 @@ class CorePath:
     def _process(self, batch: ScheduledBatch, result: StepResult) -> int:
         self.telemetry.observe_result_queue(1)
         with self.telemetry.phase("process", batch.step_id):
-            self.policy.update_from_result(batch, result.token_ids)
+            self.policy.update_from_result(batch, result.token_ids, result.logprobs)
             self.outbox.flush()
         return len(result.token_ids)
 

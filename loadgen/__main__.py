@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from loadgen.backend import BACKENDS, BackendError
+from loadgen.backend import BACKENDS, BackendError, SamplingFeatures
 from loadgen.benchmark import (
     DEFAULT_BASE_URL,
     DEFAULT_CONNECTIONS,
@@ -136,6 +136,22 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     group.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    group.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    group.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    group.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 is off")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2; 0 (default) is off")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2; 0 (default) is off")
+    group.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    group.add_argument(
+        "--logprobs", type=int, default=None, metavar="N", help="return log-probabilities with N alternatives"
+    )
+    group.add_argument(
+        "--logit-bias",
+        nargs="+",
+        default=[],
+        metavar="ID:BIAS",
+        help="bias added to a token id's logit, e.g. 13:-100 42:5",
+    )
 
 
 def _add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -176,8 +192,36 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         warmup=args.warmup,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        features=features_from_args(args),
         slos=parse_slos(args.goodput),
     )
+
+
+def features_from_args(args: argparse.Namespace) -> SamplingFeatures:
+    return SamplingFeatures(
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
+        logprobs=args.logprobs,
+        logit_bias=parse_logit_bias(args.logit_bias),
+    )
+
+
+def parse_logit_bias(entries: list[str]) -> dict[int, float]:
+    """`ID:BIAS` pairs; ValueError naming the bad one."""
+    bias = {}
+    for entry in entries:
+        token, sep, value = entry.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias: {entry!r} is not ID:BIAS") from None
+        if not sep:
+            raise ValueError(f"--logit-bias: {entry!r} is not ID:BIAS")
+    return bias
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from loadgen.arrivals import check_arrival_params, send_offsets
-from loadgen.backend import BACKENDS, Backend, BackendName, Sampling
+from loadgen.backend import BACKENDS, Backend, BackendName, Sampling, SamplingFeatures
 from loadgen.client import GrpcBackend
 from loadgen.openai_client import OpenAIBackend, OpenAITarget
 from loadgen.records import RequestRecord
@@ -43,6 +43,7 @@ class BenchmarkConfig:
     warmup: int = 0  # requests sent and awaited before the measured run, not counted
     ignore_eos: bool = False
     temperature: float = 0.0
+    features: SamplingFeatures = field(default_factory=SamplingFeatures)
     slos: Slos = field(default_factory=Slos)
     backend: BackendName = "grpc"
     base_url: str = DEFAULT_BASE_URL  # openai*, without /v1
@@ -145,7 +146,7 @@ async def run_benchmark(
 
 
 def open_backend(config: BenchmarkConfig) -> Backend:
-    sampling = Sampling(config.temperature, config.ignore_eos)
+    sampling = Sampling(config.temperature, config.ignore_eos, config.features)
     if config.backend == "grpc":
         return GrpcBackend(config.server, config.connection_limit or DEFAULT_CONNECTIONS, sampling)
     target = OpenAITarget(config.base_url, config.model, config.api_key, chat=config.backend == "openai-chat")

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from loadgen.backend import Sampling
+from loadgen.backend import Sampling, SamplingFeatures
 from loadgen.timing import Clock, RequestTiming
 from loadgen.workload import PromptSpec
 from stepahead.v1 import generation_pb2 as pb
@@ -37,14 +37,31 @@ async def connect(channel: grpc.aio.Channel) -> None:
         state = channel.get_state(try_to_connect=True)
 
 
-def build_request(spec: PromptSpec, temperature: float, ignore_eos: bool) -> pb.GenerateRequest:
+def build_request(spec: PromptSpec, sampling_config: Sampling) -> pb.GenerateRequest:
     """The request id is left to the server, so concurrent load generators never collide."""
     sampling = pb.SamplingParams(
-        max_new_tokens=spec.output_len, temperature=temperature, ignore_eos=ignore_eos
+        max_new_tokens=spec.output_len,
+        temperature=sampling_config.temperature,
+        ignore_eos=sampling_config.ignore_eos,
     )
+    _add_features(sampling, sampling_config.features)
     if isinstance(spec.prompt, str):
         return pb.GenerateRequest(text=spec.prompt, sampling=sampling)
     return pb.GenerateRequest(input_ids=pb.TokenIds(ids=spec.prompt), sampling=sampling)
+
+
+def _add_features(sampling: pb.SamplingParams, f: SamplingFeatures) -> None:
+    if f.top_p is not None:
+        sampling.top_p = f.top_p
+    if f.repetition_penalty is not None:
+        sampling.repetition_penalty = f.repetition_penalty
+    sampling.top_k = f.top_k
+    sampling.presence_penalty = f.presence_penalty
+    sampling.frequency_penalty = f.frequency_penalty
+    sampling.min_tokens = f.min_tokens
+    sampling.logit_bias.update(f.logit_bias)
+    if f.logprobs is not None:
+        sampling.logprobs, sampling.top_logprobs = True, f.logprobs
 
 
 def received(timing: RequestTiming, now: float, response: pb.GenerateResponse) -> None:
@@ -87,7 +104,7 @@ class GrpcBackend:
         await asyncio.gather(*(connect(channel) for channel in self.channels))
 
     async def send(self, timing: RequestTiming, clock: Clock) -> None:
-        request = build_request(timing.spec, self.sampling.temperature, self.sampling.ignore_eos)
+        request = build_request(timing.spec, self.sampling)
         stub = self.stubs[timing.index % len(self.stubs)]
         await send_request(stub, request, timing, clock)
 

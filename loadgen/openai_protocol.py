@@ -24,7 +24,8 @@ class StreamError(ValueError):
 def completion_body(spec: PromptSpec, model: str, sampling: Sampling) -> dict[str, object]:
     """A token-id prompt goes as a list of ids, which /v1/completions accepts as well as text."""
     prompt = spec.prompt if isinstance(spec.prompt, str) else list(spec.prompt)
-    return {"model": model, "prompt": prompt, "max_tokens": spec.output_len, **_common(sampling)}
+    body = {"model": model, "prompt": prompt, "max_tokens": spec.output_len, **_common(sampling)}
+    return {**body, **sampling.features.openai_fields(chat=False)}
 
 
 def chat_body(spec: PromptSpec, model: str, sampling: Sampling) -> dict[str, object]:
@@ -36,6 +37,7 @@ def chat_body(spec: PromptSpec, model: str, sampling: Sampling) -> dict[str, obj
         "messages": messages,
         "max_completion_tokens": spec.output_len,
         **_common(sampling),
+        **sampling.features.openai_fields(chat=True),
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.request import Request
-from stepahead.protocol import Launch, NewRequest
+from stepahead.protocol import Launch, LogitsProcessing, NewRequest
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,13 @@ class ScheduledBatch:
         self.launch.prompt_ids.extend(ids)
         self.launch.kv_slots.extend(kv_slots)
 
-    def register(self, req: Request) -> None:
+    def register(self, req: Request, eos_token_ids: frozenset[int]) -> None:
         assert req.req_slot is not None
         p = req.params
-        self.launch.new_requests.append(NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed))
+        processing = logits_processing(req, eos_token_ids) if p.processes_logits else None
+        self.launch.new_requests.append(
+            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing)
+        )
 
     def _add_row(self, req: Request, start: int, n: int, from_future: bool, sample: bool) -> None:
         launch = self.launch
@@ -63,3 +66,21 @@ class ScheduledBatch:
         launch.row_sample.append(sample)
         if sample:
             self.sampled.append(SampledRow(req, req.attempt))
+
+
+def logits_processing(req: Request, eos_token_ids: frozenset[int]) -> LogitsProcessing:
+    """What the worker does to the request's logits. The prompt length tells the worker which
+    replayed tokens of a recompute are output (they count in the penalties)."""
+    p = req.params
+    stops = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | eos_token_ids
+    return LogitsProcessing(
+        prompt_len=len(req.prompt_ids),
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
+        stop_ids=tuple(sorted(stops)) if p.min_tokens else (),
+        logit_bias=p.logit_bias,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs if p.logprobs else 0,
+    )

@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 is off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
@@ -80,7 +84,12 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
         top_k=args.top_k,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
     )
+    if args.repetition_penalty is not None:
+        sampling.repetition_penalty = args.repetition_penalty
     if args.top_p is not None:
         sampling.top_p = args.top_p
     if args.seed is not None:

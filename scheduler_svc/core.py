@@ -234,7 +234,7 @@ class EngineCore:
             )
         self.late_pick.observe(batch.num_tokens, result)
         with self.telemetry.phase("process", batch.step_id):
-            self.policy.update_from_result(batch, result.token_ids)
+            self.policy.update_from_result(batch, result.token_ids, result.logprobs)
             self.outbox.flush()
 
     async def _result_in_time(self, batch: ScheduledBatch, handle: StepHandle) -> StepResult:

@@ -10,6 +10,8 @@ generated after it are dropped here, never streamed.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -22,9 +24,9 @@ from typing import Protocol
 import grpc
 
 from scheduler_svc.chat import ChatTemplate, ChatTemplateError
-from scheduler_svc.outputs import StepOutputs
+from scheduler_svc.outputs import StepOutputs, TokenLogprob
 from scheduler_svc.request import FinishReason, SamplingParams
-from scheduler_svc.streams import ClientRequest, OutputStream
+from scheduler_svc.streams import ClientRequest, Completions, OutputStream
 from scheduler_svc.telemetry import FrontendTelemetry
 from scheduler_svc.text import RequestText
 from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
@@ -53,6 +55,7 @@ class CoreRequestSpec:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    index: int = 0  # which completion of `rid`
 
 
 class CoreClient(Protocol):
@@ -84,13 +87,27 @@ def random_seed() -> int:
     return random.SystemRandom().getrandbits(63)
 
 
+UINT64_MASK = (1 << 64) - 1
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed: the request's own for the first (n = 1 and n > 1 agree on
+    it), a 64-bit mix of (seed, index) for the others."""
+    if index == 0:
+        return seed
+    x = (seed ^ (index * 0x9E3779B97F4A7C15)) & UINT64_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & UINT64_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & UINT64_MASK
+    return x ^ (x >> 31)
+
+
 class Frontend:
     def __init__(self, config: FrontendConfig, telemetry: FrontendTelemetry | None = None) -> None:
         self.config = config
         self.telemetry = telemetry or FrontendTelemetry(config.mode)
         self.core: CoreClient | None = None  # set by whoever links this frontend to a core
         self.clients: dict[int, ClientRequest] = {}
-        self._by_rid: dict[str, ClientRequest] = {}
+        self._by_rid: dict[str, Completions] = {}
         self._handles = itertools.count(1)
         self.info: WorkerInfo | None = None
         self.tokenizer: Tokenizer | None = None
@@ -108,9 +125,10 @@ class Frontend:
 
     # ---- requests from clients -----------------------------------------------------------
 
-    def admit(self, request: generation_pb2.GenerateRequest, open_ended: bool = False) -> ClientRequest:
-        """Validate and tokenize, then hand the request to the core; raises ApiError. With
-        `open_ended`, max_new_tokens 0 asks for the rest of the context (the HTTP API's default)."""
+    def admit(self, request: generation_pb2.GenerateRequest, open_ended: bool = False) -> Completions:
+        """Validate and tokenize, then hand the request's completions to the core; raises
+        ApiError. With `open_ended`, max_new_tokens 0 asks for the rest of the context (the
+        HTTP API's default)."""
         if self.info is None or self.tokenizer is None:
             raise ApiError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -125,38 +143,45 @@ class Frontend:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
         except NoChatTemplate as exc:
             raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "input.messages") from exc
-        return self.submit(request.request_id or uuid.uuid4().hex, valid.prompt_ids, valid.params)
+        return self.submit(request.request_id or uuid.uuid4().hex, valid.prompt_ids, valid.params, valid.n)
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> ClientRequest:
-        """A validated request; the core may still refuse it (the stream then fails)."""
-        assert self.core is not None and self.tokenizer is not None
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> Completions:
+        """A validated request: `n` completions, fanned out into one core request each (with
+        seeds of their own); the core may still refuse one (the call then fails)."""
         if rid in self._by_rid:
             raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already live")
-        client = ClientRequest(
-            next(self._handles),
-            rid,
-            prompt_ids,
-            params,
-            RequestText(self.tokenizer, params.stop),
-            OutputStream(self.config.stream_interval),
-        )
+        completions = Completions(rid, prompt_ids, asyncio.Event())
+        self._by_rid[rid] = completions
+        for index in range(n):
+            seeded = dataclasses.replace(params, seed=completion_seed(params.seed, index))
+            completions.clients.append(self._submit_one(completions, index, seeded))
+        return completions
+
+    def _submit_one(self, completions: Completions, index: int, params: SamplingParams) -> ClientRequest:
+        assert self.core is not None and self.tokenizer is not None
+        rid, prompt_ids = completions.rid, completions.prompt_ids
+        stream = OutputStream(self.config.stream_interval, completions.ready)
+        text = RequestText(self.tokenizer, params.stop)
+        client = ClientRequest(next(self._handles), rid, prompt_ids, params, text, stream, index)
         self.clients[client.handle] = client
-        self._by_rid[rid] = client
-        self.core.add(CoreRequestSpec(client.handle, rid, prompt_ids, params, client.arrival_time))
+        self.core.add(CoreRequestSpec(client.handle, rid, prompt_ids, params, client.arrival_time, index))
         return client
 
-    def cancel(self, client: ClientRequest) -> None:
-        """The client went away (cancelled, disconnected, past its deadline)."""
-        if not client.finished:
-            self._end(client, FinishReason.ABORT)
-            self._abort_in_core(client)
+    def cancel(self, completions: Completions) -> None:
+        """The client went away (cancelled, disconnected, past its deadline), or one of its
+        completions failed: the others end too."""
+        for client in completions.clients:
+            if not client.finished:
+                self._end(client, FinishReason.ABORT)
+                self._abort_in_core(client)
+        self._forget_call(completions)
 
     async def abort(self, rid: str) -> bool:
-        client = self._by_rid.get(rid)
-        if client is None:
+        completions = self._by_rid.get(rid)
+        if completions is None:
             assert self.core is not None
             return await self.core.abort_request(rid)
-        self.cancel(client)
+        self.cancel(completions)
         return True
 
     # ---- from the core ---------------------------------------------------------------------
@@ -193,14 +218,14 @@ class Frontend:
         """One step's rows of this frontend's requests."""
         now = time.time()
         clients = self.clients
-        for handle, token, finish in zip(
-            outputs.handles, outputs.token_ids, outputs.finish_reasons, strict=True
+        for handle, token, finish, logprob in zip(
+            outputs.handles, outputs.token_ids, outputs.finish_reasons, outputs.entry_logprobs(), strict=True
         ):
             client = clients.get(handle)
             if client is None:  # ended here already: a stop string, or the client left
                 continue
             if token >= 0:
-                self._on_token(client, token, FinishReason(finish) if finish else None, now)
+                self._on_token(client, token, FinishReason(finish) if finish else None, now, logprob)
             elif finish:
                 self._end(client, FinishReason(finish))
         for handle, code, message in outputs.errors:
@@ -212,14 +237,23 @@ class Frontend:
         for client in list(self.clients.values()):
             self._fail(client, code, message)
 
-    def _on_token(self, client: ClientRequest, token: int, finish: FinishReason | None, now: float) -> None:
+    def _on_token(
+        self,
+        client: ClientRequest,
+        token: int,
+        finish: FinishReason | None,
+        now: float,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         self._note_token_time(client, now)
+        client.num_generated += 1
         if finish == FinishReason.STOP:  # EOS or a stop token: kept in token_ids, not in text
-            client.stream.put(token, "")
+            client.stream.put(token, "", logprob)
             self._end(client, finish)
             return
-        text, stopped = client.text.push(token)
-        client.stream.put(token, text)
+        match_stops = client.params.stop_finishes(client.num_generated - 1)
+        text, stopped = client.text.push(token, match_stops)
+        client.stream.put(token, text, logprob)
         if stopped:
             self._end(client, FinishReason.STOP)
             if finish is None:
@@ -254,8 +288,13 @@ class Frontend:
 
     def _forget(self, client: ClientRequest) -> None:
         self.clients.pop(client.handle, None)
-        if self._by_rid.get(client.rid) is client:
-            del self._by_rid[client.rid]
+        completions = self._by_rid.get(client.rid)
+        if completions is not None and client in completions.clients and completions.finished:
+            self._forget_call(completions)
+
+    def _forget_call(self, completions: Completions) -> None:
+        if self._by_rid.get(completions.rid) is completions:
+            del self._by_rid[completions.rid]
 
     def _abort_in_core(self, client: ClientRequest) -> None:
         assert self.core is not None

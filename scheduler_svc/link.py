@@ -20,7 +20,7 @@ import grpc
 import stepahead
 from scheduler_svc.core import EngineCore
 from scheduler_svc.frontend import CoreRequestSpec, Frontend
-from scheduler_svc.outputs import StepOutputs
+from scheduler_svc.outputs import StepOutputs, TokenLogprob
 from scheduler_svc.request import Request, SamplingParams
 from stepahead.protocol import GRPC_OPTIONS, WorkerInfo, info_from_proto, info_to_proto
 from stepahead.v1 import core_pb2, core_pb2_grpc, generation_pb2
@@ -33,7 +33,14 @@ METRICS_TIMEOUT_S = 3.0
 
 def core_request(spec: CoreRequestSpec, owner: Any) -> Request:
     return Request(
-        spec.rid, spec.prompt_ids, spec.params, 0, owner, spec.handle, arrival_time=spec.arrival_time
+        spec.rid,
+        spec.prompt_ids,
+        spec.params,
+        0,
+        owner,
+        spec.handle,
+        spec.index,
+        arrival_time=spec.arrival_time,
     )
 
 
@@ -95,6 +102,14 @@ def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
         seed=p.seed,
         stop_token_ids=sorted(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
+        bias_ids=[token for token, _ in p.logit_bias],
+        bias_values=[bias for _, bias in p.logit_bias],
     )
 
 
@@ -109,6 +124,13 @@ def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
         frozenset(m.stop_token_ids),
         (),
         m.ignore_eos,
+        logprobs=m.logprobs,
+        top_logprobs=m.top_logprobs,
+        repetition_penalty=m.repetition_penalty,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        min_tokens=m.min_tokens,
+        logit_bias=tuple(zip(m.bias_ids, m.bias_values, strict=True)),
     )
 
 
@@ -119,17 +141,18 @@ def spec_to_proto(spec: CoreRequestSpec) -> core_pb2.NewCoreRequest:
         prompt_ids=spec.prompt_ids,
         sampling=params_to_proto(spec.params),
         arrival_unix_s=spec.arrival_time,
+        index=spec.index,
     )
 
 
 def spec_from_proto(m: core_pb2.NewCoreRequest) -> CoreRequestSpec:
     return CoreRequestSpec(
-        m.handle, m.request_id, list(m.prompt_ids), params_from_proto(m.sampling), m.arrival_unix_s
+        m.handle, m.request_id, list(m.prompt_ids), params_from_proto(m.sampling), m.arrival_unix_s, m.index
     )
 
 
 def outputs_to_proto(outputs: StepOutputs) -> core_pb2.StepOutputs:
-    return core_pb2.StepOutputs(
+    msg = core_pb2.StepOutputs(
         handles=outputs.handles,
         token_ids=outputs.token_ids,
         finish_reasons=outputs.finish_reasons,
@@ -138,6 +161,14 @@ def outputs_to_proto(outputs: StepOutputs) -> core_pb2.StepOutputs:
             for h, code, message in outputs.errors
         ],
     )
+    if outputs.logprobs:
+        msg.logprob_entries.extend(outputs.logprob_entries)
+        for lp in outputs.logprobs:
+            msg.logprobs.append(lp.logprob)
+            msg.top_counts.append(len(lp.top_ids))
+            msg.top_ids.extend(lp.top_ids)
+            msg.top_logprobs.extend(lp.top_logprobs)
+    return msg
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -149,7 +180,18 @@ def outputs_from_proto(m: core_pb2.StepOutputs) -> StepOutputs:
         list(m.token_ids),
         list(m.finish_reasons),
         [(e.handle, _CODE_NAMES.get(e.code, "UNKNOWN"), e.message) for e in m.errors],
+        list(m.logprob_entries),
+        _logprobs_from_proto(m),
     )
+
+
+def _logprobs_from_proto(m: core_pb2.StepOutputs) -> list[TokenLogprob]:
+    logprobs, start = [], 0
+    for logprob, count in zip(m.logprobs, m.top_counts, strict=True):
+        end = start + count
+        logprobs.append(TokenLogprob(logprob, tuple(m.top_ids[start:end]), tuple(m.top_logprobs[start:end])))
+        start = end
+    return logprobs
 
 
 def worker_state_to_proto(info: WorkerInfo | None, connected: bool) -> core_pb2.WorkerState:

@@ -2,9 +2,11 @@
 /v1/models, /health. It runs on the frontend's event loop, next to the gRPC API, and admits
 requests through the same `Frontend`.
 
-A streamed response starts only once its request has its first output or its error, so a
-refusal (queue full, no worker) still gets its HTTP status; errors after that come as a
-final `data: {"error": ...}` event. A client that disconnects aborts its request.
+A request asks for `n` choices, each a completion of its own in the frontend; a streamed
+response interleaves their chunks, each naming its choice's `index`. It starts only once
+its request has its first output or its error, so a refusal (queue full, no worker) still
+gets its HTTP status; errors after that come as a final `data: {"error": ...}` event. A
+client that disconnects aborts every completion of its request.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar
 
 import grpc
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from scheduler_svc.frontend import NO_WORKER, ApiError, Frontend
 from scheduler_svc.openai_protocol import (
     ChatCompletionRequest,
+    ChoiceLogprobs,
     CompletionRequest,
     FieldError,
     ResponseIds,
@@ -34,7 +37,9 @@ from scheduler_svc.openai_protocol import (
     http_field,
     http_message,
 )
-from scheduler_svc.streams import ClientRequest, OutputChunk
+from scheduler_svc.outputs import TokenLogprob
+from scheduler_svc.request import FinishReason
+from scheduler_svc.streams import Completions, OutputChunk
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
@@ -141,16 +146,17 @@ class OpenAIApi:
         served = self._check_model(body.model)
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         ids = ResponseIds(f"{prefix}-{uuid.uuid4().hex}", served, endpoint)
-        client = self._admit(body, ids.rid)
+        completions = self._admit(body, ids.rid)
         try:
+            choices = self._choices(body, completions)
             if body.stream:
-                return await self._stream(request, client, ids, body.include_usage)
-            return await self._whole(request, client, ids)
+                return await self._stream(request, completions, choices, ids, body.include_usage)
+            return await self._whole(request, completions, choices, ids)
         except BaseException:
-            self._frontend.cancel(client)  # a no-op once it finished: else the client went away
+            self._frontend.cancel(completions)  # a no-op once they finished: else the client went away
             raise
 
-    def _admit(self, body: Body, rid: str) -> ClientRequest:
+    def _admit(self, body: Body, rid: str) -> Completions:
         try:
             generate = body.to_proto()
             generate.request_id = rid
@@ -160,39 +166,50 @@ class OpenAIApi:
         except ApiError as exc:
             raise _api_error(exc, body) from exc
 
-    async def _whole(self, request: Request, client: ClientRequest, ids: ResponseIds) -> Response:
-        texts: list[str] = []
-        chunk = await _unless_disconnected(request, _collect(client, texts))
-        if client.stream.error is not None:
-            raise _stream_error(client)
-        counts = (len(client.prompt_ids), chunk.completion_tokens)
-        return JSONResponse(ids.body("".join(texts), chunk.finish_reason, counts))
+    def _choices(self, body: Body, completions: Completions) -> list[Choice]:
+        tokenizer = self._frontend.tokenizer
+        assert tokenizer is not None  # admitted: the frontend has one
+        return [Choice(c.index, body.new_logprobs(tokenizer.token_bytes)) for c in completions.clients]
+
+    async def _whole(
+        self, request: Request, completions: Completions, choices: list[Choice], ids: ResponseIds
+    ) -> Response:
+        await _unless_disconnected(request, _collect(completions, choices))
+        if completions.error is not None:
+            raise _stream_error(completions)
+        bodies = [choice.take(ids, chunk=False) for choice in choices]
+        return JSONResponse(ids.body(bodies, _counts(completions, choices)))
 
     async def _stream(
-        self, request: Request, client: ClientRequest, ids: ResponseIds, include_usage: bool
+        self,
+        request: Request,
+        completions: Completions,
+        choices: list[Choice],
+        ids: ResponseIds,
+        include_usage: bool,
     ) -> Response:
         """A watcher of the connection cancels the request when the client leaves: the server
         may notice only at its next write, or never (writes to a closed connection are dropped)."""
-        await _unless_disconnected(request, client.stream.ready.wait())
-        if client.stream.error is not None:
-            raise _stream_error(client)
-        watcher = asyncio.create_task(self._cancel_on_disconnect(request, client))
+        await _unless_disconnected(request, completions.ready.wait())
+        if completions.error is not None:
+            raise _stream_error(completions)
+        watcher = asyncio.create_task(self._cancel_on_disconnect(request, completions))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return StreamingResponse(
-            _sse(client, ids, include_usage),
+            _sse(completions, choices, ids, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
-            background=BackgroundTask(self._stream_ended, client, watcher),
+            background=BackgroundTask(self._stream_ended, completions, watcher),
         )
 
-    async def _cancel_on_disconnect(self, request: Request, client: ClientRequest) -> None:
+    async def _cancel_on_disconnect(self, request: Request, completions: Completions) -> None:
         await _disconnected(request)
-        self._frontend.cancel(client)
+        self._frontend.cancel(completions)
 
-    def _stream_ended(self, client: ClientRequest, watcher: asyncio.Task[None]) -> None:
+    def _stream_ended(self, completions: Completions, watcher: asyncio.Task[None]) -> None:
         watcher.cancel()
-        self._frontend.cancel(client)  # a no-op once it finished
+        self._frontend.cancel(completions)  # a no-op once they finished
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -278,10 +295,10 @@ def _api_error(exc: ApiError, body: Body | None = None) -> HttpError:
     return HttpError(status, http_message(str(exc), exc.field, body), http_field(exc.field, body))
 
 
-def _stream_error(client: ClientRequest) -> HttpError:
+def _stream_error(completions: Completions) -> HttpError:
     """An error the core sent for an admitted request (no field: it is not the input's)."""
-    assert client.stream.error is not None
-    code, message = client.stream.error
+    assert completions.error is not None
+    code, message = completions.error
     return _api_error(ApiError(code, message))
 
 
@@ -304,38 +321,80 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(client: ClientRequest, texts: list[str]) -> OutputChunk:
-    while True:
-        await client.stream.ready.wait()
-        if client.stream.error is not None:
-            return OutputChunk([], "", None, 0)
-        chunk = client.stream.take()
-        texts.append(chunk.text)
-        if chunk.finish_reason is not None:
-            return chunk
+@dataclass
+class Choice:
+    """One completion's output not sent yet. Tokens whose text is held back (by the
+    incremental detokenization, or as the possible start of a stop string) wait here with
+    their log-probabilities until a chunk with text or the finish carries them."""
+
+    index: int
+    logprobs: ChoiceLogprobs | None  # None: not asked for
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: FinishReason | None = None
+    completion_tokens: int = 0
+
+    def add(self, chunk: OutputChunk) -> None:
+        self.texts.append(chunk.text)
+        self.token_ids += chunk.token_ids
+        self.token_logprobs += chunk.logprobs
+        self.finish = chunk.finish_reason
+        self.completion_tokens = chunk.completion_tokens
+
+    @property
+    def sendable(self) -> bool:
+        return any(self.texts) or self.finish is not None
+
+    def take(self, ids: ResponseIds, chunk: bool) -> dict[str, Any]:
+        """What is pending, as the choice of a body or of a chunk."""
+        text = "".join(self.texts)
+        logprobs = (
+            None if self.logprobs is None else self.logprobs.format(self.token_ids, self.token_logprobs)
+        )
+        self.texts, self.token_ids, self.token_logprobs = [], [], []
+        return ids.choice(self.index, text, self.finish, chunk, logprobs)
 
 
-async def _sse(client: ClientRequest, ids: ResponseIds, include_usage: bool) -> AsyncIterator[str]:
+def _counts(completions: Completions, choices: list[Choice]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens of every choice)."""
+    return len(completions.prompt_ids), sum(choice.completion_tokens for choice in choices)
+
+
+async def _collect(completions: Completions, choices: list[Choice]) -> None:
+    """Until every completion has finished, or one failed."""
+    while not completions.done:
+        await completions.ready.wait()
+        if completions.error is not None:
+            return
+        for index, chunk in completions.take():
+            choices[index].add(chunk)
+
+
+async def _sse(
+    completions: Completions, choices: list[Choice], ids: ResponseIds, include_usage: bool
+) -> AsyncIterator[str]:
     if ids.chat:
-        yield _event(ids.role_chunk())
-    async for event in _chunks(client, ids, include_usage):
+        for choice in choices:
+            yield _event(ids.role_chunk(choice.index))
+    async for event in _chunks(completions, choices, ids):
         yield event
+    if include_usage and completions.error is None:
+        yield _event(ids.usage_chunk(_counts(completions, choices)))
     yield "data: [DONE]\n\n"
 
 
-async def _chunks(client: ClientRequest, ids: ResponseIds, include_usage: bool) -> AsyncIterator[str]:
-    while True:
-        await client.stream.ready.wait()
-        if client.stream.error is not None:
-            yield _event(_stream_error(client).body())
+async def _chunks(completions: Completions, choices: list[Choice], ids: ResponseIds) -> AsyncIterator[str]:
+    while not completions.done:
+        await completions.ready.wait()
+        if completions.error is not None:
+            yield _event(_stream_error(completions).body())
             return
-        chunk = client.stream.take()
-        if chunk.text or chunk.finish_reason is not None:
-            yield _event(ids.chunk(chunk.text, chunk.finish_reason))
-        if chunk.finish_reason is not None:
-            if include_usage:
-                yield _event(ids.usage_chunk((len(client.prompt_ids), chunk.completion_tokens)))
-            return
+        for index, chunk in completions.take():
+            choice = choices[index]
+            choice.add(chunk)
+            if choice.sendable:
+                yield _event(ids.chunk(choice.take(ids, chunk=True)))
 
 
 def _event(data: dict[str, Any]) -> str:

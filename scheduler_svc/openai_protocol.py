@@ -2,22 +2,28 @@
 GenerateRequest so that one set of checks serves both APIs; responses and errors as dicts.
 
 Fields OpenAI defines and Stepahead does not implement are refused with 400 naming them,
-never silently ignored. `top_k`, `ignore_eos` and `stop_token_ids` are accepted as
-the extra fields vLLM takes.
+never silently ignored. `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
+`min_tokens` are accepted as the extra fields vLLM takes.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler_svc.request import FinishReason
+from scheduler_svc.outputs import TokenLogprob
+from scheduler_svc.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, FinishReason
 from stepahead.v1 import generation_pb2 as pb
 
+UINT32 = 1 << 32
 UINT64 = 1 << 64
 MAX_OPENAI_STOPS = 4  # OpenAI's own bound on `stop`
+UTF8_CONTINUATION = (0x80, 0xBF)  # the bytes that continue a character
+MIN_LOGPROB = -9999.0  # what a log-probability of -inf (or NaN) is sent as: JSON has neither
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 # The GenerateRequest fields the checks name, as the HTTP API names them.
@@ -30,8 +36,17 @@ HTTP_FIELDS = {
     "sampling.max_new_tokens": "max_tokens",
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.stop": "stop",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.min_tokens": "min_tokens",
+    "sampling.logit_bias": "logit_bias",
+    "sampling.top_logprobs": "top_logprobs",  # completions: `logprobs`
+    "sampling.logprobs": "logprobs",
+    "sampling.n": "n",
     "sampling": "",
 }
+TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
 
 
 class FieldError(ValueError):
@@ -58,25 +73,28 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, lt=UINT32)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0, lt=UINT32)
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "only allowed when stream is true")
-        if self.n != 1:
-            raise FieldError("n", f"only 1 completion per request is served, got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise FieldError(name, "penalties are not supported yet; leave it at 0")
-        if self.logit_bias:
-            raise FieldError("logit_bias", "not supported yet")
+
+    def logprob_params(self) -> tuple[bool, int]:
+        """(whether log-probabilities are asked for, how many alternatives per token)."""
+        return False, 0
+
+    def new_logprobs(self, spell: TokenBytes) -> ChoiceLogprobs | None:
+        """The log-probabilities of one choice in the endpoint's format; None when not asked."""
+        return None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -91,13 +109,29 @@ class SamplingFields(BaseModel):
             top_k=self.top_k,
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
         )
         sampling.stop_token_ids.extend(self.stop_token_ids)
         if self.top_p is not None:
             sampling.top_p = self.top_p
         if self.seed is not None:
             sampling.seed = self.seed % UINT64
+        self._penalties(sampling)
+        sampling.logprobs, sampling.top_logprobs = self.logprob_params()
+        if self.n is not None:
+            sampling.n = _completions(self.n)
         return sampling
+
+    def _penalties(self, sampling: pb.SamplingParams) -> None:
+        """Unset fields keep the proto's defaults: penalties 0, repetition_penalty 1 (off)."""
+        if self.presence_penalty is not None:
+            sampling.presence_penalty = self.presence_penalty
+        if self.frequency_penalty is not None:
+            sampling.frequency_penalty = self.frequency_penalty
+        if self.repetition_penalty is not None:
+            sampling.repetition_penalty = self.repetition_penalty
+        if self.logit_bias:
+            sampling.logit_bias.update(_logit_bias(self.logit_bias))
 
     @property
     def max_tokens_field(self) -> str:
@@ -113,7 +147,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, lt=UINT32)  # alternatives per token
     best_of: int | None = None
     suffix: str | None = None
 
@@ -121,12 +155,16 @@ class CompletionRequest(SamplingFields):
         super().check_supported()
         if self.echo:
             raise FieldError("echo", "not supported")
-        if self.logprobs is not None:
-            raise FieldError("logprobs", "not supported yet")
-        if self.best_of not in (None, 1):
-            raise FieldError("best_of", "only 1 is supported")
+        if self.best_of not in (None, self.n or 1):
+            raise FieldError("best_of", f"only n ({self.n or 1}) is supported, got {self.best_of}")
         if self.suffix:
             raise FieldError("suffix", "not supported")
+
+    def logprob_params(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
+
+    def new_logprobs(self, spell: TokenBytes) -> ChoiceLogprobs | None:
+        return None if self.logprobs is None else CompletionLogprobs(spell)
 
     def to_proto(self) -> pb.GenerateRequest:
         self.check_supported()
@@ -163,8 +201,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -172,10 +210,14 @@ class ChatCompletionRequest(SamplingFields):
     def max_tokens_field(self) -> str:
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
+    def logprob_params(self) -> tuple[bool, int]:
+        return bool(self.logprobs), self.top_logprobs or 0
+
+    def new_logprobs(self, spell: TokenBytes) -> ChoiceLogprobs | None:
+        return ChatLogprobs(spell) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise FieldError("logprobs", "not supported yet")
         if self.tools:
             raise FieldError("tools", "tool calls are not supported")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -211,6 +253,26 @@ def _content(message: ChatMessageIn, index: int) -> str:
     return "".join(texts)
 
 
+def _completions(n: int) -> int:
+    """`n` as the proto holds it; the checks bound it further."""
+    if not 0 <= n < UINT32:
+        raise FieldError("n", f"must be in 1..{MAX_COMPLETIONS}, got {n}")
+    return n
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise FieldError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    return {_bias_id(key): value for key, value in bias.items()}
+
+
+def _bias_id(key: str) -> int:
+    """A logit_bias key: a token id, written as a JSON object's key (a string)."""
+    if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < UINT32):
+        raise FieldError("logit_bias", f"{key[:24]!r} is not a token id (a non-negative integer)")
+    return int(key)
+
+
 def _token_ids(ids: list[int]) -> list[int]:
     for i, token in enumerate(ids):
         if not 0 <= token < (1 << 32):
@@ -227,6 +289,8 @@ def http_field(field: str, body: SamplingFields) -> str:
                 name = "messages"
             elif name == "max_tokens":
                 name = body.max_tokens_field
+            elif name == "top_logprobs" and isinstance(body, CompletionRequest):
+                name = "logprobs"
             return (name + rest).lstrip(".") if name else rest.lstrip(".")
     return field
 
@@ -271,8 +335,15 @@ class ResponseIds:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, text: str, finish: FinishReason | None, chunk: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_name(finish)}
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish: FinishReason | None,
+        chunk: bool,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_name(finish)}
         if not self.chat:
             choice["text"] = text
         elif chunk:
@@ -281,16 +352,104 @@ class ResponseIds:
             choice["message"] = {"role": "assistant", "content": text}
         return choice
 
-    def body(self, text: str, finish: FinishReason | None, counts: tuple[int, int]) -> dict[str, Any]:
-        return {**self.head(False), "choices": [self.choice(text, finish, False)], "usage": usage(*counts)}
+    def body(self, choices: list[dict[str, Any]], counts: tuple[int, int]) -> dict[str, Any]:
+        return {**self.head(False), "choices": choices, "usage": usage(*counts)}
 
-    def chunk(self, text: str, finish: FinishReason | None) -> dict[str, Any]:
-        return {**self.head(True), "choices": [self.choice(text, finish, True)]}
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {**self.head(True), "choices": [choice]}
 
-    def role_chunk(self) -> dict[str, Any]:
-        """A chat stream's first chunk: the assistant's role."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk of each choice: the assistant's role."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         return {**self.head(True), "choices": [{**choice, "finish_reason": None}]}
 
     def usage_chunk(self, counts: tuple[int, int]) -> dict[str, Any]:
         return {**self.head(True), "choices": [], "usage": usage(*counts)}
+
+
+# ---- log-probabilities ---------------------------------------------------------------------
+
+TokenBytes = Callable[[int], bytes]  # a token id's bytes (`Tokenizer.token_bytes`)
+
+
+def token_text(raw: bytes) -> str:
+    """A token's string in the log-probabilities: its bytes as UTF-8, with U+FFFD for each
+    byte that is not part of a whole character in them (a token may hold part of one, as
+    byte-level tokens do; the chat format's `bytes` keeps them all)."""
+    return raw.decode("utf-8", errors="replace")
+
+
+def json_logprob(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares false: MIN too
+
+
+class ChoiceLogprobs(Protocol):
+    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The `logprobs` of a choice (or chunk) that carries these tokens: one entry per
+        token that has its log-probabilities (a backend that computes none sends none)."""
+        ...
+
+
+class ChatLogprobs:
+    """Chat's format: `content`, one entry per token, its alternatives most likely first."""
+
+    def __init__(self, spell: TokenBytes) -> None:
+        self._spell = spell
+
+    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        content = [self._entry(token, lp) for token, lp in zip(token_ids, logprobs, strict=False)]
+        return {"content": content, "refusal": None}
+
+    def _entry(self, token: int, lp: TokenLogprob) -> dict[str, Any]:
+        top = [self._token(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        return {**self._token(token, lp.logprob), "top_logprobs": top}
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self._spell(token)
+        return {"token": token_text(raw), "logprob": json_logprob(logprob), "bytes": list(raw)}
+
+
+class CompletionLogprobs:
+    """The completions endpoint's (OpenAI's legacy) format: parallel lists. `top_logprobs`
+    maps token strings to log-probabilities and always holds the sampled token, as OpenAI
+    and vLLM return it; where tokens share a string, the likeliest one's value is kept.
+    `text_offset` is the character of the choice's text where each token starts (kept across
+    the chunks of a stream)."""
+
+    def __init__(self, spell: TokenBytes) -> None:
+        self._spell = spell
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0  # characters the bytes so far complete
+
+    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        lists: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for token, lp in zip(token_ids, logprobs, strict=False):
+            raw = self._spell(token)
+            text, logprob = token_text(raw), json_logprob(lp.logprob)
+            lists["tokens"].append(text)
+            lists["token_logprobs"].append(logprob)
+            lists["top_logprobs"].append(self._top(lp, text, logprob))
+            lists["text_offset"].append(self._text_offset(raw))
+        return lists
+
+    def _top(self, lp: TokenLogprob, text: str, logprob: float) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for token, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            top.setdefault(token_text(self._spell(token)), json_logprob(value))
+        top.setdefault(text, logprob)
+        return top
+
+    def _text_offset(self, raw: bytes) -> int:
+        """The characters before the token, counting an unfinished one that the token does
+        not continue as the U+FFFD it becomes."""
+        unfinished = self._utf8.getstate()[0]
+        offset = self._chars
+        if unfinished and not (raw and UTF8_CONTINUATION[0] <= raw[0] <= UTF8_CONTINUATION[1]):
+            offset += 1
+        self._chars += len(self._utf8.decode(raw))
+        return offset

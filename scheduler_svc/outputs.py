@@ -14,24 +14,50 @@ from scheduler_svc.request import FinishReason, Request
 NO_TOKEN = -1
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely alternatives, most likely first."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass
 class StepOutputs:
     """Entry i: request `handles[i]` got token `token_ids[i]` (NO_TOKEN: none) and, when
     `finish_reasons[i]` is not 0, ended for that reason. `errors` end requests with a
-    status instead: (handle, gRPC status name, message)."""
+    status instead: (handle, gRPC status name, message). Entries `logprob_entries[j]` carry
+    `logprobs[j]` (only requests that asked for them)."""
 
     handles: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reasons: list[int] = field(default_factory=list)
     errors: list[tuple[int, str, str]] = field(default_factory=list)
+    logprob_entries: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.handles or self.errors)
 
-    def add(self, handle: int, token: int, finish: FinishReason | None) -> None:
+    def add(
+        self, handle: int, token: int, finish: FinishReason | None, logprob: TokenLogprob | None = None
+    ) -> None:
+        if logprob is not None:
+            self.logprob_entries.append(len(self.handles))
+            self.logprobs.append(logprob)
         self.handles.append(handle)
         self.token_ids.append(token)
         self.finish_reasons.append(int(finish or 0))
+
+    def entry_logprobs(self) -> list[TokenLogprob | None]:
+        """Per entry: its log-probabilities, or None."""
+        per_entry: list[TokenLogprob | None] = [None] * len(self.handles)
+        if not self.logprobs:
+            return per_entry
+        for entry, logprob in zip(self.logprob_entries, self.logprobs, strict=True):
+            per_entry[entry] = logprob
+        return per_entry
 
 
 class OutputSink(Protocol):
@@ -48,8 +74,14 @@ class Outbox:
     def __init__(self) -> None:
         self._pending: dict[OutputSink | None, StepOutputs] = {}
 
-    def token(self, req: Request, token: int, finish: FinishReason | None = None) -> None:
-        self._for(req.owner).add(req.handle, token, finish)
+    def token(
+        self,
+        req: Request,
+        token: int,
+        finish: FinishReason | None = None,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
+        self._for(req.owner).add(req.handle, token, finish, logprob)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         self._for(req.owner).add(req.handle, NO_TOKEN, reason)

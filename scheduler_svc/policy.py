@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from scheduler_svc.allocator import SlotAllocator
 from scheduler_svc.batch import SampledRow, ScheduledBatch
-from scheduler_svc.outputs import Outbox, OutputSink
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.outputs import Outbox, OutputSink, TokenLogprob
+from scheduler_svc.request import MAX_COMPLETIONS, FinishReason, Request
 from scheduler_svc.telemetry import SchedulerTelemetry
-from stepahead.protocol import Launch, WorkerInfo
+from stepahead.protocol import Launch, StepLogprobs, WorkerInfo
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class SchedulingPolicy:
         self.outbox = outbox
         self.telemetry = telemetry
         self.counters = SchedulerStats()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[tuple[str, int], Request] = {}  # by (request id, completion index)
         self._by_handle: dict[tuple[OutputSink | None, int], Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -71,7 +71,7 @@ class SchedulingPolicy:
 
     def add_request(self, req: Request) -> None:
         """Raises Refused for a live duplicate id or a full waiting queue."""
-        if req.rid in self.requests:
+        if req.key in self.requests:
             raise Refused("ALREADY_EXISTS", f"request_id: {req.rid!r} is already live")
         if len(self.waiting) >= self.config.max_waiting:  # before any work is spent on it
             raise Refused(
@@ -80,17 +80,17 @@ class SchedulingPolicy:
             )
         self._arrivals += 1
         req.arrival_seq = self._arrivals
-        self.requests[req.rid] = req
+        self.requests[req.key] = req
         self._by_handle[req.owner, req.handle] = req
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
-        """End a live request at once; its slots are reused safely (see _release)."""
-        req = self.requests.get(rid)
-        if req is None:
-            return False
-        self.finish(req, FinishReason.ABORT)
-        return True
+        """End a live request (every live completion of it) at once; its slots are reused
+        safely (see _release)."""
+        live = [r for i in range(MAX_COMPLETIONS) if (r := self.requests.get((rid, i))) is not None]
+        for req in live:
+            self.finish(req, FinishReason.ABORT)
+        return bool(live)
 
     def abort_handle(self, owner: OutputSink | None, handle: int) -> None:
         """The owning frontend ended the request (client gone, stop string): no output."""
@@ -177,7 +177,7 @@ class SchedulingPolicy:
             self._note_first_scheduled(req)
             req.req_slot = self.req_slots.allocate_one()
             self.running.append(req)
-            batch.register(req)
+            batch.register(req, self.eos_token_ids)
             self._add_row(batch, req, chunk)
             budget -= chunk
 
@@ -230,13 +230,16 @@ class SchedulingPolicy:
 
     # ---- process -----------------------------------------------------------------------
 
-    def update_from_result(self, batch: ScheduledBatch, token_ids: list[int]) -> None:
-        """Apply the sampled ids of `batch`: new tokens and token-level finishes go to the outbox."""
-        for row, token in zip(batch.sampled, token_ids, strict=True):
-            self._process_row(row, token)
+    def update_from_result(
+        self, batch: ScheduledBatch, token_ids: list[int], logprobs: StepLogprobs | None = None
+    ) -> None:
+        """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
+        them): new tokens and token-level finishes go to the outbox."""
+        for i, (row, token) in enumerate(zip(batch.sampled, token_ids, strict=True)):
+            self._process_row(row, token, _row_logprob(logprobs, i, row.request))
         self.update_gauges()
 
-    def _process_row(self, row: SampledRow, token: int) -> None:
+    def _process_row(self, row: SampledRow, token: int, logprob: TokenLogprob | None) -> None:
         req = row.request
         if req.finished or row.attempt != req.attempt:
             # Finished (or preempted) while this batch was in flight: never streamed.
@@ -246,13 +249,16 @@ class SchedulingPolicy:
         req.num_inflight -= 1
         req.output_ids.append(token)
         finish = self._token_finish(req, token)
-        self.outbox.token(req, token, finish)
+        self.outbox.token(req, token, finish, logprob)
         if finish is not None:
             self._end(req, finish)
 
     def _token_finish(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        # NOTE: the worker masks stop ids below min_tokens; a backend that does not (sim) may
+        # still sample one, and then it is an ordinary token.
+        if is_stop and p.stop_finishes(len(req.output_ids) - 1):
             return FinishReason.STOP
         if len(req.output_ids) >= p.max_new_tokens:
             return FinishReason.LENGTH
@@ -292,7 +298,7 @@ class SchedulingPolicy:
             req.kv_slots = []
 
     def _forget(self, req: Request) -> None:
-        self.requests.pop(req.rid, None)
+        self.requests.pop(req.key, None)
         self._by_handle.pop((req.owner, req.handle), None)
         if req in self.running:
             self.running.remove(req)
@@ -329,3 +335,11 @@ class SchedulingPolicy:
             self.outbox.error(req, "UNAVAILABLE", why)
         self.running.clear()
         self.waiting.clear()
+
+
+def _row_logprob(logprobs: StepLogprobs | None, i: int, req: Request) -> TokenLogprob | None:
+    """Row i's log-probabilities, cut to what its request asked for (None: it asked none)."""
+    if logprobs is None or not req.params.logprobs:
+        return None
+    chosen, top_ids, top_logprobs = logprobs.row(i, req.params.top_logprobs)
+    return TokenLogprob(chosen, tuple(top_ids), tuple(top_logprobs))

@@ -24,6 +24,11 @@ class FinishReason(enum.IntEnum):
     ABORT = 3
 
 
+MAX_COMPLETIONS = 16  # `n`: completions of one prompt in one call
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """`stop` strings are matched by the frontend; everything else acts in the core or the worker."""
@@ -36,6 +41,29 @@ class SamplingParams:
     stop_token_ids: frozenset[int]
     stop: tuple[str, ...]
     ignore_eos: bool
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the worker must do more than sample: logits processing or log-probabilities."""
+        return (
+            self.logprobs
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+        )
+
+    def stop_finishes(self, num_generated: int) -> bool:
+        """EOS, stop tokens and stop strings end the request only after min_tokens tokens."""
+        return num_generated >= self.min_tokens
 
 
 @dataclass(eq=False)
@@ -54,6 +82,7 @@ class Request:
     arrival_seq: int
     owner: OutputSink | None = None
     handle: int = 0
+    index: int = 0  # which of the client request's n completions
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_inflight: int = 0
@@ -67,6 +96,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Unique among live requests: the client's id and the completion's index."""
+        return self.rid, self.index
 
     @property
     def num_known(self) -> int:

@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health
 
 from scheduler_svc.frontend import ApiError, Frontend
-from scheduler_svc.streams import ClientRequest
+from scheduler_svc.outputs import TokenLogprob
+from scheduler_svc.streams import Completions, OutputChunk
 from scheduler_svc.validation import RequestLimits, UnparsableRequest, lenient_deserializer
 from stepahead.auth import BearerTokenInterceptor
 from stepahead.serving import (
@@ -56,15 +57,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request = await _parsed(request, context)
         try:
-            client = self._frontend.admit(request)
+            completions = self._frontend.admit(request)
         except ApiError as exc:
             await context.abort(exc.code, str(exc))
         await context.send_initial_metadata(((FRONTEND_METADATA, self._frontend.name),))
         try:
-            async for response in _stream(client, context):
+            async for response in _stream(completions, context):
                 yield response
         finally:
-            self._frontend.cancel(client)  # a no-op once it finished: else the client went away
+            self._frontend.cancel(completions)  # a no-op once finished: else the client went away
 
     async def Abort(
         self, request: generation_pb2.AbortRequest | UnparsableRequest, context: Context
@@ -84,23 +85,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return response
 
 
-async def _stream(client: ClientRequest, context: Context) -> AsyncIterator[generation_pb2.GenerateResponse]:
-    prompt_tokens = len(client.prompt_ids)
-    while True:
-        await client.stream.ready.wait()
-        if client.stream.error is not None:
-            await context.abort(*client.stream.error)
-        chunk = client.stream.take()
-        yield generation_pb2.GenerateResponse(
-            request_id=client.rid,
-            token_ids=chunk.token_ids,
-            text=chunk.text,
-            finish_reason=int(chunk.finish_reason or 0),  # type: ignore[arg-type]
-            prompt_tokens=prompt_tokens,
-            completion_tokens=chunk.completion_tokens,
-        )
-        if chunk.finish_reason is not None:
-            return
+async def _stream(
+    completions: Completions, context: Context
+) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    prompt_tokens = len(completions.prompt_ids)
+    while not completions.done:
+        await completions.ready.wait()
+        if completions.error is not None:
+            await context.abort(*completions.error)
+        for index, chunk in completions.take():
+            yield generation_pb2.GenerateResponse(
+                request_id=completions.rid,
+                token_ids=chunk.token_ids,
+                text=chunk.text,
+                finish_reason=int(chunk.finish_reason or 0),  # type: ignore[arg-type]
+                prompt_tokens=prompt_tokens,
+                completion_tokens=chunk.completion_tokens,
+                logprobs=_logprobs_to_proto(chunk),
+                index=index,
+            )
+
+
+def _logprobs_to_proto(chunk: OutputChunk) -> list[generation_pb2.TokenLogprob]:
+    if not chunk.logprobs:
+        return []
+    return [_logprob_to_proto(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]
+
+
+def _logprob_to_proto(token: int, lp: TokenLogprob) -> generation_pb2.TokenLogprob:
+    pairs = zip(lp.top_ids, lp.top_logprobs, strict=True)
+    top = [generation_pb2.TopLogprob(token_id=i, logprob=v) for i, v in pairs]
+    return generation_pb2.TokenLogprob(token_id=token, logprob=lp.logprob, top_logprobs=top)
 
 
 async def _parsed(request: T | UnparsableRequest, context: Context) -> T:

@@ -1,4 +1,6 @@
-"""A client's view of one request in a frontend: its text state and its output stream."""
+"""A client's view of one request in a frontend: its completions' text state and output
+streams. A request asks for `n` completions of its prompt; each is a `ClientRequest` of its
+own in the core, and their streams wake the one reader of the call (`Completions`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from scheduler_svc.outputs import TokenLogprob
 from scheduler_svc.request import FinishReason, SamplingParams
 from scheduler_svc.text import RequestText
 
@@ -18,26 +21,35 @@ class OutputChunk:
     text: str
     finish_reason: FinishReason | None
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
 
 
 class OutputStream:
     """Tokens not yet sent to the client, coalesced while the client lags.
 
-    `interval` (--stream-interval): the stream wakes its reader once that many tokens
-    are pending, or at the finish.
+    `interval` (--stream-interval): the stream wakes its reader (`ready`, shared by the
+    completions of one request) once that many tokens are pending, or at the finish.
     """
 
-    def __init__(self, interval: int = 1) -> None:
+    def __init__(self, interval: int = 1, ready: asyncio.Event | None = None) -> None:
         self._ids: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         self._finish: FinishReason | None = None
         self._sent = 0
         self._interval = interval
+        self.done = False  # the finish has been taken
         self.error: tuple[grpc.StatusCode, str] | None = None
-        self.ready = asyncio.Event()
+        self.ready = ready or asyncio.Event()
 
-    def put(self, token_id: int, text: str) -> None:
+    @property
+    def has_news(self) -> bool:
+        return not self.done and bool(self._ids or self._text or self._finish is not None)
+
+    def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> None:
         self._ids.append(token_id)
+        if logprob is not None:
+            self._logprobs.append(logprob)
         if text:
             self._text.append(text)
         if len(self._ids) >= self._interval:
@@ -59,14 +71,15 @@ class OutputStream:
         """Everything pending, as one message."""
         self.ready.clear()
         self._sent += len(self._ids)
-        chunk = OutputChunk(self._ids, "".join(self._text), self._finish, self._sent)
-        self._ids, self._text = [], []
+        chunk = OutputChunk(self._ids, "".join(self._text), self._finish, self._sent, self._logprobs)
+        self._ids, self._text, self._logprobs = [], [], []
+        self.done = self._finish is not None
         return chunk
 
 
 @dataclass(eq=False)
 class ClientRequest:
-    """`handle` names the request on the link to the core."""
+    """One completion; `handle` names it on the link to the core."""
 
     handle: int
     rid: str
@@ -74,10 +87,41 @@ class ClientRequest:
     params: SamplingParams
     text: RequestText
     stream: OutputStream
+    index: int = 0
     arrival_time: float = field(default_factory=time.time)
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
+    num_generated: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.stream.error is not None
+
+
+@dataclass(eq=False)
+class Completions:
+    """The `n` completions of one client request, read by one reader: wait for `ready`, then
+    `take()` what is new. The call fails as a whole when any completion fails (`error`)."""
+
+    rid: str
+    prompt_ids: list[int]
+    ready: asyncio.Event
+    clients: list[ClientRequest] = field(default_factory=list)
+
+    @property
+    def error(self) -> tuple[grpc.StatusCode, str] | None:
+        return next((c.stream.error for c in self.clients if c.stream.error is not None), None)
+
+    @property
+    def done(self) -> bool:
+        """Every completion's finish has been taken."""
+        return all(c.stream.done for c in self.clients)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.clients)
+
+    def take(self) -> list[tuple[int, OutputChunk]]:
+        """(index, chunk) of every completion with news, in index order."""
+        self.ready.clear()
+        return [(c.index, c.stream.take()) for c in self.clients if c.stream.has_news]

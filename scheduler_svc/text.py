@@ -17,9 +17,12 @@ class RequestText:
     def stopped(self) -> bool:
         return self._stops.stopped
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """(text now safe to send, whether a stop string ended the output)."""
-        return self._stops.push(self._decoder.push((token_id,)))
+    def push(self, token_id: int, match_stops: bool = True) -> tuple[str, bool]:
+        """(text now safe to send, whether a stop string ended the output). Without
+        `match_stops` (the request's first min_tokens tokens) the text is not searched: stop
+        strings are looked for in the text that comes after it."""
+        text = self._decoder.push((token_id,))
+        return self._stops.push(text) if match_stops else (text, False)
 
     def finish(self) -> str:
         """What was held back, when the request ends other than on a stop string."""

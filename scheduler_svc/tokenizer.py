@@ -9,8 +9,11 @@ with the length of the output.
 from __future__ import annotations
 
 import codecs
+import functools
+import json
+import re
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import tokenizers
 
@@ -48,6 +51,11 @@ class Tokenizer(Protocol):
 
     def special_tokens(self) -> dict[str, str]:
         """The texts of BOS and EOS (`bos_token`, `eos_token`) as chat templates name them."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (part of a character, possibly); b"" for
+        an id with no text. The log-probabilities name tokens by them."""
         ...
 
 
@@ -102,6 +110,9 @@ class ByteTokenizer:
 
     def new_decoder(self) -> IncrementalDecoder:
         return Utf8ByteDecoder()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes((token_id,)) if 0 <= token_id < NUM_BYTE_IDS else b""
 
 
 class WindowedTokenDecoder:
@@ -184,6 +195,9 @@ class HFTokenizer:
             raise ValueError(f"vocab_size must be positive, got {self._vocab_size}")
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
+        self._spell = piece_spelling(_decoder_config(self._tokenizer))
+        self._added = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items()}
+        self._bytes: dict[int, bytes] = {}
 
     @property
     def name(self) -> str:
@@ -206,6 +220,117 @@ class HFTokenizer:
 
     def new_decoder(self) -> IncrementalDecoder:
         return WindowedTokenDecoder(self.decode)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Added tokens: their content; others: their vocabulary piece as the decoder spells
+        it (see `piece_spelling`). Cached: at most one entry per id of the vocabulary."""
+        known = self._bytes.get(token_id)
+        if known is None:
+            known = self._bytes[token_id] = self._own_bytes(token_id)
+        return known
+
+    def _own_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = self._tokenizer.id_to_token(token_id) if token_id >= 0 else None
+        if piece is None:
+            return b""
+        spelled = self._spell(piece)
+        if spelled is None:  # a decoder without a per-piece rule: its decode of the id alone
+            return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return spelled
+
+
+# ---- one token's bytes ---------------------------------------------------------------------
+
+Spelling = Callable[[str], bytes | None]
+PieceRule = Callable[[str], str | bytes]
+WHOLE_TEXT_STEPS = frozenset({"Fuse", "Strip"})
+BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def gpt2_unicode_to_byte() -> dict[str, int]:
+    """GPT-2's printable spelling of the 256 bytes, the alphabet of byte-level vocabularies,
+    as the map back from spelling to byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    extra = (b for b in range(256) if b not in printable)
+    spelling = {chr(b): b for b in printable}
+    spelling |= {chr(256 + n): b for n, b in enumerate(extra)}
+    return spelling
+
+
+def byte_level_bytes(piece: str) -> bytes:
+    """A byte-level BPE piece's bytes; a character outside the alphabet stands for itself."""
+    alphabet = gpt2_unicode_to_byte()
+    return b"".join(bytes((alphabet[c],)) if c in alphabet else c.encode("utf-8") for c in piece)
+
+
+def piece_spelling(decoder: dict[str, Any] | None) -> Spelling:
+    """How a tokenizer.json's decoder spells one vocabulary piece: byte-level (GPT-2's table),
+    or the piece's text after the decoder's per-piece steps (`Replace`, `Metaspace`'s
+    replacement, `ByteFallback`'s `<0xAB>`, `WordPiece`'s word starts and continuations).
+    Steps over the whole text (`Fuse`, `Strip`, cleanups) are left out: a token alone has no
+    neighbours, so a word's first piece keeps its leading space even at the text's start.
+    None from the spelling: the decoder has a step without a per-piece rule."""
+    steps = _decoder_steps(decoder)
+    if any(step.get("type") == "ByteLevel" for step in steps):
+        return byte_level_bytes
+    rules = [_piece_rule(step) for step in steps]
+    if any(rule is None for rule in rules):
+        return lambda piece: None
+    return functools.partial(_spell_piece, [rule for rule in rules if rule is not None])
+
+
+def _decoder_config(tokenizer: tokenizers.Tokenizer) -> dict[str, Any] | None:
+    decoder = tokenizer.decoder
+    return None if decoder is None else cast(dict[str, Any], json.loads(decoder.__getstate__()))
+
+
+def _decoder_steps(decoder: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if decoder is None:
+        return []
+    if decoder.get("type") == "Sequence":
+        return [step for inner in decoder.get("decoders", []) for step in _decoder_steps(inner)]
+    return [decoder]
+
+
+def _piece_rule(step: dict[str, Any]) -> PieceRule | None:
+    kind = step.get("type")
+    if kind in WHOLE_TEXT_STEPS:
+        return lambda piece: piece
+    if kind == "Replace" and "String" in step.get("pattern", {}):
+        old, new = step["pattern"]["String"], step.get("content", "")
+        return lambda piece: piece.replace(old, new)
+    if kind == "Metaspace":
+        replacement = step.get("replacement", "▁")
+        return lambda piece: piece.replace(replacement, " ")
+    if kind == "ByteFallback":
+        return _byte_fallback
+    if kind == "WordPiece":
+        return functools.partial(_word_piece, step.get("prefix", "##"))
+    return None
+
+
+def _word_piece(prefix: str, piece: str) -> str:
+    """A continuation piece joins its word; any other starts a word, after a space."""
+    return piece[len(prefix) :] if piece.startswith(prefix) else " " + piece
+
+
+def _byte_fallback(piece: str) -> str | bytes:
+    match = BYTE_FALLBACK_PIECE.fullmatch(piece)
+    return bytes((int(match.group(1), 16),)) if match else piece
+
+
+def _spell_piece(rules: list[PieceRule], piece: str) -> bytes:
+    """The rules in the decoder's order, until one yields bytes (a byte-fallback piece)."""
+    text = piece
+    for rule in rules:
+        spelled = rule(text)
+        if isinstance(spelled, bytes):
+            return spelled
+        text = spelled
+    return text.encode("utf-8")
 
 
 def _parse_tokenizer_json(tokenizer_json: bytes) -> tokenizers.Tokenizer:

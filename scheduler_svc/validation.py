@@ -14,7 +14,7 @@ from typing import TypeVar, cast
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message, message_factory
 
 from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
-from scheduler_svc.request import SamplingParams
+from scheduler_svc.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import generation_pb2
@@ -27,6 +27,8 @@ DEFAULT_MAX_TEXT_BYTES = 1 << 20
 MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MESSAGES_FIELD = "input.messages.messages"
+MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
+MAX_BIAS = 100.0
 
 M = TypeVar("M", bound=message.Message)
 
@@ -58,6 +60,7 @@ default_limits = RequestLimits()
 class ValidRequest:
     prompt_ids: list[int]
     params: SamplingParams
+    n: int = 1  # completions of the prompt
 
 
 def validate_request(
@@ -80,7 +83,7 @@ def validate_request(
         sampling = _with_room_left(sampling, len(prompt_ids), info)
     params = _sampling_params(sampling, info.vocab_size, seed)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)
-    return ValidRequest(prompt_ids, params)
+    return ValidRequest(prompt_ids, params, _completions(sampling))
 
 
 def _with_room_left(
@@ -204,7 +207,62 @@ def _sampling_params(p: generation_pb2.SamplingParams, vocab: int, seed: int) ->
         stop_token_ids=frozenset(p.stop_token_ids),
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=_top_logprobs(p),
+        repetition_penalty=_repetition_penalty(p),
+        presence_penalty=_output_penalty(p.presence_penalty, "sampling.presence_penalty"),
+        frequency_penalty=_output_penalty(p.frequency_penalty, "sampling.frequency_penalty"),
+        min_tokens=_min_tokens(p),
+        logit_bias=_logit_bias(dict(p.logit_bias), vocab),
     )
+
+
+def _top_logprobs(p: generation_pb2.SamplingParams) -> int:
+    if p.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.top_logprobs: at most {MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
+    if p.top_logprobs and not p.logprobs:
+        raise InvalidRequest("sampling.top_logprobs: only with logprobs set")
+    return p.top_logprobs
+
+
+def _repetition_penalty(p: generation_pb2.SamplingParams) -> float:
+    penalty = p.repetition_penalty if p.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(penalty) and penalty > 0):
+        raise InvalidRequest(f"sampling.repetition_penalty: must be a finite number > 0, got {penalty}")
+    return penalty
+
+
+def _output_penalty(penalty: float, field: str) -> float:
+    if not (math.isfinite(penalty) and -MAX_PENALTY <= penalty <= MAX_PENALTY):
+        raise InvalidRequest(f"{field}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {penalty}")
+    return penalty
+
+
+def _min_tokens(p: generation_pb2.SamplingParams) -> int:
+    if p.min_tokens > p.max_new_tokens:
+        raise InvalidRequest(
+            f"sampling.min_tokens: at most max_new_tokens ({p.max_new_tokens}), got {p.min_tokens}"
+        )
+    return p.min_tokens
+
+
+def _logit_bias(bias: dict[int, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    field = "sampling.logit_bias"
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"{field}: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    for token, value in sorted(bias.items()):
+        if token >= vocab:
+            raise InvalidRequest(f"{field}[{token}]: {token} is outside the vocabulary (0..{vocab - 1})")
+        if not (math.isfinite(value) and -MAX_BIAS <= value <= MAX_BIAS):
+            raise InvalidRequest(f"{field}[{token}]: must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value}")
+    return tuple(sorted(bias.items()))
+
+
+def _completions(p: generation_pb2.SamplingParams) -> int:
+    n = p.n if p.HasField("n") else 1
+    if not 1 <= n <= MAX_COMPLETIONS:
+        raise InvalidRequest(f"sampling.n: must be in 1..{MAX_COMPLETIONS}, got {n}")
+    return n
 
 
 def _check_stop_token_ids(ids: list[int], vocab: int) -> None:

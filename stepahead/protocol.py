@@ -46,6 +46,26 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class LogitsProcessing:
+    """What a request asks of its logits and log-probabilities (see worker.proto)."""
+
+    prompt_len: int
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # masked below min_tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether it reads the request's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
 class NewRequest:
     """Per-request constants, sent once with the launch that first uses the slot."""
 
@@ -54,6 +74,7 @@ class NewRequest:
     top_p: float
     top_k: int
     seed: int
+    processing: LogitsProcessing | None = None  # None: plain sampling
 
 
 @dataclass
@@ -106,12 +127,30 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class StepLogprobs:
+    """Per sampling row, in row order: the sampled token's log-probability, and the `top_n`
+    most likely ids with theirs (row-major, most likely first)."""
+
+    chosen: list[float]
+    top_n: int = 0
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def row(self, i: int, n: int) -> tuple[float, list[int], list[float]]:
+        """Row i's log-probability and its first `n` (at most top_n) alternatives."""
+        start = i * self.top_n
+        end = start + min(n, self.top_n)
+        return self.chosen[i], self.top_ids[start:end], self.top_logprobs[start:end]
+
+
+@dataclass(frozen=True)
 class StepResult:
     step_id: int
     token_ids: list[int]  # one per sampling row, in row order
     forward_start: float = 0.0  # worker clock, Unix seconds
     forward_end: float = 0.0
     epoch: int = 0  # the worker session that executed the step
+    logprobs: StepLogprobs | None = None  # when any sampling row asked for them
 
     @property
     def forward_seconds(self) -> float:
@@ -170,12 +209,7 @@ def launch_to_proto(launch: Launch) -> worker_pb2.Launch:
     return worker_pb2.Launch(
         step_id=launch.step_id,
         released_slots=launch.released_slots,
-        new_requests=[
-            worker_pb2.NewRequest(
-                req_slot=r.req_slot, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed
-            )
-            for r in launch.new_requests
-        ],
+        new_requests=[new_request_to_proto(r) for r in launch.new_requests],
         row_req_slots=launch.row_req_slots,
         row_start_pos=launch.row_start_pos,
         row_num_tokens=launch.row_num_tokens,
@@ -190,9 +224,7 @@ def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
     return Launch(
         step_id=msg.step_id,
         released_slots=list(msg.released_slots),
-        new_requests=[
-            NewRequest(r.req_slot, r.temperature, r.top_p, r.top_k, r.seed) for r in msg.new_requests
-        ],
+        new_requests=[new_request_from_proto(r) for r in msg.new_requests],
         row_req_slots=list(msg.row_req_slots),
         row_start_pos=list(msg.row_start_pos),
         row_num_tokens=list(msg.row_num_tokens),
@@ -203,17 +235,67 @@ def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
     )
 
 
+def new_request_to_proto(r: NewRequest) -> worker_pb2.NewRequest:
+    msg = worker_pb2.NewRequest(
+        req_slot=r.req_slot, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed
+    )
+    p = r.processing
+    if p is not None:
+        msg.processing.CopyFrom(
+            worker_pb2.LogitsProcessing(
+                prompt_len=p.prompt_len,
+                repetition_penalty=p.repetition_penalty,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                min_tokens=p.min_tokens,
+                stop_ids=p.stop_ids,
+                bias_ids=[token for token, _ in p.logit_bias],
+                bias_values=[bias for _, bias in p.logit_bias],
+                logprobs=p.logprobs,
+                top_logprobs=p.top_logprobs,
+            )
+        )
+    return msg
+
+
+def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequest:
+    processing = None
+    if msg.HasField("processing"):
+        p = msg.processing
+        processing = LogitsProcessing(
+            prompt_len=p.prompt_len,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            min_tokens=p.min_tokens,
+            stop_ids=tuple(p.stop_ids),
+            logit_bias=tuple(zip(p.bias_ids, p.bias_values, strict=True)),
+            logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs,
+        )
+    return NewRequest(msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing)
+
+
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
-    return worker_pb2.StepResult(
+    msg = worker_pb2.StepResult(
         step_id=result.step_id,
         token_ids=result.token_ids,
         forward_start_unix_s=result.forward_start,
         forward_end_unix_s=result.forward_end,
         epoch=result.epoch,
     )
+    lp = result.logprobs
+    if lp is not None:
+        msg.logprobs.extend(lp.chosen)
+        msg.top_n = lp.top_n
+        msg.top_ids.extend(lp.top_ids)
+        msg.top_logprobs.extend(lp.top_logprobs)
+    return msg
 
 
 def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
-    return StepResult(
-        msg.step_id, list(msg.token_ids), msg.forward_start_unix_s, msg.forward_end_unix_s, msg.epoch
-    )
+    logprobs = None
+    if msg.logprobs:
+        logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
+    ids = list(msg.token_ids)
+    return StepResult(msg.step_id, ids, msg.forward_start_unix_s, msg.forward_end_unix_s, msg.epoch, logprobs)

@@ -12,9 +12,10 @@ from scheduler_svc.core import CoreConfig, EngineCore
 from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.link import LocalCore
+from scheduler_svc.outputs import TokenLogprob
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FinishReason, SamplingParams
-from scheduler_svc.streams import ClientRequest
+from scheduler_svc.streams import Completions, OutputChunk
 from scheduler_svc.transport import WorkerTransport
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
@@ -32,6 +33,7 @@ class WorkItem:
     params: SamplingParams
     delay_s: float  # arrival after the previous item
     abort_after: int | None = None  # the client aborts once it holds this many tokens
+    n: int = 1  # completions: views of completion i > 0 are keyed f"{rid}/{i}"
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ClientView:
     finish_reason: FinishReason | None = None
     messages: int = 0
     completion_tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def make_engine(
@@ -76,29 +79,41 @@ async def start_core(transport: WorkerTransport, config: CoreConfig) -> tuple[Se
     return Served(core, frontend), task
 
 
-async def consume(frontend: Frontend, client: ClientRequest, abort_after: int | None) -> ClientView:
-    view = ClientView()
-    while view.finish_reason is None:
-        await client.stream.ready.wait()
-        assert client.stream.error is None, client.stream.error
-        chunk = client.stream.take()
-        view.messages += 1
-        view.token_ids += chunk.token_ids
-        view.text += chunk.text
-        view.completion_tokens.append(chunk.completion_tokens)
-        view.finish_reason = chunk.finish_reason
-        if abort_after is not None and len(view.token_ids) >= abort_after and view.finish_reason is None:
-            await frontend.abort(client.rid)
-    return view
+async def consume(frontend: Frontend, call: Completions, abort_after: int | None) -> list[ClientView]:
+    """What each completion of the call received; with `abort_after`, the client aborts the call
+    once its first completion holds that many tokens."""
+    views = [ClientView() for _ in call.clients]
+    while not call.done:
+        await call.ready.wait()
+        assert call.error is None, call.error
+        for index, chunk in call.take():
+            _add_chunk(views[index], chunk)
+        first = views[0]
+        if abort_after is not None and len(first.token_ids) >= abort_after and first.finish_reason is None:
+            await frontend.abort(call.rid)
+    return views
+
+
+def _add_chunk(view: ClientView, chunk: OutputChunk) -> None:
+    view.messages += 1
+    view.token_ids += chunk.token_ids
+    view.text += chunk.text
+    view.logprobs += chunk.logprobs
+    view.completion_tokens.append(chunk.completion_tokens)
+    view.finish_reason = chunk.finish_reason
 
 
 async def run_workload(frontend: Frontend, items: list[WorkItem]) -> dict[str, ClientView]:
-    clients: dict[str, asyncio.Task[ClientView]] = {}
+    calls: dict[str, asyncio.Task[list[ClientView]]] = {}
     for item in items:
         await asyncio.sleep(item.delay_s)
-        client = frontend.submit(item.rid, item.prompt_ids, item.params)
-        clients[item.rid] = asyncio.create_task(consume(frontend, client, item.abort_after))
-    return {rid: await task for rid, task in clients.items()}
+        call = frontend.submit(item.rid, item.prompt_ids, item.params, item.n)
+        calls[item.rid] = asyncio.create_task(consume(frontend, call, item.abort_after))
+    views: dict[str, ClientView] = {}
+    for rid, task in calls.items():
+        for i, view in enumerate(await task):
+            views[rid if i == 0 else f"{rid}/{i}"] = view
+    return views
 
 
 async def serve_workload(

@@ -11,6 +11,22 @@ from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
+def request(text: str, max_new_tokens: int, rid: str = "", **sampling: object) -> pb.GenerateRequest:
+    """A text request; `sampling` holds the other SamplingParams fields."""
+    return pb.GenerateRequest(
+        request_id=rid,
+        text=text,
+        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),  # type: ignore[arg-type]
+    )
+
+
+async def generate(address: str, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    """Every response of one Generate call."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return [r async for r in stub.Generate(req, timeout=60)]
+
+
 def unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ import torch
 from stepahead.protocol import Launch
 from tests.harness import mixed_workload
 from tests.test_equivalence import serve_both
+from tests.test_worker_processing import Driver, Live, Spec, decodes, mixed_specs, prefill
 from tests.transfer_guard import (
     Script,
     greedy,
@@ -26,6 +27,7 @@ from tests.transfer_guard import (
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.future_map import FutureMap, FutureMapSentinelError
+from worker_svc.model import build_tiny
 from worker_svc.streams import CudaStreams
 
 pytestmark = [
@@ -81,6 +83,44 @@ def test_the_enqueue_path_neither_syncs_nor_transfers_outside_the_streams(
         engine.shutdown()
 
 
+def processing_run(engine: WorkerEngine, specs: list[Spec]) -> list[Live]:
+    """Requests using every sampling feature (tests/test_worker_processing.py), one step ahead."""
+    drive = Driver(engine)
+    lives = [drive.start(spec, slot) for slot, spec in enumerate(specs)]
+    drive.launch([prefill(x, len(x.known)) for x in lives], new=lives)
+    for _ in range(3):
+        drive.launch(decodes(lives))
+    drive.finish()
+    return lives
+
+
+def test_logits_processing_neither_syncs_nor_transfers_outside_the_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    specs = list(mixed_specs(build_tiny(torch.float64, CPU)).values())
+    engine = engine_on(CUDA, torch.float64)
+    try:
+        processing_run(engine, specs)  # first use
+        engine.begin_session().result()
+        guard = guard_engine(engine, monkeypatch)
+        with syncs_are_errors():
+            on_cuda = processing_run(engine, specs)
+        assert not guard.violations, "\n".join(guard.violations)
+    finally:
+        engine.shutdown()
+    cpu = engine_on(CPU, torch.float64)
+    try:
+        on_cpu = processing_run(cpu, specs)
+    finally:
+        cpu.shutdown()
+    assert [x.tokens for x in on_cuda] == [x.tokens for x in on_cpu]
+    for x, y in zip(on_cuda, on_cpu, strict=True):
+        for a, b in zip(x.logprobs, y.logprobs, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-5)
+
+
 def test_cuda_gives_the_cpu_tokens_in_float64() -> None:
     # Staging, stream order and the FutureMap relay on the device; float64 keeps the two
     # devices' logits within ~1e-15, and the sampler draws alike on both.
@@ -119,7 +159,7 @@ def test_cuda_streams_time_each_forward_from_its_events() -> None:
     after = time.time()
     previous_end = before - 2e-3
     for k, ((tokens, timing), (start, end)) in enumerate(done):
-        assert tokens == [k, k + 1]
+        assert tokens.tolist() == [k, k + 1]
         assert previous_end <= timing.forward_start <= timing.forward_end <= timing.copy_end <= after + 2e-3
         assert timing.forward_seconds >= start.elapsed_time(end) / 1e3 - 1e-5
         assert timing.forward_seconds <= start.elapsed_time(end) / 1e3 + 1e-3

@@ -21,6 +21,7 @@ from tests.transfer_guard import guard_engine, run_back_to_back, sampled_rows, s
 from worker_svc.backends import load_backend
 from worker_svc.batch import ForwardBatch
 from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.logits_processors import Sampled
 from worker_svc.model import KVCache, build_tiny
 from worker_svc.streams import (
     CpuStreams,
@@ -63,9 +64,9 @@ class RecordingStreams(CpuStreams):
         self.transfers.append(Transfer(dtype, len(values), self._in_forward))
         return super().to_device(values, dtype)
 
-    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
-        self.copied.append(tokens)
-        return super().copy_to_host(tokens)
+    def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
+        self.copied.append(values)
+        return super().copy_to_host(values)
 
 
 def tiny_engine(streams: CpuStreams, check_invariants: bool = False) -> WorkerEngine:
@@ -147,7 +148,7 @@ def test_the_guard_catches_each_kind_of_hidden_transfer(
     engine, _ = recorded
     compute = engine.backend.compute
 
-    def compute_with_a_hidden_transfer(batch: ForwardBatch, sampling: Any) -> torch.Tensor:
+    def compute_with_a_hidden_transfer(batch: ForwardBatch, sampling: Any) -> Sampled:
         with contextlib.suppress(Exception):  # synchronize() without CUDA, copy_ to meta
             hide(batch)
         return compute(batch, sampling)

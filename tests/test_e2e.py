@@ -25,7 +25,15 @@ from stepahead.processes import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.live import FRONTEND_COUNTS, frontend_flags, server_info, unused_port, wait_all_free
+from tests.live import (
+    FRONTEND_COUNTS,
+    frontend_flags,
+    generate,
+    request,
+    server_info,
+    unused_port,
+    wait_all_free,
+)
 from worker_svc.backends import sim_continuation as sim_expected
 
 pytestmark = pytest.mark.anyio
@@ -36,20 +44,6 @@ SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots
 def sim_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Service, Service]]:
     with serving_pair(SIM, ["--max-batch-tokens", "256", *frontend_flags(request.param)]) as pair:
         yield pair
-
-
-def request(text: str, max_new_tokens: int, rid: str = "", **sampling: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=rid,
-        text=text,
-        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),  # type: ignore[arg-type]
-    )
-
-
-async def generate(address: str, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        return [r async for r in stub.Generate(req, timeout=60)]
 
 
 async def test_health_reflection_and_info(sim_pair: tuple[Service, Service]) -> None:
@@ -133,6 +127,21 @@ BAD_REQUESTS = [
     (request("hi", 4, stop_token_ids=[300]), "sampling.stop_token_ids[0]"),
     (request("hi", 4, stop=["ok", ""]), "sampling.stop[1]"),
     (request("hi", 4, rid="x" * 300), "request_id"),
+    (request("hi", 4, presence_penalty=2.5), "sampling.presence_penalty"),
+    (request("hi", 4, presence_penalty=float("nan")), "sampling.presence_penalty"),
+    (request("hi", 4, frequency_penalty=-2.01), "sampling.frequency_penalty"),
+    (request("hi", 4, frequency_penalty=float("inf")), "sampling.frequency_penalty"),
+    (request("hi", 4, repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (request("hi", 4, repetition_penalty=float("nan")), "sampling.repetition_penalty"),
+    (request("hi", 4, logprobs=True, top_logprobs=21), "sampling.top_logprobs"),
+    (request("hi", 4, top_logprobs=2), "sampling.top_logprobs"),
+    (request("hi", 4, n=0), "sampling.n"),
+    (request("hi", 4, n=17), "sampling.n"),
+    (request("hi", 4, min_tokens=5), "sampling.min_tokens"),
+    (request("hi", 4, logit_bias={300: 1.0}), "sampling.logit_bias[300]"),
+    (request("hi", 4, logit_bias={65: 100.5}), "sampling.logit_bias[65]"),
+    (request("hi", 4, logit_bias={65: float("nan")}), "sampling.logit_bias[65]"),
+    (request("hi", 4, logit_bias=dict.fromkeys(range(301), 1.0)), "sampling.logit_bias"),
 ]
 
 

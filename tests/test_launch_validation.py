@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from stepahead.protocol import Launch, NewRequest, launch_from_proto, launch_to_proto
+from stepahead.protocol import Launch, LogitsProcessing, NewRequest, launch_from_proto, launch_to_proto
 from stepahead.v1 import worker_pb2
 from tests.harness import make_engine
 from worker_svc.engine import LaunchError, WorkerEngine
@@ -134,6 +134,78 @@ def test_a_well_formed_launch_passes(changes: dict[str, object]) -> None:
     check_launch(valid(**changes), LIMITS)
 
 
+def processed(**fields: object) -> dict[str, object]:
+    """Launch changes: slot 0 registered with these processing fields, and a plain slot 3."""
+    processing = replace(LogitsProcessing(prompt_len=3), **fields)  # type: ignore[arg-type]
+    return {"new_requests": [req(3), replace(req(0), processing=processing)]}
+
+
+FIELD = r"new_requests\[1\]\.processing\."
+BAD_PROCESSING: list[tuple[str, dict[str, object], str]] = [
+    ("prompt past the context", processed(prompt_len=33), FIELD + r"prompt_len: 33 is outside \[0, 32\]"),
+    ("negative prompt_len", processed(prompt_len=-1), FIELD + r"prompt_len: -1 is outside"),
+    ("min_tokens past the context", processed(min_tokens=33), FIELD + r"min_tokens: 33 is outside"),
+    ("top_logprobs above 20", processed(top_logprobs=21), FIELD + r"top_logprobs: 21 is outside \[0, 20\]"),
+    ("zero repetition", processed(repetition_penalty=0.0), FIELD + r"repetition_penalty: must be"),
+    ("negative repetition", processed(repetition_penalty=-1.0), FIELD + r"repetition_penalty"),
+    ("NaN repetition", processed(repetition_penalty=NAN), FIELD + r"repetition_penalty"),
+    ("inf repetition", processed(repetition_penalty=INF), FIELD + r"repetition_penalty"),
+    ("presence above 2", processed(presence_penalty=2.5), FIELD + r"presence_penalty: must be .* \[-2, 2\]"),
+    ("NaN presence", processed(presence_penalty=NAN), FIELD + r"presence_penalty"),
+    ("frequency below -2", processed(frequency_penalty=-2.01), FIELD + r"frequency_penalty"),
+    ("inf frequency", processed(frequency_penalty=-INF), FIELD + r"frequency_penalty"),
+    (
+        "stop id past the vocab",
+        processed(stop_ids=(2, 256)),
+        FIELD + r"stop_ids\[1\]: 256 is outside the vocab",
+    ),
+    ("negative stop id", processed(stop_ids=(-1,)), FIELD + r"stop_ids\[0\]: -1 is outside"),
+    (
+        "bias id past the vocab",
+        processed(logit_bias=tuple((i, 1.0) for i in range(250, 257))),
+        FIELD + r"bias_ids\[6\]: 256 is outside the vocabulary",
+    ),
+    (
+        "301 bias entries",
+        processed(logit_bias=tuple((i % 256, 1.0) for i in range(301))),
+        FIELD + r"bias_ids: 301 entries exceed the most of 300",
+    ),
+    ("bias above 100", processed(logit_bias=((1, 1.0), (2, 100.5))), FIELD + r"bias_values\[1\]: must be"),
+    ("NaN bias", processed(logit_bias=((1, NAN),)), FIELD + r"bias_values\[0\]: must be"),
+    ("-inf bias", processed(logit_bias=((1, -INF),)), FIELD + r"bias_values\[0\]"),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"), [c[1:] for c in BAD_PROCESSING], ids=[c[0] for c in BAD_PROCESSING]
+)
+def test_malformed_processing_is_refused_naming_its_field(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(LaunchError, match=f"^{message}"):
+        check_launch(valid(**changes), LIMITS)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        processed(),
+        processed(prompt_len=32, min_tokens=32, top_logprobs=20, logprobs=True),
+        processed(repetition_penalty=1e-3, presence_penalty=-2.0, frequency_penalty=2.0),
+        processed(
+            stop_ids=(0, 255), logit_bias=tuple((i, 100.0 - i) for i in range(200)) + ((5, -100.0),) * 100
+        ),
+    ],
+)
+def test_well_formed_processing_passes(changes: dict[str, object]) -> None:
+    check_launch(valid(**changes), LIMITS)
+
+
+def test_bias_lists_of_different_lengths_do_not_convert() -> None:
+    message = launch_to_proto(valid(**processed(logit_bias=((1, 1.0), (2, 2.0)))))
+    message.new_requests[1].processing.bias_values.pop()
+    with pytest.raises(ValueError, match="zip"):
+        launch_from_proto(message)
+
+
 def test_a_launch_with_no_rows_carries_no_tokens() -> None:
     check_launch(Launch(1, released_slots=[0, 1, 2, 3]), LIMITS)
     with pytest.raises(LaunchError, match=r"^kv_slots: 1 slots for 0 tokens"):
@@ -237,6 +309,13 @@ def test_non_finite_sampling_constants_are_refused(
     launch = prefill(1, 0, 1, new_requests=[req(0, temperature=temperature, top_p=top_p)])
     with pytest.raises(LaunchError, match=r"^new_requests\[0\]\.(temperature|top_p): must be"):
         engine.submit(launch).result()
+    assert engine.stats().live_request_slots == 0
+
+
+def test_refused_processing_registers_nothing(engine: WorkerEngine) -> None:
+    bad = replace(req(0), processing=LogitsProcessing(prompt_len=1, logit_bias=((999, 1.0),)))
+    with pytest.raises(LaunchError, match=r"^new_requests\[0\]\.processing\.bias_ids\[0\]: 999"):
+        engine.submit(prefill(1, 0, 1, new_requests=[bad])).result()
     assert engine.stats().live_request_slots == 0
 
 

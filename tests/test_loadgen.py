@@ -29,7 +29,9 @@ from loadgen import (
 from loadgen.__main__ import build_parser, config_from_args
 from loadgen.__main__ import run as run_cli
 from loadgen.arrivals import arrival_intervals, send_offsets
+from loadgen.backend import Sampling
 from loadgen.client import build_request, open_channels, received
+from loadgen.openai_protocol import chat_body, completion_body
 from loadgen.progress import render_progress
 from loadgen.records import RequestRecord
 from loadgen.report import format_summary, result_json
@@ -381,11 +383,57 @@ def test_request_timing_failed_and_never_closed() -> None:
 
 
 def test_build_request_sends_ids_or_text() -> None:
-    ids = build_request(PromptSpec((72, 105), 8), temperature=0.5, ignore_eos=True)
+    ids = build_request(PromptSpec((72, 105), 8), Sampling(0.5, ignore_eos=True))
     assert ids.WhichOneof("input") == "input_ids" and list(ids.input_ids.ids) == [72, 105]
     assert (ids.sampling.max_new_tokens, ids.sampling.temperature, ids.sampling.ignore_eos) == (8, 0.5, True)
-    text = build_request(PromptSpec("Hi", 3), temperature=0.0, ignore_eos=False)
+    text = build_request(PromptSpec("Hi", 3), Sampling(0.0, ignore_eos=False))
     assert (text.WhichOneof("input"), text.text, text.request_id) == ("text", "Hi", "")
+
+
+FEATURE_FLAGS = [
+    "--top-p",
+    "0.9",
+    "--top-k",
+    "40",
+    "--repetition-penalty",
+    "1.2",
+    "--presence-penalty",
+    "0.5",
+]
+FEATURE_FLAGS += [
+    "--frequency-penalty",
+    "-1",
+    "--min-tokens",
+    "3",
+    "--logprobs",
+    "5",
+    "--logit-bias",
+    "13:-100",
+    "42:5",
+]
+
+
+def test_sampling_feature_flags_reach_the_grpc_request_and_the_openai_bodies() -> None:
+    config = config_from_args(build_parser().parse_args(["--num-prompts", "1", *FEATURE_FLAGS]))
+    sampling = Sampling(0.7, True, config.features)
+    s = build_request(PromptSpec((72,), 8), sampling).sampling
+    assert (s.top_p, s.top_k, s.repetition_penalty, s.presence_penalty) == pytest.approx((0.9, 40, 1.2, 0.5))
+    assert (s.frequency_penalty, s.min_tokens, s.logprobs, s.top_logprobs) == (-1.0, 3, True, 5)
+    assert dict(s.logit_bias) == {13: -100.0, 42: 5.0}
+    chat = chat_body(PromptSpec("Hi", 8), "m", sampling)
+    assert (chat["logprobs"], chat["top_logprobs"], chat["logit_bias"]) == (
+        True,
+        5,
+        {"13": -100.0, "42": 5.0},
+    )
+    completion = completion_body(PromptSpec("Hi", 8), "m", sampling)
+    assert completion["logprobs"] == 5 and "top_logprobs" not in completion
+    assert (completion["repetition_penalty"], completion["min_tokens"], completion["top_k"]) == (1.2, 3, 40)
+    plain = completion_body(PromptSpec("Hi", 8), "m", Sampling(0.0, False))
+    assert not {"logprobs", "logit_bias", "presence_penalty", "top_p", "min_tokens"} & set(plain)
+    bad = build_parser().parse_args(["--num-prompts", "1", "--logit-bias", "13"])
+    with pytest.raises(ValueError, match="--logit-bias: '13' is not ID:BIAS"):
+        config_from_args(bad)
 
 
 # --- reports ---

@@ -8,7 +8,18 @@ from typing import Any
 import pytest
 import torch
 
-from worker_svc.logits_processors import RowProcessing, TokenHistory, process_logits, token_logprobs
+from stepahead.protocol import LogitsProcessing
+from worker_svc.logits_processors import (
+    RowPenalties,
+    RowProcessing,
+    Sampled,
+    TokenHistory,
+    pack_for_host,
+    plan_step,
+    process_logits,
+    token_logprobs,
+    unpack_from_host,
+)
 
 VOCAB = 40
 SLOTS = 6
@@ -16,30 +27,37 @@ SLOTS = 6
 
 def rows(
     slots: list[int],
+    history: TokenHistory,
     *,
     repetition: list[float] | None = None,
     presence: list[float] | None = None,
     frequency: list[float] | None = None,
-    min_tokens: list[int] | None = None,
-    stops: list[list[int]] | None = None,
+    masked: list[list[int]] | None = None,
     bias: list[dict[int, float]] | None = None,
 ) -> RowProcessing:
+    """The RowProcessing the engine builds for rows of `slots`; `masked`: each row's ids that
+    min_tokens holds back this step."""
     n = len(slots)
-    stop_mask = torch.zeros(n, VOCAB, dtype=torch.bool)
-    for r, ids in enumerate(stops or [[] for _ in slots]):
-        stop_mask[r, ids] = True
-    triples = [(r, i, v) for r, entries in enumerate(bias or [{} for _ in slots]) for i, v in entries.items()]
-    return RowProcessing(
-        slots=torch.tensor(slots),
-        repetition_penalty=torch.tensor(repetition or [1.0] * n),
-        presence_penalty=torch.tensor(presence or [0.0] * n),
-        frequency_penalty=torch.tensor(frequency or [0.0] * n),
-        min_tokens=torch.tensor(min_tokens or [0] * n),
-        stop_mask=stop_mask,
-        bias_rows=torch.tensor([t[0] for t in triples], dtype=torch.int64),
-        bias_ids=torch.tensor([t[1] for t in triples], dtype=torch.int64),
-        bias_values=torch.tensor([t[2] for t in triples], dtype=torch.float32),
+    pairs = [(r, i) for r, ids in enumerate(masked or [[] for _ in slots]) for i in ids]
+    stop_mask = (
+        torch.tensor([p[0] for p in pairs], dtype=torch.int64),
+        torch.tensor([p[1] for p in pairs], dtype=torch.int64),
     )
+    width = max(len(entries) for entries in bias or [{}])
+    bias_ids = torch.zeros(n, width, dtype=torch.int64)
+    bias_values = torch.zeros(n, width)
+    for r, entries in enumerate(bias or []):
+        bias_ids[r, : len(entries)] = torch.tensor(list(entries), dtype=torch.int64)
+        bias_values[r, : len(entries)] = torch.tensor(list(entries.values()))
+    index = torch.tensor(slots)
+    penalties = RowPenalties(
+        torch.tensor(repetition or [1.0] * n),
+        torch.tensor(presence or [0.0] * n),
+        torch.tensor(frequency or [0.0] * n),
+        history.in_prompt.index_select(0, index),
+        history.output_counts.index_select(0, index),
+    )
+    return RowProcessing(stop_mask, (bias_ids, bias_values), penalties)
 
 
 def history_of(prompts: dict[int, list[int]], outputs: dict[int, list[int]]) -> TokenHistory:
@@ -65,14 +83,15 @@ OUTPUTS = {0: [9, 9, 9, 2], 2: [6, 11], 4: []}
 
 def test_no_processing_leaves_the_logits_as_they_are() -> None:
     logits = random_logits(3, 0)
-    out = process_logits(logits, rows([0, 2, 4]), history_of(PROMPTS, OUTPUTS))
+    out = process_logits(logits, rows([0, 2, 4], history_of(PROMPTS, OUTPUTS)))
     assert torch.equal(out, logits)
+    assert torch.equal(process_logits(logits, RowProcessing(None, None, None)), logits)
 
 
 def test_repetition_penalty_is_transformers_over_prompt_and_output() -> None:
     processors: Any = importlib.import_module("transformers.generation.logits_process")
     logits = random_logits(3, 1)
-    out = process_logits(logits, rows([0, 2, 4], repetition=[1.3, 0.8, 2.0]), history_of(PROMPTS, OUTPUTS))
+    out = process_logits(logits, rows([0, 2, 4], history_of(PROMPTS, OUTPUTS), repetition=[1.3, 0.8, 2.0]))
     for r, (slot, penalty) in enumerate(zip([0, 2, 4], [1.3, 0.8, 2.0], strict=True)):
         reference = processors.RepetitionPenaltyLogitsProcessor(penalty)
         seen = torch.tensor([PROMPTS[slot] + OUTPUTS[slot]])
@@ -84,7 +103,7 @@ def test_repetition_penalty_is_transformers_over_prompt_and_output() -> None:
 def test_presence_and_frequency_penalties_are_openai_s_over_output_tokens_only() -> None:
     logits = random_logits(2, 2)
     out = process_logits(
-        logits, rows([0, 2], presence=[0.5, -1.0], frequency=[0.25, 2.0]), history_of(PROMPTS, OUTPUTS)
+        logits, rows([0, 2], history_of(PROMPTS, OUTPUTS), presence=[0.5, -1.0], frequency=[0.25, 2.0])
     )
     for r, (slot, presence, frequency) in enumerate([(0, 0.5, 0.25), (2, -1.0, 2.0)]):
         expected = logits[r].clone()
@@ -94,21 +113,39 @@ def test_presence_and_frequency_penalties_are_openai_s_over_output_tokens_only()
     assert out[0, 1] == logits[0, 1]  # a prompt token is not an output token
 
 
-def test_min_tokens_masks_eos_and_stop_ids_until_enough_were_generated() -> None:
-    logits = random_logits(3, 3)
-    processing = rows([0, 2, 4], min_tokens=[5, 2, 1], stops=[[39, 7], [39], [39]])
-    out = process_logits(logits, processing, history_of(PROMPTS, OUTPUTS))
-    assert out[0, 39] == out[0, 7] == float("-inf")  # 4 generated < 5
-    assert out[1, 39] == logits[1, 39]  # 2 generated, not < 2
-    assert out[2, 39] == float("-inf")  # none generated
+def test_min_tokens_masks_the_stop_ids_of_rows_that_generated_too_few() -> None:
+    requests = [
+        LogitsProcessing(prompt_len=4, min_tokens=5, stop_ids=(39, 7)),
+        LogitsProcessing(prompt_len=2, min_tokens=2, stop_ids=(39,)),
+        None,  # a plain row
+        LogitsProcessing(prompt_len=1, min_tokens=1, stop_ids=(39,)),
+    ]
+    # Sampling positions 8, 4, 9, 1: generated so far 4, 2, -, 0.
+    plan = plan_step(requests, [8, 4, 9, 1])
+    assert list(zip(plan.mask_rows, plan.mask_ids, strict=True)) == [(0, 39), (0, 7), (3, 39)]
+    assert plan.processes and not plan.penalized and plan.bias_width == 0 and plan.top_logprobs is None
+    logits = random_logits(4, 3)
+    mask = (torch.tensor(plan.mask_rows), torch.tensor(plan.mask_ids))
+    out = process_logits(logits, RowProcessing(mask, None, None))
+    assert out[0, 39] == out[0, 7] == out[3, 39] == float("-inf")
     finite = torch.ones_like(out, dtype=torch.bool)
-    finite[0, [39, 7]] = finite[2, 39] = False
+    finite[0, [39, 7]] = finite[3, 39] = False
     assert torch.equal(out[finite], logits[finite])
+
+
+def test_a_step_plan_takes_the_most_alternatives_of_the_rows_that_ask() -> None:
+    asks = [LogitsProcessing(1, logprobs=True, top_logprobs=3), LogitsProcessing(1, logprobs=True)]
+    penalized = LogitsProcessing(1, frequency_penalty=0.5, logit_bias=((1, 2.0), (3, 1.0)))
+    plan = plan_step([*asks, penalized, None], [5, 5, 5, 5])
+    assert plan.top_logprobs == 3 and plan.penalized and plan.bias_width == 2 and not plan.mask_ids
+    only_chosen = plan_step([asks[1]], [5])
+    assert only_chosen.top_logprobs == 0 and not only_chosen.processes
+    assert plan_step([LogitsProcessing(1, top_logprobs=5)], [5]).top_logprobs is None  # logprobs off
 
 
 def test_logit_bias_adds_to_the_listed_ids_of_its_own_row() -> None:
     logits = random_logits(2, 4)
-    out = process_logits(logits, rows([0, 2], bias=[{3: 100.0, 4: -100.0}, {3: 1.5}]), history_of({}, {}))
+    out = process_logits(logits, rows([0, 2], history_of({}, {}), bias=[{3: 100.0, 4: -100.0}, {3: 1.5}]))
     expected = logits.clone()
     expected[0, 3] += 100.0
     expected[0, 4] -= 100.0
@@ -122,15 +159,14 @@ def test_a_row_is_processed_the_same_alone_and_in_any_batch() -> None:
         repetition=[1.2, 1.5, 0.9],
         presence=[0.3, 0.0, 1.0],
         frequency=[0.1, 0.7, 0.0],
-        min_tokens=[9, 0, 1],
-        stops=[[39], [38], [39]],
-        bias=[{1: 2.0}, {}, {5: -3.0}],
+        masked=[[39], [], [39, 12]],
+        bias=[{1: 2.0}, {}, {5: -3.0, 39: 1.0}],
     )
     logits = random_logits(3, 5)
-    together = process_logits(logits, rows([0, 2, 4], **settings), history)
+    together = process_logits(logits, rows([0, 2, 4], history, **settings))
     for r in range(3):
         alone_settings = {k: [v[r]] for k, v in settings.items()}
-        alone = process_logits(logits[r : r + 1], rows([[0, 2, 4][r]], **alone_settings), history)
+        alone = process_logits(logits[r : r + 1], rows([[0, 2, 4][r]], history, **alone_settings))
         assert torch.equal(alone[0], together[r])
 
 
@@ -138,10 +174,9 @@ def test_history_counts_repeated_outputs_and_a_reset_forgets_the_slot() -> None:
     history = history_of(PROMPTS, OUTPUTS)
     history.add_outputs(torch.tensor([0, 0, 2]), torch.tensor([9, 9, 6]))  # one step may repeat a slot
     assert history.output_counts[0, 9] == 5 and history.output_counts[2, 6] == 2
-    assert history.generated.tolist()[:3] == [6, 0, 3]
     history.reset(torch.tensor([0]))
-    assert not history.in_prompt[0].any() and not history.output_counts[0].any() and history.generated[0] == 0
-    assert history.in_prompt[2, 5] and history.generated[2] == 3
+    assert not history.in_prompt[0].any() and not history.output_counts[0].any()
+    assert history.in_prompt[2, 5] and history.output_counts[2, 11] == 1
 
 
 @pytest.mark.parametrize("top_n", [0, 1, 5, 20])
@@ -159,3 +194,20 @@ def test_logprobs_are_the_model_distribution_s_log_softmax(top_n: int) -> None:
     torch.testing.assert_close(
         got.top_logprobs.double(), reference.gather(1, expected_ids), rtol=0, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("top_n", [0, 3])
+def test_ids_and_logprobs_survive_the_packed_copy(top_n: int) -> None:
+    logits = random_logits(3, 7)
+    ids = torch.tensor([4, 39, 0])
+    sampled = Sampled(ids, token_logprobs(logits, ids, top_n))
+    packed = pack_for_host(sampled)
+    assert packed.shape == (3, 2 + 2 * top_n) and packed.dtype == torch.float64
+    tokens, logprobs = unpack_from_host(packed)
+    assert tokens == [4, 39, 0] and logprobs is not None and logprobs.top_n == top_n
+    lp = sampled.logprobs
+    assert lp is not None
+    assert logprobs.chosen == lp.chosen.tolist()
+    assert logprobs.top_ids == lp.top_ids.flatten().tolist()
+    assert logprobs.top_logprobs == lp.top_logprobs.flatten().tolist()
+    assert unpack_from_host(pack_for_host(Sampled(ids))) == ([4, 39, 0], None)

@@ -414,7 +414,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str]] = [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"stop": [""]}, "stop[0]"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [300]}, "prompt[0]"),
     ({"stream": True, "top_p": 0}, "top_p"),

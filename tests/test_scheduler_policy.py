@@ -11,7 +11,7 @@ from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.link import LocalCore
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FinishReason
-from scheduler_svc.streams import ClientRequest
+from scheduler_svc.streams import Completions
 from tests.fake_worker import FakeWorker
 from tests.harness import WorkItem, consume, params, run_workload, wait_drained
 from worker_svc.backends import sim_continuation as expected
@@ -35,7 +35,7 @@ async def connected(
     return core, frontend
 
 
-def add(frontend: Frontend, rid: str, prompt: list[int], max_new: int) -> ClientRequest:
+def add(frontend: Frontend, rid: str, prompt: list[int], max_new: int) -> Completions:
     return frontend.submit(rid, prompt, params(max_new, ignore_eos=True))
 
 
@@ -77,7 +77,7 @@ async def test_a_request_whose_inflight_tokens_reach_max_new_tokens_is_not_sched
     h1 = await core.launch_step(batch1)
     batch2 = core.pick_batch()  # "one" has its only token in flight
     assert batch2 is not None
-    assert batch2.launch.row_req_slots == [core.policy.requests["two"].req_slot]
+    assert batch2.launch.row_req_slots == [core.policy.requests["two", 0].req_slot]
     h2 = await core.launch_step(batch2)
     assert core.pick_batch() is None  # "two" too now has both tokens in flight
     worker.complete_next()
@@ -93,7 +93,7 @@ async def test_a_finish_while_the_next_batch_is_in_flight_drops_its_extra_token(
     prompt = [72, 105]
     stop_token = expected(prompt, 1)[0]
     client = frontend.submit("s", prompt, params(16, stop_token_ids=frozenset({stop_token})))
-    req = core.policy.requests["s"]
+    req = core.policy.requests["s", 0]
     b1 = core.pick_batch()
     assert b1 is not None
     h1 = await core.launch_step(b1)
@@ -107,7 +107,7 @@ async def test_a_finish_while_the_next_batch_is_in_flight_drops_its_extra_token(
     worker.complete_next()
     await core.process_results(b2, h2)
     assert core.stats.dropped_inflight_tokens == 1
-    chunk = client.stream.take()
+    [(_, chunk)] = client.take()
     assert chunk.token_ids == [stop_token] and chunk.finish_reason == FinishReason.STOP
 
 
@@ -118,7 +118,7 @@ async def test_abort_frees_slots_at_once_and_the_slot_is_released_on_the_worker(
     b1 = core.pick_batch()
     assert b1 is not None
     h1 = await core.launch_step(b1)
-    slot = core.policy.requests["x"].req_slot
+    slot = core.policy.requests["x", 0].req_slot
     assert core.abort("x")
     assert core.policy.kv.num_used == 0 and core.policy.req_slots.num_used == 0
     add(frontend, "y", [2] * 5, 3)
@@ -181,6 +181,6 @@ async def test_streams_coalesce_tokens_for_a_lagging_client() -> None:
         batch = core.pick_batch()
         assert batch is not None
         await core.process_results(batch, await core.launch_step(batch))
-    view = await consume(frontend, client, None)  # the client reads only now
+    [view] = await consume(frontend, client, None)  # the client reads only now
     assert view.messages == 1
     assert view.token_ids == expected([5, 6], 6) and view.finish_reason == FinishReason.LENGTH

@@ -2,14 +2,17 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import pytest
+from gguf import GGUFReader
 from tokenizers import Tokenizer as HFRawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from scheduler_svc.tokenizer import (
+    BYTE_BOS_ID,
+    BYTE_EOS_ID,
     REPLACEMENT_CHAR,
     ByteTokenizer,
     HFTokenizer,
@@ -18,6 +21,7 @@ from scheduler_svc.tokenizer import (
     WindowedTokenDecoder,
     load_tokenizer,
 )
+from worker_svc.gguf import smollm2_path, tokenizer_from_gguf
 
 MULTILINGUAL = "héllo wörld 你好 🎉"
 ASCII_TRAINING_TEXT = [
@@ -316,6 +320,91 @@ def test_hf_decoder_window_stays_bounded(byte_level_bpe: HFTokenizer) -> None:
         output += [decoder.push(byte_level_bpe.encode(text)), decoder.flush()]
         assert "".join(output) == text * 201
         assert recording.longest_window <= 64
+
+
+# ---------------------------------------------------------------- one token's bytes
+
+
+def test_byte_token_bytes_are_the_byte_and_nothing_for_special_ids() -> None:
+    tokenizer = ByteTokenizer()
+    assert [tokenizer.token_bytes(i) for i in range(256)] == [bytes((i,)) for i in range(256)]
+    assert tokenizer.token_bytes(BYTE_BOS_ID) == tokenizer.token_bytes(BYTE_EOS_ID) == b""
+    for token in range(0x80):  # a whole character: what the decoder makes of the id alone
+        assert (
+            tokenizer.token_bytes(token)
+            == "".join(decode_pieces(tokenizer.new_decoder(), [[token]])).encode()
+        )
+
+
+def token_id(raw: HFRawTokenizer, piece: str) -> int:
+    token = raw.token_to_id(piece)
+    assert token is not None, piece
+    return token
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> tuple[HFTokenizer, HFRawTokenizer]:
+    raw = tokenizer_from_gguf(GGUFReader(smollm2_path()))
+    return HFTokenizer(raw.to_str().encode()), raw
+
+
+def test_smollm2_token_bytes_are_its_decode_of_each_whole_character_token(
+    smollm2_tokenizer: tuple[HFTokenizer, HFRawTokenizer],
+) -> None:
+    tokenizer, raw = smollm2_tokenizer
+    whole = 0
+    for token in range(raw.get_vocab_size(with_added_tokens=True)):
+        text = raw.decode([token], skip_special_tokens=False)
+        if REPLACEMENT_CHAR not in text:  # tokens holding part of a character are checked below
+            assert tokenizer.token_bytes(token) == text.encode(), token
+            whole += 1
+    assert whole > 0.99 * raw.get_vocab_size()
+    assert tokenizer.token_bytes(token_id(raw, "<|im_end|>")) == b"<|im_end|>"
+
+
+def test_smollm2_token_bytes_join_to_the_text_across_split_characters(
+    smollm2_tokenizer: tuple[HFTokenizer, HFRawTokenizer],
+) -> None:
+    tokenizer, _ = smollm2_tokenizer
+    for text in [MULTILINGUAL, PARTLY_MERGED_TEXT, "Grüß dich, ты 🎉🎉"]:
+        ids = tokenizer.encode(text)
+        assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids)  # some split a character
+        assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+# Each decoder's per-token bytes, joined over a text: a word-start marker keeps its space.
+TOKEN_BYTES_JOINED = {
+    "byte_level_bpe": (byte_level_bpe_json, ""),
+    "metaspace_byte_fallback": (metaspace_byte_fallback_json, " "),
+    "wordpiece": (wordpiece_json, " "),
+}
+
+
+@pytest.mark.parametrize(("build", "lead"), TOKEN_BYTES_JOINED.values(), ids=TOKEN_BYTES_JOINED.keys())
+def test_hf_token_bytes_join_to_the_decoded_text(build: Callable[[], bytes], lead: str) -> None:
+    tokenizer = HFTokenizer(build())
+    ids = tokenizer.encode(MULTILINGUAL, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == (lead + tokenizer.decode(ids)).encode()
+
+
+def test_byte_fallback_pieces_are_their_byte() -> None:
+    tokenizer = HFTokenizer(metaspace_byte_fallback_json())
+    raw = HFRawTokenizer.from_str(metaspace_byte_fallback_json().decode())
+    assert tokenizer.token_bytes(token_id(raw, "<0xC3>")) == b"\xc3"
+    assert tokenizer.token_bytes(token_id(raw, "<unk>")) == b"<unk>"  # an added token: its content
+
+
+def test_a_decoder_without_a_piece_rule_spells_a_token_as_its_own_decode() -> None:
+    raw = HFRawTokenizer.from_str(byte_level_bpe_json().decode())
+    raw.decoder = decoders.CTC()
+    tokenizer = HFTokenizer(raw.to_str().encode())
+    for token in range(raw.get_vocab_size()):
+        assert tokenizer.token_bytes(token) == raw.decode([token], skip_special_tokens=False).encode()
+
+
+def test_ids_beyond_the_tokenizer_s_vocabulary_have_no_bytes() -> None:
+    tokenizer = HFTokenizer(byte_level_bpe_json(), vocab_size=400)
+    assert tokenizer.token_bytes(399) == b""
 
 
 # ---------------------------------------------------------------- load_tokenizer

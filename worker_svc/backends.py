@@ -13,6 +13,7 @@ import torch
 from stepahead.protocol import TokenizerSpec
 from worker_svc.batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
+from worker_svc.logits_processors import RowProcessing, Sampled, TokenLogprobs, process_logits, token_logprobs
 from worker_svc.model import (
     TINY_CONFIG,
     KVCache,
@@ -39,6 +40,8 @@ class RowSampling:
     # Known on the host, so the sampler needs no device read to choose its path.
     all_greedy: bool
     any_filter: bool
+    processing: RowProcessing | None = None  # None: the model's logits are sampled as they are
+    top_logprobs: int | None = None  # None: no log-probabilities; else that many alternatives a row
 
 
 class ModelBackend(Protocol):
@@ -55,9 +58,28 @@ class ModelBackend(Protocol):
         """The forward and copy streams this backend runs on."""
         ...
 
-    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
-        """Sampled ids [R] of the batch's sampling rows, on the device."""
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Sampled:
+        """Sampled ids [R] of the batch's sampling rows, on the device, with their
+        log-probabilities when `sampling.top_logprobs` is set."""
         ...
+
+
+def sample_rows(logits: torch.Tensor, sampling: RowSampling) -> Sampled:
+    """Draws from the processed logits [R, V]; log-probabilities from the raw ones."""
+    processed = logits if sampling.processing is None else process_logits(logits, sampling.processing)
+    ids = sample(
+        processed,
+        sampling.temperature,
+        sampling.top_p,
+        sampling.top_k,
+        sampling.seeds,
+        sampling.positions,
+        all_greedy=sampling.all_greedy,
+        any_filter=sampling.any_filter,
+    )
+    if sampling.top_logprobs is None:
+        return Sampled(ids)
+    return Sampled(ids, token_logprobs(logits, ids, sampling.top_logprobs))
 
 
 class LlamaBackend:
@@ -82,19 +104,9 @@ class LlamaBackend:
         weight = self.model.lm_head.weight
         self._kv = KVCache.allocate(self.model.config, num_slots, weight.dtype, weight.device)
 
-    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Sampled:
         assert self._kv is not None, "allocate_kv() first"
-        logits = self.model(batch, self._kv)
-        return sample(
-            logits,
-            sampling.temperature,
-            sampling.top_p,
-            sampling.top_k,
-            sampling.seeds,
-            sampling.positions,
-            all_greedy=sampling.all_greedy,
-            any_filter=sampling.any_filter,
-        )
+        return sample_rows(self.model(batch, self._kv), sampling)
 
 
 SIM_EOS_EVERY = 61  # the sim emits EOS for about one token in 61
@@ -121,11 +133,28 @@ def sim_continuation(prompt: Sequence[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+SIM_UNLIKELY_LOGPROB = -9999.0  # the sim's alternatives to its (certain) token
+
+
+def sim_logprobs(ids: torch.Tensor, top_n: int, vocab: int) -> TokenLogprobs:
+    """The sim's log-probabilities: its token is certain (0.0, listed first), the next ids
+    after it are the alternatives, at SIM_UNLIKELY_LOGPROB."""
+    offsets = torch.arange(top_n, device=ids.device)
+    top = torch.full((ids.shape[0], top_n), SIM_UNLIKELY_LOGPROB, device=ids.device)
+    top[:, :1].zero_()
+    chosen = torch.zeros(ids.shape[0], device=ids.device)
+    return TokenLogprobs(chosen, (ids[:, None] + offsets) % vocab, top)
+
+
 class SimBackend:
     """A device for scheduler benchmarks: a step takes `step_ms + token_us x tokens`
     on a simulated timeline (the CPU is free meanwhile, as with a GPU) and yields
     deterministic printable tokens (EOS about one in 61) that depend on each row's
-    last input token and position, so the FutureMap relay is exercised."""
+    last input token and position, so the FutureMap relay is exercised.
+
+    It has no logits: penalties, logit_bias and min_tokens are ignored, but
+    log-probabilities come back when asked (`sim_logprobs`), of the shape a model's
+    have, so that benchmarks carry them end to end."""
 
     def __init__(self, step_ms: float, token_us: float) -> None:
         self.name = "sim"
@@ -144,12 +173,15 @@ class SimBackend:
     def allocate_kv(self, num_slots: int) -> None:
         """The sim keeps no KV: only the scheduler's slot accounting matters."""
 
-    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> torch.Tensor:
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Sampled:
         self._device.run(self._step_s + self._token_s * batch.num_tokens)
         last = batch.input_ids[batch.sample_token_index]
         h = _mix32(last * 65536 + sampling.positions)
         printable = 32 + h % 95
-        return torch.where(h % SIM_EOS_EVERY == 0, self.eos_token_ids[0], printable)
+        ids = torch.where(h % SIM_EOS_EVERY == 0, self.eos_token_ids[0], printable)
+        if sampling.top_logprobs is None:
+            return Sampled(ids)
+        return Sampled(ids, sim_logprobs(ids, sampling.top_logprobs, self.vocab_size))
 
 
 def load_backend(

@@ -3,11 +3,20 @@
 A launch goes through two single-thread executors:
   forward thread: check the launch (worker_svc/launch_check.py), apply slot
                   deltas, build the batch (decode inputs gathered from the
-                  FutureMap on the device), forward, sample, store the
-                  sampled ids in the FutureMap, start the copy to the host;
-  copy thread:    wait for that copy, hand the ids back.
+                  FutureMap on the device), forward, process the logits and
+                  sample (worker_svc/logits_processors.py), store the sampled
+                  ids in the FutureMap, start the copy to the host;
+  copy thread:    wait for that copy, hand the ids (and log-probabilities) back.
 Both are FIFO, so batches run and complete in launch order, and batch k+1 can
 be enqueued on the device while batch k's copy is awaited.
+
+While a live request is penalized, each step updates the token history on the
+forward stream, in launch order: registrations (a penalized one resets its
+slot), then the launch's prompt-sourced tokens, then the rows' history is read
+and their logits processed, then the sampled ids are counted, in the same step,
+so batch k+1 sees batch k's tokens though the scheduler has not seen them yet.
+Which rows are processed, masked (min_tokens) or get log-probabilities is
+decided on the host; while no live slot has processing, a step runs none of it.
 
 NOTE: the forward thread never waits for the device. Host values reach it only
 through `DeviceStreams.to_device` (the model's through `transfers_through`), and
@@ -21,7 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +40,15 @@ from worker_svc.backends import ModelBackend, RowSampling
 from worker_svc.batch import ForwardBatch
 from worker_svc.future_map import FutureMap
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch, step_budget
+from worker_svc.logits_processors import (
+    ProcessingTable,
+    RowProcessing,
+    Sampled,
+    StepPlan,
+    pack_for_host,
+    registration_columns,
+    unpack_from_host,
+)
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.streams import (
     DeviceStreams,
@@ -63,37 +81,49 @@ class EngineStats:
 
 
 class SlotTable:
-    """Per request slot: sampling constants (on the device) and liveness."""
+    """Per request slot: sampling constants and logits processing (on the device), and liveness."""
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.processing = ProcessingTable(num_slots, vocab, device)
         self.host: dict[int, NewRequest] = {}  # the same constants, for host-side decisions
 
     def register(self, requests: list[NewRequest], streams: DeviceStreams) -> None:
         """Two transfers whatever the count: the integer constants, then the float ones."""
+        processing_ints, processing_floats = registration_columns(requests)
         # Seeds are uint64 on the wire; the sampler mixes their 63 low bits.
         ints = [[r.req_slot for r in requests], [r.top_k for r in requests]]
-        ints.append([r.seed & (2**63 - 1) for r in requests])
-        slots, top_k, seed = to_device_columns(ints, streams.device, streams)
-        floats = [r.temperature for r in requests] + [r.top_p for r in requests]
-        temperature, top_p = streams.to_device(floats, torch.float32).split_with_sizes([len(requests)] * 2)
+        ints += [[r.seed & (2**63 - 1) for r in requests], *processing_ints]
+        slots, top_k, seed, *more_ints = to_device_columns(ints, streams.device, streams)
+        floats = [[r.temperature for r in requests], [r.top_p for r in requests], *processing_floats]
+        temperature, top_p, *more_floats = to_device_columns(floats, streams.device, streams, torch.float32)
         self.temperature.index_copy_(0, slots, temperature)
         self.top_p.index_copy_(0, slots, top_p)
         self.top_k.index_copy_(0, slots, top_k)
         self.seed.index_copy_(0, slots, seed)
+        self.processing.register(requests, slots, more_ints, more_floats)
         self.host.update((r.req_slot, r) for r in requests)
 
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             self.host.pop(slot, None)
+        self.processing.release(slots)
 
     def clear(self) -> None:
         self.host.clear()
+        self.processing.clear()
 
-    def rows(self, host_slots: list[int], slots: torch.Tensor, positions: torch.Tensor) -> RowSampling:
+    def rows(
+        self,
+        host_slots: list[int],
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        processing: RowProcessing | None = None,
+        top_logprobs: int | None = None,
+    ) -> RowSampling:
         params = [self.host[s] for s in host_slots]
         return RowSampling(
             self.temperature.index_select(0, slots),
@@ -103,6 +133,8 @@ class SlotTable:
             positions,
             all_greedy=all(p.temperature <= 0 for p in params),
             any_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
+            processing=processing,
+            top_logprobs=top_logprobs,
         )
 
 
@@ -120,6 +152,11 @@ class _HostRows:
     sample_token_index: list[int]
     sample_req_slots: list[int]
     sample_positions: list[int]
+    # Logits processing, when a live slot has any (`_plan_processing`).
+    plan: StepPlan | None = None  # None: no sampling row has processing
+    tracked: bool = False  # a live slot is penalized: the history takes this step's tokens
+    history_prompt_index: list[int] = field(default_factory=list)  # prompt-sourced, in the prompt
+    history_output_index: list[int] = field(default_factory=list)  # prompt-sourced, outputs not counted
 
 
 def _host_rows(launch: Launch) -> _HostRows:
@@ -150,6 +187,22 @@ def _host_rows(launch: Launch) -> _HostRows:
     return rows
 
 
+def _plan_processing(launch: Launch, rows: _HostRows, table: ProcessingTable) -> None:
+    """The step's logits processing, decided on the host: which sampling rows are processed,
+    and, while a live slot is penalized, which prefill tokens the history takes."""
+    rows.plan = table.plan(rows.sample_req_slots, rows.sample_positions)
+    rows.tracked = bool(table.penalized)
+    if not rows.tracked:
+        return
+    prefill_rows = (
+        (slot, start, n, t)
+        for (slot, start, n, from_future, _), t in zip(launch.rows(), rows.row_token_starts, strict=True)
+        if not from_future
+    )
+    rows.history_prompt_index, rows.history_output_index = table.history_tokens(prefill_rows)
+    table.count_sampled(rows.sample_req_slots, rows.sample_positions)
+
+
 @dataclass(frozen=True)
 class _DeviceRows:
     """The launch's index columns on the device: views of one transfer."""
@@ -165,9 +218,14 @@ class _DeviceRows:
     sample_token_index: torch.Tensor
     sample_req_slots: torch.Tensor
     sample_positions: torch.Tensor
+    history_prompt_index: torch.Tensor
+    history_output_index: torch.Tensor
+    mask_rows: torch.Tensor
+    mask_ids: torch.Tensor
 
 
 def _device_rows(launch: Launch, rows: _HostRows, streams: DeviceStreams) -> _DeviceRows:
+    plan = rows.plan
     columns = [
         rows.positions,
         launch.kv_slots,
@@ -180,6 +238,10 @@ def _device_rows(launch: Launch, rows: _HostRows, streams: DeviceStreams) -> _De
         rows.sample_token_index,
         rows.sample_req_slots,
         rows.sample_positions,
+        rows.history_prompt_index,
+        rows.history_output_index,
+        plan.mask_rows if plan is not None else [],
+        plan.mask_ids if plan is not None else [],
     ]
     return _DeviceRows(*to_device_columns(columns, streams.device, streams))
 
@@ -217,7 +279,7 @@ class WorkerEngine:
         device = streams.device
         backend.allocate_kv(config.kv_slots)
         self._future = FutureMap(config.request_slots, device, config.check_invariants)
-        self._slots = SlotTable(config.request_slots, device)
+        self._slots = SlotTable(config.request_slots, backend.vocab_size, device)
         self._req_to_token = torch.zeros(
             (config.request_slots, backend.max_context_len), dtype=torch.int64, device=device
         )
@@ -307,9 +369,11 @@ class WorkerEngine:
 
     def _complete(self, launch: Launch, pending: concurrent.futures.Future[_Enqueued]) -> StepResult:
         enqueued = pending.result()
-        tokens, timing = enqueued.copy.wait()
+        host, timing = enqueued.copy.wait()
+        tokens, logprobs = unpack_from_host(host)
         self._account(launch, timing, enqueued.live_after)
-        return StepResult(launch.step_id, tokens, timing.forward_start, timing.forward_end, enqueued.epoch)
+        start, end = timing.forward_start, timing.forward_end
+        return StepResult(launch.step_id, tokens, start, end, enqueued.epoch, logprobs)
 
     def _account(self, launch: Launch, timing: StepTiming, live_after: int) -> None:
         """Busy time per forward; the gap before it counts as idle if requests
@@ -344,15 +408,46 @@ class WorkerEngine:
                 return _Enqueued(
                     self.streams.copy_to_host(self._no_tokens), len(self._slots.host), self._epoch
                 )
-            rows = _host_rows(launch)
-            on_device = _device_rows(launch, rows, self.streams)
-            batch = self._build_batch(launch, rows, on_device)
-            sampling = self._slots.rows(
-                rows.sample_req_slots, on_device.sample_req_slots, on_device.sample_positions
-            )
-            tokens = self.backend.compute(batch, sampling)
-            self._future.store(on_device.sample_req_slots, tokens)
-            return _Enqueued(self.streams.copy_to_host(tokens), len(self._slots.host), self._epoch)
+            sampled = self._forward(launch)
+            copy = self.streams.copy_to_host(pack_for_host(sampled))
+            return _Enqueued(copy, len(self._slots.host), self._epoch)
+
+    def _forward(self, launch: Launch) -> Sampled:
+        """The launch's batch forward and sampled; its ids go to the FutureMap and the history."""
+        rows = _host_rows(launch)
+        _plan_processing(launch, rows, self._slots.processing)
+        on_device = _device_rows(launch, rows, self.streams)
+        batch = self._build_batch(launch, rows, on_device)
+        if rows.tracked:
+            self._track_prompt_sourced(batch, on_device)
+        sampled = self.backend.compute(batch, self._sampling(rows, on_device))
+        # NOTE: counted in the step that sampled them, before any later launch reads the history.
+        if rows.tracked:
+            self._slots.processing.history.add_outputs(on_device.sample_req_slots, sampled.token_ids)
+        self._future.store(on_device.sample_req_slots, sampled.token_ids)
+        return sampled
+
+    def _track_prompt_sourced(self, batch: ForwardBatch, on_device: _DeviceRows) -> None:
+        """The history takes the prefill tokens `_plan_processing` picked, read on the device."""
+        history = self._slots.processing.history
+        slots, ids = on_device.token_req_slots, batch.input_ids
+        prompt, outputs = on_device.history_prompt_index, on_device.history_output_index
+        history.add_prompt(slots.index_select(0, prompt), ids.index_select(0, prompt))
+        history.add_outputs(slots.index_select(0, outputs), ids.index_select(0, outputs))
+
+    def _sampling(self, rows: _HostRows, on_device: _DeviceRows) -> RowSampling:
+        plan = rows.plan
+        processing = None
+        if plan is not None and plan.processes:
+            mask = (on_device.mask_rows, on_device.mask_ids)
+            processing = self._slots.processing.rows(on_device.sample_req_slots, plan, mask)
+        return self._slots.rows(
+            rows.sample_req_slots,
+            on_device.sample_req_slots,
+            on_device.sample_positions,
+            processing,
+            plan.top_logprobs if plan is not None else None,
+        )
 
     def _check_order(self, step_id: int) -> None:
         if step_id != self._last_step_id + 1:

@@ -13,7 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stepahead.protocol import Launch, NewRequest
+from stepahead.protocol import Launch, LogitsProcessing, NewRequest
+from worker_svc.logits_processors import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 # NOTE: the step budget when the scheduler announces none. A launch writes one
 # distinct KV pool slot per token, so it never holds more tokens than the pool
@@ -21,6 +22,8 @@ from stepahead.protocol import Launch, NewRequest
 # scheduler's default budget (512), and keeps the per-token index lists of a
 # launch on the host to a few MB.
 DEFAULT_MAX_BATCH_TOKENS = 65_536
+MAX_OUTPUT_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI allows
+MAX_BIAS_VALUE = 100.0  # |logit_bias| value, as OpenAI allows
 
 
 class LaunchError(ValueError):
@@ -59,6 +62,8 @@ def check_launch(launch: Launch, limits: LaunchLimits) -> None:
     _check_slot_deltas(launch, limits.request_slots)
     for i, request in enumerate(launch.new_requests):
         _check_sampling(i, request)
+        if request.processing is not None:
+            _check_processing(f"new_requests[{i}].processing", request.processing, limits)
 
 
 def _check_row_arrays(launch: Launch) -> None:
@@ -124,6 +129,44 @@ def _check_sampling(i: int, r: NewRequest) -> None:
         raise LaunchError(f"new_requests[{i}].top_p: must be in (0, 1], got {r.top_p}")
     if r.top_k < 0:
         raise LaunchError(f"new_requests[{i}].top_k: must be >= 0, got {r.top_k}")
+
+
+def _check_processing(field: str, p: LogitsProcessing, limits: LaunchLimits) -> None:
+    """`field` names the request's processing; every entry is checked before the request's
+    slot tables are written, so an id is never a device-side out-of-bounds index."""
+    context = limits.max_context_len
+    _check_count(f"{field}.prompt_len", p.prompt_len, context, "the context length")
+    _check_count(f"{field}.min_tokens", p.min_tokens, context, "the context length")
+    _check_count(f"{field}.top_logprobs", p.top_logprobs, MAX_TOP_LOGPROBS, "the most alternatives")
+    _check_penalties(field, p)
+    _check_range(f"{field}.stop_ids[{{}}]", p.stop_ids, limits.vocab_size, "the vocabulary")
+    _check_logit_bias(field, p.logit_bias, limits.vocab_size)
+
+
+def _check_penalties(field: str, p: LogitsProcessing) -> None:
+    repetition = p.repetition_penalty
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise LaunchError(f"{field}.repetition_penalty: must be a finite number > 0, got {repetition}")
+    _check_bounded(f"{field}.presence_penalty", p.presence_penalty, MAX_OUTPUT_PENALTY)
+    _check_bounded(f"{field}.frequency_penalty", p.frequency_penalty, MAX_OUTPUT_PENALTY)
+
+
+def _check_logit_bias(field: str, entries: Sequence[tuple[int, float]], vocab_size: int) -> None:
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise LaunchError(f"{field}.bias_ids: {len(entries)} entries exceed the most of {MAX_LOGIT_BIAS}")
+    _check_range(f"{field}.bias_ids[{{}}]", [token for token, _ in entries], vocab_size, "the vocabulary")
+    for j, (_, value) in enumerate(entries):
+        _check_bounded(f"{field}.bias_values[{j}]", value, MAX_BIAS_VALUE)
+
+
+def _check_count(field: str, value: int, most: int, what: str) -> None:
+    if not 0 <= value <= most:
+        raise LaunchError(f"{field}: {value} is outside [0, {most}] ({what})")
+
+
+def _check_bounded(field: str, value: float, bound: float) -> None:
+    if not (math.isfinite(value) and -bound <= value <= bound):
+        raise LaunchError(f"{field}: must be a finite number in [{-bound:g}, {bound:g}], got {value}")
 
 
 def _check_range(field: str, values: Sequence[int], end: int, what: str) -> None:

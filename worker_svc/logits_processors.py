@@ -1,30 +1,49 @@
 """Per-request logits processing on the device: penalties, `min_tokens`, `logit_bias`, and the
 log-probabilities returned with sampled tokens.
 
-Each request slot's history lives here, on the device, updated from the sampled ids in the step
-that sampled them: batch k+1 sees batch k's token before the scheduler does, as the FutureMap's
-decode inputs do. Every operation is a row-wise device op with device indices, so a row's result
-never depends on the other rows of its batch and nothing is read back to the host.
+Each request slot's token history lives here, on the device, updated on the forward stream in
+launch order: a registration of a penalized request resets its slot's history; a launch's
+prompt-sourced tokens (prefill rows) are added before its rows' history is read; the sampled ids
+are added in the step that sampled them, so batch k+1 (its decode input read from the FutureMap)
+sees batch k's token before the scheduler does. A prompt-sourced token at a position whose
+sampled token is counted already (the serial loop feeds each sampled token back as a known one)
+is not counted again; the host tracks, per penalized slot, up to which position it has counted.
+Every operation is a row-wise device op with device indices, so a row's result never depends on
+the other rows of its batch, and nothing is read back to the host.
 
 Semantics:
-- `repetition_penalty` (HF, vLLM; 1 is off): a logit of a token seen in the prompt or the output
-  is divided by the penalty when positive, multiplied by it when negative.
+- `repetition_penalty` (HF's RepetitionPenaltyLogitsProcessor, vLLM; 1 is off): the logit of a
+  token seen in the prompt or the output is divided by the penalty when positive, multiplied by
+  it otherwise.
 - `presence_penalty`, `frequency_penalty` (OpenAI; 0 is off): over output tokens only,
-  logit -= frequency * count + presence * (count > 0).
-- `min_tokens`: EOS and the request's stop tokens are masked (-inf) until that many tokens are
-  generated.
-- `logit_bias` (OpenAI): added to the logits of the listed ids.
-- log-probabilities are those of the model's distribution (log-softmax of its logits, before
-  penalties, bias, temperature and top-k/top-p), as vLLM returns by default.
+  logit -= frequency * count + presence * (count > 0). A recompute after preemption
+  re-registers the request (a reset) and replays the outputs the client already has as a
+  prefill: its tokens at positions >= `prompt_len` are counted as outputs again.
+- `min_tokens`: the request's `stop_ids` (the scheduler puts EOS there unless ignore_eos, and the
+  stop token ids) get -inf while fewer than `min_tokens` tokens are generated. The tokens
+  generated before a sample are (its position) - prompt_len, both known on the host, so which
+  (row, id) pairs are masked is decided there (`plan_step`); no device counter is kept.
+- `logit_bias` (OpenAI): added to the logits of the listed ids; an id listed twice gets both.
+- log-probabilities are those of the model's distribution: the log-softmax, in float32, of the
+  raw logits, before the mask, bias, penalties, temperature and top-k/top-p, as vLLM returns by
+  default. Each sampling row of a step gets them when any row of the step asks; `top_n` is the
+  largest `top_logprobs` of the rows that ask (0: the sampled token's only).
 
-Order, as vLLM applies them: min_tokens mask, logit_bias, then the penalties.
+Order, as vLLM applies them: min_tokens mask, logit_bias, repetition, presence/frequency. Sampling
+draws from the processed logits; greedy is their argmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from stepahead.protocol import LogitsProcessing, NewRequest, StepLogprobs
+
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -36,21 +55,27 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor  # [R, top_n] float32
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A step's sampled ids, on the device, with their log-probabilities when a row asked."""
+
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: TokenLogprobs | None = None
+
+
 class TokenHistory:
-    """Per request slot, on the device: which ids the prompt holds, how often each id was
-    generated, and how many tokens were generated. Dense [slots, vocab] tables: 5 bytes per
-    (slot, id), 63 MB for 256 slots of a 49152-token vocabulary."""
+    """Per request slot, on the device: which ids its prompt holds and how often each id was
+    generated. Dense [slots, vocab] tables, 5 bytes per (slot, id), allocated with the engine:
+    60 MiB for smollm2 (vocab 49152) at the default 256 request slots, 330 KB for tiny (258)."""
 
     def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
         self.in_prompt = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=device)
-        self.generated = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
     def reset(self, slots: torch.Tensor) -> None:
         """A slot's new request starts with no history (also on a recompute, which replays it)."""
         self.in_prompt.index_fill_(0, slots, False)
         self.output_counts.index_fill_(0, slots, 0)
-        self.generated.index_fill_(0, slots, 0)
 
     def add_prompt(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Prompt tokens [T] of the slots [T] that hold them."""
@@ -61,52 +86,53 @@ class TokenHistory:
         replays the outputs its client already has)."""
         ones = torch.ones_like(tokens, dtype=torch.int32)
         self.output_counts.index_put_((slots, tokens), ones, accumulate=True)
-        self.generated.index_add_(0, slots, ones.to(torch.int64))
+
+
+@dataclass(frozen=True)
+class RowPenalties:
+    """Penalty constants [R] and history [R, V] of a batch's sampling rows; neutral constants
+    (1, 0, 0) leave a row's logits exactly as they are."""
+
+    repetition: torch.Tensor  # float32, 1 off
+    presence: torch.Tensor  # float32, 0 off
+    frequency: torch.Tensor  # float32, 0 off
+    in_prompt: torch.Tensor  # bool [R, V]
+    output_counts: torch.Tensor  # int32 [R, V]
 
 
 @dataclass(frozen=True)
 class RowProcessing:
-    """The processing parameters of a batch's sampling rows, on the device, [R] each."""
+    """What to do to a batch's sampling rows' logits [R, V]; None parts are skipped."""
 
-    slots: torch.Tensor  # int64: each row's request slot
-    repetition_penalty: torch.Tensor  # float32, 1 off
-    presence_penalty: torch.Tensor  # float32, 0 off
-    frequency_penalty: torch.Tensor  # float32, 0 off
-    min_tokens: torch.Tensor  # int64, 0 off
-    stop_mask: torch.Tensor  # bool [R, V]: EOS and stop token ids that min_tokens holds back
-    bias_rows: torch.Tensor  # int64 [B]: (row, id, value) triples of every row's logit_bias
-    bias_ids: torch.Tensor  # int64 [B]
-    bias_values: torch.Tensor  # float32 [B]
+    stop_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], ids [M]) set to -inf
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # ids [R, W] int64, values [R, W] float32
+    penalties: RowPenalties | None
 
 
-def process_logits(logits: torch.Tensor, rows: RowProcessing, history: TokenHistory) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, rows: RowProcessing) -> torch.Tensor:
     """The logits [R, V] float32 the sampler draws from; `logits` itself is left unchanged."""
     out = logits.clone()
-    _mask_stops_below_min_tokens(out, rows, history)
-    out.index_put_((rows.bias_rows, rows.bias_ids), rows.bias_values, accumulate=True)
-    _apply_repetition_penalty(out, rows, history)
-    _apply_output_penalties(out, rows, history)
+    if rows.stop_mask is not None:
+        out.index_put_(rows.stop_mask, out.new_full((), float("-inf")))
+    if rows.bias is not None:
+        out.scatter_add_(1, *rows.bias)
+    if rows.penalties is not None:
+        _apply_repetition_penalty(out, rows.penalties)
+        _apply_output_penalties(out, rows.penalties)
     return out
 
 
-def _mask_stops_below_min_tokens(logits: torch.Tensor, rows: RowProcessing, history: TokenHistory) -> None:
-    short = history.generated.index_select(0, rows.slots) < rows.min_tokens
-    logits.masked_fill_(rows.stop_mask & short[:, None], float("-inf"))
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, rows: RowProcessing, history: TokenHistory) -> None:
-    seen = history.in_prompt.index_select(0, rows.slots) | (
-        history.output_counts.index_select(0, rows.slots) > 0
-    )
-    penalty = rows.repetition_penalty[:, None]
+def _apply_repetition_penalty(logits: torch.Tensor, p: RowPenalties) -> None:
+    seen = p.in_prompt | (p.output_counts > 0)
+    penalty = p.repetition[:, None]
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     logits.copy_(torch.where(seen, penalized, logits))
 
 
-def _apply_output_penalties(logits: torch.Tensor, rows: RowProcessing, history: TokenHistory) -> None:
-    counts = history.output_counts.index_select(0, rows.slots).to(logits.dtype)
-    logits.sub_(counts * rows.frequency_penalty[:, None])
-    logits.sub_((counts > 0).to(logits.dtype) * rows.presence_penalty[:, None])
+def _apply_output_penalties(logits: torch.Tensor, p: RowPenalties) -> None:
+    counts = p.output_counts.to(logits.dtype)
+    logits.sub_(counts * p.frequency[:, None])
+    logits.sub_((counts > 0).to(logits.dtype) * p.presence[:, None])
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenLogprobs:
@@ -116,3 +142,208 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> To
     picked = logprobs.gather(1, chosen[:, None])[:, 0]
     top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)
     return TokenLogprobs(picked, top_ids, top_logprobs)
+
+
+# ---- the copy to the host: one tensor -----------------------------------------------------------
+
+
+def pack_for_host(sampled: Sampled) -> torch.Tensor:
+    """What one copy takes to the host: the ids [R] int64, or, with log-probabilities,
+    [R, 2 + 2 * top_n] float64 rows (id, chosen, top ids, top log-probabilities)."""
+    # NOTE: float64 holds every id below 2**53 exactly, and every float32 log-probability.
+    lp = sampled.logprobs
+    if lp is None:
+        return sampled.token_ids
+    columns = (sampled.token_ids[:, None], lp.chosen[:, None], lp.top_ids, lp.top_logprobs)
+    return torch.cat([c.double() for c in columns], dim=1)
+
+
+def unpack_from_host(host: torch.Tensor) -> tuple[list[int], StepLogprobs | None]:
+    """`pack_for_host`'s tensor, copied to the host, as the step's ids and log-probabilities."""
+    if host.dim() == 1:
+        ids: list[int] = host.tolist()
+        return ids, None
+    top_n = (host.shape[1] - 2) // 2
+    tokens: list[int] = host[:, 0].long().tolist()
+    top = host[:, 2:]
+    return tokens, StepLogprobs(
+        host[:, 1].tolist(),
+        top_n,
+        top[:, :top_n].long().flatten().tolist(),
+        top[:, top_n:].flatten().tolist(),
+    )
+
+
+# ---- what the host decides per step ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's logits processing, decided on the host from its sampling rows' requests."""
+
+    mask_rows: list[int]  # (row, id) pairs that min_tokens holds back
+    mask_ids: list[int]
+    penalized: bool  # some row reads its history
+    bias_width: int  # the most logit_bias entries of a row
+    top_logprobs: int | None  # None: no row asked for log-probabilities
+
+    @property
+    def processes(self) -> bool:
+        """Whether the logits change at all."""
+        return bool(self.mask_ids) or self.penalized or self.bias_width > 0
+
+
+def plan_step(rows: Sequence[LogitsProcessing | None], positions: Sequence[int]) -> StepPlan:
+    """From each sampling row's processing (None: plain) and the position it samples."""
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    for r, (p, position) in enumerate(zip(rows, positions, strict=True)):
+        if p is not None and position - p.prompt_len < p.min_tokens:
+            mask_rows.extend([r] * len(p.stop_ids))
+            mask_ids.extend(p.stop_ids)
+    present = [p for p in rows if p is not None]
+    asked = [p.top_logprobs for p in present if p.logprobs]
+    return StepPlan(
+        mask_rows,
+        mask_ids,
+        penalized=any(p.penalized for p in present),
+        bias_width=max((len(p.logit_bias) for p in present), default=0),
+        top_logprobs=max(asked) if asked else None,
+    )
+
+
+# ---- per request slot --------------------------------------------------------------------------
+
+
+def registration_columns(requests: Sequence[NewRequest]) -> tuple[list[list[int]], list[list[float]]]:
+    """The host columns `ProcessingTable.register` reads, to go with the slot table's two
+    transfers: ints (penalized slots; each bias entry's slot, column and id) and floats (each
+    request's repetition, presence and frequency penalties; each bias entry's value)."""
+    plain = LogitsProcessing(prompt_len=0)
+    processing = [(r.req_slot, r.processing or plain) for r in requests]
+    entries = [(slot, col, e) for slot, p in processing for col, e in enumerate(p.logit_bias)]
+    ints = [[slot for slot, p in processing if p.penalized]]
+    ints += [[e[0] for e in entries], [e[1] for e in entries], [e[2][0] for e in entries]]
+    floats = [[p.repetition_penalty for _, p in processing], [p.presence_penalty for _, p in processing]]
+    floats += [[p.frequency_penalty for _, p in processing], [e[2][1] for e in entries]]
+    return ints, floats
+
+
+class ProcessingTable:
+    """Per request slot, on the device: penalty constants, `logit_bias` entries (padded
+    [slots, MAX_LOGIT_BIAS] tables: 3.5 KiB per slot) and the token history; on the host, each
+    live slot's LogitsProcessing.
+
+    NOTE: every registration writes its slot's constants and zeroes its bias values, processing
+    or not, so a row never reads what an earlier request of its slot left there: neutral
+    constants change nothing, nor does a 0.0 bias whatever id it is at. Only the history is kept
+    across plain requests: it is reset when a penalized request registers, and only penalized
+    rows read it.
+    """
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
+        self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.bias_ids = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
+        self.history = TokenHistory(num_slots, vocab, device)
+        self.host: dict[int, LogitsProcessing] = {}
+        self.penalized: dict[int, LogitsProcessing] = {}
+        # NOTE: per penalized slot, the output positions below it are counted in the history.
+        self._counted_end: dict[int, int] = {}
+
+    def register(
+        self,
+        requests: Sequence[NewRequest],
+        slots: torch.Tensor,
+        ints: Sequence[torch.Tensor],
+        floats: Sequence[torch.Tensor],
+    ) -> None:
+        """`slots` [N] of `requests`, and `registration_columns(requests)` on the device."""
+        reset, bias_slots, bias_cols, bias_ids = ints
+        repetition, presence, frequency, bias_values = floats
+        self.repetition.index_copy_(0, slots, repetition)
+        self.presence.index_copy_(0, slots, presence)
+        self.frequency.index_copy_(0, slots, frequency)
+        self.bias_values.index_fill_(0, slots, 0.0)
+        if bias_ids.numel():
+            self.bias_ids.index_put_((bias_slots, bias_cols), bias_ids)
+            self.bias_values.index_put_((bias_slots, bias_cols), bias_values)
+        if reset.numel():
+            self.history.reset(reset)
+        for r in requests:
+            self._note(r.req_slot, r.processing)
+
+    def _note(self, slot: int, processing: LogitsProcessing | None) -> None:
+        self.release([slot])
+        if processing is not None:
+            self.host[slot] = processing
+            if processing.penalized:
+                self.penalized[slot] = processing
+                self._counted_end[slot] = processing.prompt_len
+
+    def release(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.host.pop(slot, None)
+            self.penalized.pop(slot, None)
+            self._counted_end.pop(slot, None)
+
+    def clear(self) -> None:
+        self.host.clear()
+        self.penalized.clear()
+        self._counted_end.clear()
+
+    def history_tokens(self, rows: Iterable[tuple[int, int, int, int]]) -> tuple[list[int], list[int]]:
+        """Which of a launch's prefill rows' tokens the history takes: their token indexes, those
+        in the prompt and the outputs not counted yet. A row is (slot, start position, tokens,
+        index of its first token); rows of slots not penalized are skipped."""
+        prompt: list[int] = []
+        outputs: list[int] = []
+        for slot, start, n, t in rows:
+            p = self.penalized.get(slot)
+            if p is None:
+                continue
+            prompt.extend(range(t, t + min(n, p.prompt_len - start)))
+            first_new = max(start, self._counted_end[slot])
+            outputs.extend(range(t + first_new - start, t + n))
+            self._counted_end[slot] = max(first_new, start + n)
+        return prompt, outputs
+
+    def count_sampled(self, slots: Sequence[int], positions: Sequence[int]) -> None:
+        """The tokens sampled for `slots` at `positions` are counted in the step that samples them."""
+        for slot, position in zip(slots, positions, strict=True):
+            if slot in self._counted_end:
+                self._counted_end[slot] = max(self._counted_end[slot], position + 1)
+
+    def plan(self, row_slots: Sequence[int], positions: Sequence[int]) -> StepPlan | None:
+        """The step's plan for sampling rows of `row_slots`; None when none has processing."""
+        if not self.host:
+            return None
+        rows = [self.host.get(slot) for slot in row_slots]
+        if all(p is None for p in rows):
+            return None
+        return plan_step(rows, positions)
+
+    def rows(
+        self, slots: torch.Tensor, plan: StepPlan, stop_mask: tuple[torch.Tensor, torch.Tensor]
+    ) -> RowProcessing:
+        """The sampling rows' processing: `slots` [R], the plan's mask pairs on the device."""
+        return RowProcessing(
+            stop_mask if plan.mask_ids else None,
+            self._bias(slots, plan.bias_width) if plan.bias_width else None,
+            self._penalties(slots) if plan.penalized else None,
+        )
+
+    def _bias(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.bias_ids[:, :width].index_select(0, slots)
+        return ids, self.bias_values[:, :width].index_select(0, slots)
+
+    def _penalties(self, slots: torch.Tensor) -> RowPenalties:
+        return RowPenalties(
+            self.repetition.index_select(0, slots),
+            self.presence.index_select(0, slots),
+            self.frequency.index_select(0, slots),
+            self.history.in_prompt.index_select(0, slots),
+            self.history.output_counts.index_select(0, slots),
+        )

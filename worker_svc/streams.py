@@ -4,7 +4,9 @@ CUDA: the forward runs on its own stream; every host value a step needs goes to
 the device by one path (`DeviceStreams.to_device`): written into pinned staging
 buffers reused across steps, copied without blocking on the forward stream. A
 copy stream waits for the forward, copies the sampled ids into pinned host
-memory and records an event that is waited on only when the result is sent.
+memory and records an event that is waited on only when the result is sent: one copy
+and one event per step, whatever it carries (the ids, or the ids packed with their
+log-probabilities).
 CPU: torch has no streams or events there, so the worker's single ordered
 forward thread plays the forward stream; the forward has finished when the
 thread returns, and the "copy" is a plain host read.
@@ -45,9 +47,11 @@ class StepTiming:
 
 
 class PendingCopy(Protocol):
-    """Sampled ids on their way to the host."""
+    """A step's result tensor on its way to the host."""
 
-    def wait(self) -> tuple[list[int], StepTiming]: ...
+    def wait(self) -> tuple[torch.Tensor, StepTiming]:
+        """The tensor on the host, once copied, and when its step ran."""
+        ...
 
 
 class DeviceStreams(Protocol):
@@ -55,7 +59,9 @@ class DeviceStreams(Protocol):
 
     def forward(self) -> contextlib.AbstractContextManager[None]: ...
 
-    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy: ...
+    def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
+        """`values`, once the forward has written them, on the host (one copy, one event)."""
+        ...
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """`values` as a tensor on the device, enqueued on the forward stream (inside `forward()`)."""
@@ -78,21 +84,25 @@ def transfers_through(streams: DeviceStreams) -> Iterator[None]:
 
 
 def to_device_columns(
-    columns: Sequence[Sequence[int]], device: torch.device, streams: DeviceStreams | None = None
+    columns: Sequence[Sequence[float]],
+    device: torch.device,
+    streams: DeviceStreams | None = None,
+    dtype: torch.dtype = torch.int64,
 ) -> list[torch.Tensor]:
-    """int64 columns on `device` in one transfer: device views of one packed tensor.
+    """Columns of `dtype` (int64 unless told) on `device` in one transfer: device views of
+    one packed tensor.
 
     Through `streams`, else the streams of the running step, else (outside the engine)
     a direct copy.
     """
     path = streams if streams is not None else _ACTIVE.get()
     packed = list(itertools.chain.from_iterable(columns))
-    flat = path.to_device(packed) if path is not None else _direct_to_device(packed, device)
+    flat = path.to_device(packed, dtype) if path is not None else _direct_to_device(packed, device, dtype)
     return list(flat.split_with_sizes([len(column) for column in columns]))
 
 
-def _direct_to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
+def _direct_to_device(values: list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     # Pinned, so that the copy does not block the host.
@@ -100,23 +110,22 @@ def _direct_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _HostCopy:
-    """The copy thread reads the ids, so the forward thread is free for the next batch."""
+    """The copy thread reads the values, so the forward thread is free for the next batch."""
 
-    def __init__(self, tokens: torch.Tensor, forward_start: float, forward_end: float) -> None:
-        self._tokens = tokens
+    def __init__(self, values: torch.Tensor, forward_start: float, forward_end: float) -> None:
+        self._values = values
         self._forward_start = forward_start
         self._forward_end = forward_end
 
-    def wait(self) -> tuple[list[int], StepTiming]:
-        host: list[int] = self._tokens.tolist()
-        return host, StepTiming(self._forward_start, self._forward_end, time.time())
+    def wait(self) -> tuple[torch.Tensor, StepTiming]:
+        return self._values, StepTiming(self._forward_start, self._forward_end, time.time())
 
 
 class CpuStreams:
     """The calling (forward) thread is the stream: work is done on return.
 
-    NOTE: the sampled ids tensor is never written after its forward, so the
-    copy thread may read it while the next forward runs.
+    NOTE: the tensor a step copies to the host is never written after its
+    forward, so the copy thread may read it while the next forward runs.
     """
 
     def __init__(self) -> None:
@@ -128,8 +137,8 @@ class CpuStreams:
         self._started = time.time()
         yield
 
-    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
-        return _HostCopy(tokens, self._started, time.time())
+    def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
+        return _HostCopy(values, self._started, time.time())
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)
@@ -265,14 +274,13 @@ class _CudaCopy:
     def __init__(self, host: torch.Tensor, events: tuple[torch.cuda.Event, ...], clock: _DeviceClock) -> None:
         self._host, self._events, self._clock = host, events, clock
 
-    def wait(self) -> tuple[list[int], StepTiming]:
+    def wait(self) -> tuple[torch.Tensor, StepTiming]:
         start, end, done = self._events
         # NOTE: the one host wait of a step, on the copy thread.
         done.synchronize()
-        tokens: list[int] = self._host.tolist()
         timing = StepTiming(self._clock.unix(start), self._clock.unix(end), self._clock.unix(done))
         self._clock.advance(done)
-        return tokens, timing
+        return self._host, timing
 
 
 class CudaStreams:
@@ -311,17 +319,17 @@ class CudaStreams:
             self._forward_stream.wait_stream(torch.cuda.default_stream(self.device))
             self._after_default_stream = True
 
-    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
+    def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
         end = _timing_event()
         end.record(self._forward_stream)
         self._copy_stream.wait_stream(self._forward_stream)
         with torch.cuda.stream(self._copy_stream):
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
             done = _timing_event()
             done.record()
-        # NOTE: the copy stream reads `tokens` after the forward stream may free them.
-        tokens.record_stream(self._copy_stream)
+        # NOTE: the copy stream reads `values` after the forward stream may free them.
+        values.record_stream(self._copy_stream)
         return _CudaCopy(host, (self._start, end, done), self._clock)
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -354,13 +362,12 @@ class SimDevice:
 
 
 class _SimCopy:
-    def __init__(self, tokens: torch.Tensor, start: float, end: float) -> None:
-        self._tokens, self._start, self._end = tokens, start, end
+    def __init__(self, values: torch.Tensor, start: float, end: float) -> None:
+        self._values, self._start, self._end = values, start, end
 
-    def wait(self) -> tuple[list[int], StepTiming]:
+    def wait(self) -> tuple[torch.Tensor, StepTiming]:
         time.sleep(max(self._end - time.time(), 0.0))
-        host: list[int] = self._tokens.tolist()
-        return host, StepTiming(self._start, self._end, time.time())
+        return self._values, StepTiming(self._start, self._end, time.time())
 
 
 class SimStreams:
@@ -376,8 +383,8 @@ class SimStreams:
     def forward(self) -> Iterator[None]:
         yield
 
-    def copy_to_host(self, tokens: torch.Tensor) -> PendingCopy:
-        return _SimCopy(tokens, *self._sim.take_last_run())
+    def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
+        return _SimCopy(values, *self._sim.take_last_run())
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)

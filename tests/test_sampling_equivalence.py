@@ -1,0 +1,140 @@
+"""The sampling features under overlap: a mixed workload in which every feature is used
+(penalties, min_tokens, logit_bias, logprobs, n; several at once on some requests), greedy and
+seeded, with preemptions and aborts, served by the serial and the overlap loop on `tiny`:
+the same tokens, the same log-probabilities, every slot free after the drain."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scheduler_svc.core import EngineCore
+from scheduler_svc.request import FinishReason, SamplingParams
+from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload
+from tests.test_equivalence import check_drained
+from worker_svc.engine import WorkerEngine
+
+pytestmark = pytest.mark.anyio
+
+EOS = 257
+LOGPROB_ATOL = 1e-5
+
+
+def with_features(rng: random.Random, item: WorkItem) -> WorkItem:
+    """The item with a random subset of the sampling features (none for about one in six)."""
+    p = item.params
+    features: dict[str, object] = {}
+    if rng.random() < 0.4:
+        features.update(logprobs=True, top_logprobs=rng.choice((0, 1, 5, 20)))
+    if rng.random() < 0.3:
+        features["repetition_penalty"] = rng.choice((0.8, 1.2, 1.5, 2.0))
+    if rng.random() < 0.3:
+        features["presence_penalty"] = rng.choice((-1.0, 0.5, 2.0))
+    if rng.random() < 0.3:
+        features["frequency_penalty"] = rng.choice((-0.5, 1.0, 2.0))
+    if rng.random() < 0.25:
+        features["min_tokens"] = rng.randint(1, p.max_new_tokens)
+    if rng.random() < 0.25:
+        ids = rng.sample(range(32, 127), rng.randint(1, 8)) + ([EOS] if rng.random() < 0.3 else [])
+        features["logit_bias"] = tuple(sorted((i, rng.choice((-100.0, -5.0, 3.0, 100.0))) for i in ids))
+    n = rng.choice((2, 3)) if rng.random() < 0.15 else 1
+    return replace(item, params=replace(p, **features), n=n)  # type: ignore[arg-type]
+
+
+def features_workload(count: int, seed: int, *, sampled: bool) -> list[WorkItem]:
+    """The mixed workload of the equivalence tests (stops of every kind, aborts, long and short
+    prompts) with random sampling features on five requests in six."""
+    rng = random.Random(seed)
+    items = mixed_workload(count, seed, sampled=sampled)
+    return [item if rng.random() < 1 / 6 else with_features(rng, item) for item in items]
+
+
+def completions(items: list[WorkItem]) -> list[tuple[str, WorkItem]]:
+    """(view key, item) of every completion the workload asks for."""
+    return [(item.rid if i == 0 else f"{item.rid}/{i}", item) for item in items for i in range(item.n)]
+
+
+def check_views(items: list[WorkItem], views: dict[str, ClientView]) -> None:
+    """Finishes, lengths, min_tokens and the shape of the log-probabilities."""
+    for key, item in completions(items):
+        view, p = views[key], item.params
+        assert view.finish_reason is not None, key
+        assert len(view.token_ids) <= p.max_new_tokens, key
+        if view.finish_reason == FinishReason.LENGTH:
+            assert len(view.token_ids) == p.max_new_tokens, key
+        if view.finish_reason == FinishReason.STOP:
+            assert len(view.token_ids) > p.min_tokens, key  # the stop came after min_tokens
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
+        assert not stops & set(view.token_ids[: p.min_tokens]), key
+        if not p.min_tokens:  # else a stop string may sit in the first tokens' text
+            assert not any(stop in view.text for stop in p.stop), key
+        check_logprobs(key, item, view)
+
+
+def check_logprobs(key: str, item: WorkItem, view: ClientView) -> None:
+    p = item.params
+    if not p.logprobs:
+        assert not view.logprobs, key
+        return
+    assert len(view.logprobs) == len(view.token_ids), key
+    for token, lp in zip(view.token_ids, view.logprobs, strict=True):
+        assert len(lp.top_ids) == len(lp.top_logprobs) == p.top_logprobs, key
+        assert list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True), key
+        assert lp.logprob <= 0.0 and math.isfinite(lp.logprob), key
+        if p.temperature == 0 and not shapes_logits(p):
+            assert lp.top_ids[:1] in ((), (token,)), key  # greedy picks the model's most likely
+        if token in lp.top_ids:
+            assert lp.top_logprobs[lp.top_ids.index(token)] == pytest.approx(lp.logprob, abs=1e-6), key
+
+
+def shapes_logits(p: SamplingParams) -> bool:
+    """Whether anything but the model's own logits decides the token."""
+    penalized = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+    return penalized or bool(p.logit_bias) or p.min_tokens > 0
+
+
+def assert_same_outputs(items: list[WorkItem], a: dict[str, ClientView], b: dict[str, ClientView]) -> None:
+    for key, _ in completions(items):
+        va, vb = a[key], b[key]
+        n = len(va.token_ids)
+        if FinishReason.ABORT in (va.finish_reason, vb.finish_reason):
+            # An abort lands after a timing-dependent number of tokens: compare the prefix.
+            n = min(n, len(vb.token_ids))
+        else:
+            assert va.finish_reason == vb.finish_reason, key
+            assert len(va.token_ids) == len(vb.token_ids), key
+        assert va.token_ids[:n] == vb.token_ids[:n], key
+        for x, y in zip(va.logprobs[:n], vb.logprobs[:n], strict=True):
+            assert x.top_ids == y.top_ids, key
+            assert abs(x.logprob - y.logprob) <= LOGPROB_ATOL, key
+            assert all(
+                abs(u - v) <= LOGPROB_ATOL for u, v in zip(x.top_logprobs, y.top_logprobs, strict=True)
+            )
+
+
+async def serve(mode: str, items: list[WorkItem]) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
+    # float64 keeps row results independent of batch composition to ~1e-15, so a near-tie cannot
+    # flip a token between the two loops' batchings; the KV pool is small enough to preempt.
+    return await serve_workload("tiny", mode, items, kv_slots=1500, request_slots=48, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+async def test_every_feature_overlap_equals_serial(sampled: bool) -> None:
+    items = features_workload(200, seed=11 + sampled, sampled=sampled)
+    views = {}
+    for mode in ("serial", "overlap"):
+        got, core, engine = await serve(mode, items)
+        check_views(items, got)
+        check_drained(core, engine)
+        assert core.stats.preemptions > 0, "the workload must exercise preemption"
+        views[mode] = got
+    assert_same_outputs(items, views["serial"], views["overlap"])
+    overlap = views["overlap"]
+    assert {v.finish_reason for v in overlap.values()} >= {FinishReason.STOP, FinishReason.LENGTH}
+    assert any(v.finish_reason == FinishReason.ABORT for v in overlap.values())
+    assert sum(item.n > 1 for item in items) >= 10
+    assert sum(bool(v.logprobs) for v in overlap.values()) >= 40
