@@ -13,9 +13,11 @@ from pathlib import Path
 from bench.configs import Configuration, Workload
 from bench.promtext import Labels, delta, scrape, total
 from loadgen import BenchmarkConfig, Summary, run_benchmark
+from loadgen.backend import SamplingFeatures
 from stepahead.processes import Service, serving_pair, spawn_scheduler_in_process, wait_serving
 
 SETTLE_TIMEOUT_S = 10.0
+NO_FEATURES = SamplingFeatures()
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -69,16 +71,21 @@ def _in_process(worker_args: list[str], scheduler_args: list[str]) -> Iterator[S
             scheduler.stop()
 
 
-def measure(endpoints: Endpoints, workload: Workload, connections: int = 1) -> Measurement:
+def measure(
+    endpoints: Endpoints,
+    workload: Workload,
+    connections: int = 1,
+    features: SamplingFeatures = NO_FEATURES,
+) -> Measurement:
     """Warm up, then one measured run between two scrapes of each process; both runs are
     loadgen's, over `connections` client connections (one reaches a single frontend, which is
-    all the scheduler runs by default)."""
-    run_loadgen(_warmup_config(endpoints.address, workload, connections))
+    all the scheduler runs by default), every request asking for the sampling `features`."""
+    run_loadgen(_warmup_config(endpoints.address, workload, connections, features))
     _settle(endpoints)
     scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
     children_before = _scheduler_children_cpu_s(endpoints)
     cpu_before = time.process_time()
-    summary = run_loadgen(_measured_config(endpoints.address, workload, connections))
+    summary = run_loadgen(_measured_config(endpoints.address, workload, connections, features))
     client_cpu_s = time.process_time() - cpu_before
     children_used = cpu_used(children_before, _scheduler_children_cpu_s(endpoints))
     _settle(endpoints)
@@ -91,7 +98,9 @@ def measure(endpoints: Endpoints, workload: Workload, connections: int = 1) -> M
     )
 
 
-def _measured_config(address: str, workload: Workload, connections: int) -> BenchmarkConfig:
+def _measured_config(
+    address: str, workload: Workload, connections: int, features: SamplingFeatures
+) -> BenchmarkConfig:
     return BenchmarkConfig(
         server=address,
         dataset=workload.dataset,
@@ -101,10 +110,13 @@ def _measured_config(address: str, workload: Workload, connections: int) -> Benc
         request_rate=workload.request_rate,
         seed=workload.seed,
         ignore_eos=True,
+        features=features,
     )
 
 
-def _warmup_config(address: str, workload: Workload, connections: int) -> BenchmarkConfig:
+def _warmup_config(
+    address: str, workload: Workload, connections: int, features: SamplingFeatures
+) -> BenchmarkConfig:
     """Short requests at the measured concurrency: connections, first forwards, full batches."""
     return BenchmarkConfig(
         server=address,
@@ -114,6 +126,7 @@ def _warmup_config(address: str, workload: Workload, connections: int) -> Benchm
         connections=connections,
         seed=workload.seed + 1,
         ignore_eos=True,
+        features=features,
     )
 
 

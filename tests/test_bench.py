@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import core_cpu, smollm2_serving
+from bench import core_cpu, sampling_cost, smollm2_serving
 from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
@@ -711,3 +711,106 @@ def test_smollm2_report_names_the_best_threads_and_is_strict_json() -> None:
         "tokens_per_s": None,
         "ttft_p50": None,
     }
+
+
+# ---- sampling features: model cost and services ------------------------------------------------
+
+
+def test_sampling_cost_decodes_each_feature_set_on_tiny_and_compares_it_with_none() -> None:
+    plan = sampling_cost.EnginePlan(("tiny",), (2,), steps=2, repeats=1, feature_sets=("none", "all"))
+    backend = sampling_cost.load_model("tiny")
+    rows = sampling_cost.measure_model(backend, "tiny", plan)
+    assert [(r.model, r.batch, r.features, len(r.runs)) for r in rows] == [
+        ("tiny", 2, "none", 1),
+        ("tiny", 2, "all", 1),
+    ]
+    for r in rows:
+        assert r.runs[0].tokens == 4 and r.device_ms > 0 and r.tokens_per_s > 0
+    none, every = rows
+    vs = sampling_cost.versus_none(rows, every)
+    assert vs.device_ms == pytest.approx(every.device_ms / none.device_ms)
+    assert vs.tokens_per_s == pytest.approx(every.tokens_per_s / none.tokens_per_s)
+    assert vs.overhead_percent == pytest.approx((every.device_ms / none.device_ms - 1) * 100)
+    assert sampling_cost.versus_none(rows, none) == sampling_cost.VersusNone(1.0, 1.0)
+    assert sampling_cost.versus_none(rows[1:], every) == sampling_cost.VersusNone(None, None)
+    p = sampling_cost.processing("all", 32, backend)
+    assert p is not None and p.stop_ids == backend.eos_token_ids and p.top_logprobs == 5
+    assert len({token for token, _ in p.logit_bias}) == 50
+    assert all(token < backend.vocab_size and abs(bias) <= 1 for token, bias in p.logit_bias)
+
+
+def decode_row(model: str, batch: int, features: str, *device_ms: float) -> sampling_cost.EngineRow:
+    """Runs of batch x 10 tokens, each taking 10 steps of its device time."""
+    runs = tuple(sampling_cost.DecodeRun(ms, ms * 10 / 1e3, batch * 10) for ms in device_ms)
+    return sampling_cost.EngineRow(model, batch, features, runs)
+
+
+def serving_row(features: str, busy: float, tokens_per_s: float) -> sampling_cost.ServingRow:
+    case = Case(sampling_cost.serving_configuration(), sampling_cost.FULL.serving.workload)
+    f = replace(figures(case, measurement(tokens_per_s)), device_busy_fraction=busy)
+    return sampling_cost.ServingRow(features, 0, f)
+
+
+def sampling_cost_run() -> sampling_cost.SamplingCostRun:
+    engine = (
+        decode_row("smollm2", 64, "none", 110.0, 100.0),
+        decode_row("smollm2", 64, "penalties", 104.0),
+        decode_row("smollm2", 64, "logprobs", 103.0),
+        decode_row("smollm2", 64, "all", 108.0, 120.0),
+    )
+    serving = (serving_row("none", 0.995, 6000.0), serving_row("all", 0.985, 5900.0))
+    started_at = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+    machine: Machine = {"nproc": 2}
+    return sampling_cost.SamplingCostRun(
+        sampling_cost.FULL, started_at, machine, 2, (0.5, 1.0, 1.5), engine, serving
+    )
+
+
+def test_sampling_cost_markdown_of_hand_made_results() -> None:
+    run = sampling_cost_run()
+    markdown = sampling_cost.to_markdown(run, "python -m bench.sampling_cost")
+    lines = markdown.splitlines()
+    assert lines[0] == "# Sampling features: their cost on the model and the services, 2026-01-02 03:04 UTC"
+    assert (
+        "2 torch threads; 1-minute load average 0.5 before, 1.0 after part A, 1.5 after part B." in lines[2]
+    )
+    engine_header = lines.index(sampling_cost.engine_table([])[0])
+    assert lines[engine_header + 2 : engine_header + 6] == [
+        "| smollm2 | 64 | none | 100.00 | 1.000x | 640.0 | 1.000x |",  # the best of two runs
+        "| smollm2 | 64 | penalties | 104.00 | 1.040x | 615.4 | 0.962x |",
+        "| smollm2 | 64 | logprobs | 103.00 | 1.030x | 621.4 | 0.971x |",
+        "| smollm2 | 64 | all | 108.00 | 1.080x | 592.6 | 0.926x |",
+    ]
+    assert (
+        "- forward overhead on smollm2 at batch 64: penalties +4.0%, logprobs +3.0%, all +8.0%; target "
+        "penalties + logprobs <= 10% (checked on `all`, which holds both): met"
+    ) in lines
+    serving_header = next(i for i, line in enumerate(lines) if line.startswith("| features | run |"))
+    assert lines[serving_header + 2 :][:2] == [
+        "| none | 0 | 6,000.0 | 0.938 | 0.995 | 15.00 | 25.000 | 300.0 | 64 | 0 |",
+        "| all | 0 | 5,900.0 | 0.922 | 0.985 | 15.00 | 25.000 | 295.0 | 64 | 0 |",
+    ]
+    assert "- target: device busy >= 0.98 with all features: least 0.985, met" in lines
+    assert "requests failed" not in markdown
+    document = json.loads(json.dumps(finite(sampling_cost.to_json(run, "cmd")), allow_nan=False))
+    assert document["targets"]["engine"]["met"] is True
+    assert document["targets"]["engine"]["overhead_percent"]["all"] == pytest.approx(8.0)
+    assert document["targets"]["serving"] == {
+        "busy_at_least": 0.98,
+        "least_busy_with_all": 0.985,
+        "met": True,
+    }
+    assert document["engine"][0]["device_ms_per_step"] == 100.0 and len(document["engine"][0]["runs"]) == 2
+    assert document["serving"]["features"]["all"]["logprobs"] == 5
+
+
+def test_sampling_cost_targets_are_unmeasured_without_their_rows_and_missed_below_them() -> None:
+    run = replace(
+        sampling_cost_run(),
+        engine=(decode_row("tiny", 16, "none", 1.0), decode_row("tiny", 16, "all", 2.0)),
+        serving=(serving_row("all", 0.97, 5000.0),),
+    )
+    markdown = sampling_cost.to_markdown(run, "cmd")
+    assert "- target (penalties + logprobs <= 10%): not measured, no smollm2 rows at batch 64" in markdown
+    assert "- target: device busy >= 0.98 with all features: least 0.970, not met" in markdown
+    assert sampling_cost.engine_target_met(run.engine) is None

@@ -23,6 +23,7 @@ from worker_svc.logits_processors import (
 
 VOCAB = 40
 SLOTS = 6
+CONTEXT = 16
 
 
 def rows(
@@ -50,26 +51,32 @@ def rows(
         bias_ids[r, : len(entries)] = torch.tensor(list(entries), dtype=torch.int64)
         bias_values[r, : len(entries)] = torch.tensor(list(entries.values()))
     index = torch.tensor(slots)
+    lengths = torch.tensor([LENGTHS.get(slot, 1) for slot in slots])
+    seen = history.seen(index, lengths, int(lengths.max()))
     penalties = RowPenalties(
         torch.tensor(repetition or [1.0] * n),
         torch.tensor(presence or [0.0] * n),
         torch.tensor(frequency or [0.0] * n),
-        history.in_prompt.index_select(0, index),
-        history.output_counts.index_select(0, index),
+        seen,
+        history.output_counts[index[:, None], seen],
     )
     return RowProcessing(stop_mask, (bias_ids, bias_values), penalties)
 
 
+LENGTHS: dict[int, int] = {}  # each slot's tokens in the history (the position it samples)
+
+
 def history_of(prompts: dict[int, list[int]], outputs: dict[int, list[int]]) -> TokenHistory:
-    history = TokenHistory(SLOTS, VOCAB, torch.device("cpu"))
-    for slot, ids in prompts.items():
-        history.add_prompt(
-            torch.tensor([slot] * len(ids), dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
-        )
-    for slot, ids in outputs.items():
-        history.add_outputs(
-            torch.tensor([slot] * len(ids), dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
-        )
+    """Each slot's prompt then outputs, by position; its outputs counted."""
+    history = TokenHistory(SLOTS, VOCAB, CONTEXT, torch.device("cpu"))
+    LENGTHS.clear()
+    for slot in prompts.keys() | outputs.keys():
+        ids = prompts.get(slot, []) + outputs.get(slot, [])
+        LENGTHS[slot] = len(ids)
+        slots = torch.tensor([slot] * len(ids), dtype=torch.int64)
+        history.add_tokens(slots, torch.arange(len(ids)), torch.tensor(ids, dtype=torch.int64))
+        generated = outputs.get(slot, [])
+        history.add_outputs(slots[: len(generated)], torch.tensor(generated, dtype=torch.int64))
     return history
 
 
@@ -175,8 +182,14 @@ def test_history_counts_repeated_outputs_and_a_reset_forgets_the_slot() -> None:
     history.add_outputs(torch.tensor([0, 0, 2]), torch.tensor([9, 9, 6]))  # one step may repeat a slot
     assert history.output_counts[0, 9] == 5 and history.output_counts[2, 6] == 2
     history.reset(torch.tensor([0]))
-    assert not history.in_prompt[0].any() and not history.output_counts[0].any()
-    assert history.in_prompt[2, 5] and history.output_counts[2, 11] == 1
+    assert not history.output_counts[0].any() and history.output_counts[2, 11] == 1
+
+
+def test_a_row_sees_its_tokens_below_its_length_and_repeats_its_first_beyond() -> None:
+    history = history_of(PROMPTS, OUTPUTS)
+    history.add_tokens(torch.tensor([2]), torch.tensor([6]), torch.tensor([33]))  # beyond slot 2's length
+    seen = history.seen(torch.tensor([0, 2, 4]), torch.tensor([8, 4, 1]), 8)
+    assert seen.tolist() == [[1, 2, 3, 3, 9, 9, 9, 2], [5, 6, 6, 11, 5, 5, 5, 5], [7] * 8]
 
 
 @pytest.mark.parametrize("top_n", [0, 1, 5, 20])

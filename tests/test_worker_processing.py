@@ -531,7 +531,7 @@ def test_a_workload_without_processing_runs_none_of_it(
     def refuse(*_: object) -> None:
         raise AssertionError("processing ran for a plain workload")
 
-    for name in ("add_prompt", "add_outputs"):
+    for name in ("add_tokens", "add_outputs"):
         monkeypatch.setattr(TokenHistory, name, refuse)
     monkeypatch.setattr(worker_svc.backends, "process_logits", refuse)
     monkeypatch.setattr(worker_svc.backends, "token_logprobs", refuse)

@@ -83,12 +83,12 @@ class EngineStats:
 class SlotTable:
     """Per request slot: sampling constants and logits processing (on the device), and liveness."""
 
-    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab: int, context: int, device: torch.device) -> None:
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.processing = ProcessingTable(num_slots, vocab, device)
+        self.processing = ProcessingTable(num_slots, vocab, context, device)
         self.host: dict[int, NewRequest] = {}  # the same constants, for host-side decisions
 
     def register(self, requests: list[NewRequest], streams: DeviceStreams) -> None:
@@ -155,8 +155,8 @@ class _HostRows:
     # Logits processing, when a live slot has any (`_plan_processing`).
     plan: StepPlan | None = None  # None: no sampling row has processing
     tracked: bool = False  # a live slot is penalized: the history takes this step's tokens
-    history_prompt_index: list[int] = field(default_factory=list)  # prompt-sourced, in the prompt
-    history_output_index: list[int] = field(default_factory=list)  # prompt-sourced, outputs not counted
+    history_token_index: list[int] = field(default_factory=list)  # prompt-sourced tokens
+    history_output_index: list[int] = field(default_factory=list)  # of them, outputs not counted
 
 
 def _host_rows(launch: Launch) -> _HostRows:
@@ -199,7 +199,7 @@ def _plan_processing(launch: Launch, rows: _HostRows, table: ProcessingTable) ->
         for (slot, start, n, from_future, _), t in zip(launch.rows(), rows.row_token_starts, strict=True)
         if not from_future
     )
-    rows.history_prompt_index, rows.history_output_index = table.history_tokens(prefill_rows)
+    rows.history_token_index, rows.history_output_index = table.history_tokens(prefill_rows)
     table.count_sampled(rows.sample_req_slots, rows.sample_positions)
 
 
@@ -218,7 +218,7 @@ class _DeviceRows:
     sample_token_index: torch.Tensor
     sample_req_slots: torch.Tensor
     sample_positions: torch.Tensor
-    history_prompt_index: torch.Tensor
+    history_token_index: torch.Tensor
     history_output_index: torch.Tensor
     mask_rows: torch.Tensor
     mask_ids: torch.Tensor
@@ -238,7 +238,7 @@ def _device_rows(launch: Launch, rows: _HostRows, streams: DeviceStreams) -> _De
         rows.sample_token_index,
         rows.sample_req_slots,
         rows.sample_positions,
-        rows.history_prompt_index,
+        rows.history_token_index,
         rows.history_output_index,
         plan.mask_rows if plan is not None else [],
         plan.mask_ids if plan is not None else [],
@@ -279,7 +279,7 @@ class WorkerEngine:
         device = streams.device
         backend.allocate_kv(config.kv_slots)
         self._future = FutureMap(config.request_slots, device, config.check_invariants)
-        self._slots = SlotTable(config.request_slots, backend.vocab_size, device)
+        self._slots = SlotTable(config.request_slots, backend.vocab_size, backend.max_context_len, device)
         self._req_to_token = torch.zeros(
             (config.request_slots, backend.max_context_len), dtype=torch.int64, device=device
         )
@@ -423,24 +423,31 @@ class WorkerEngine:
         sampled = self.backend.compute(batch, self._sampling(rows, on_device))
         # NOTE: counted in the step that sampled them, before any later launch reads the history.
         if rows.tracked:
-            self._slots.processing.history.add_outputs(on_device.sample_req_slots, sampled.token_ids)
+            self._track_sampled(on_device, sampled.token_ids)
         self._future.store(on_device.sample_req_slots, sampled.token_ids)
         return sampled
 
     def _track_prompt_sourced(self, batch: ForwardBatch, on_device: _DeviceRows) -> None:
         """The history takes the prefill tokens `_plan_processing` picked, read on the device."""
         history = self._slots.processing.history
-        slots, ids = on_device.token_req_slots, batch.input_ids
-        prompt, outputs = on_device.history_prompt_index, on_device.history_output_index
-        history.add_prompt(slots.index_select(0, prompt), ids.index_select(0, prompt))
+        slots, ids, positions = on_device.token_req_slots, batch.input_ids, on_device.positions
+        tokens, outputs = on_device.history_token_index, on_device.history_output_index
+        history.add_tokens(*(t.index_select(0, tokens) for t in (slots, positions, ids)))
         history.add_outputs(slots.index_select(0, outputs), ids.index_select(0, outputs))
+
+    def _track_sampled(self, on_device: _DeviceRows, token_ids: torch.Tensor) -> None:
+        """Each sampled id at the position it was sampled for, and counted."""
+        history = self._slots.processing.history
+        history.add_tokens(on_device.sample_req_slots, on_device.sample_positions, token_ids)
+        history.add_outputs(on_device.sample_req_slots, token_ids)
 
     def _sampling(self, rows: _HostRows, on_device: _DeviceRows) -> RowSampling:
         plan = rows.plan
         processing = None
         if plan is not None and plan.processes:
             mask = (on_device.mask_rows, on_device.mask_ids)
-            processing = self._slots.processing.rows(on_device.sample_req_slots, plan, mask)
+            slots, positions = on_device.sample_req_slots, on_device.sample_positions
+            processing = self._slots.processing.rows(slots, positions, plan, mask)
         return self._slots.rows(
             rows.sample_req_slots,
             on_device.sample_req_slots,

@@ -2,14 +2,17 @@
 log-probabilities returned with sampled tokens.
 
 Each request slot's token history lives here, on the device, updated on the forward stream in
-launch order: a registration of a penalized request resets its slot's history; a launch's
+launch order: a registration of a penalized request resets its slot's output counts; a launch's
 prompt-sourced tokens (prefill rows) are added before its rows' history is read; the sampled ids
 are added in the step that sampled them, so batch k+1 (its decode input read from the FutureMap)
-sees batch k's token before the scheduler does. A prompt-sourced token at a position whose
-sampled token is counted already (the serial loop feeds each sampled token back as a known one)
-is not counted again; the host tracks, per penalized slot, up to which position it has counted.
-Every operation is a row-wise device op with device indices, so a row's result never depends on
-the other rows of its batch, and nothing is read back to the host.
+sees batch k's token before the scheduler does. The history holds each slot's tokens by position
+(writing a token twice at its position changes nothing) and how often each id was generated; a
+prompt-sourced token at a position whose sampled token is counted already (the serial loop feeds
+each sampled token back as a known one) is not counted again: the host tracks, per penalized
+slot, up to which position it has counted. Penalties touch only the ids a row has seen (its
+tokens so far, gathered by position), never the whole vocabulary. Every operation is a row-wise
+device op with device indices, so a row's result never depends on the other rows of its batch,
+and nothing is read back to the host.
 
 Semantics:
 - `repetition_penalty` (HF's RepetitionPenaltyLogitsProcessor, vLLM; 1 is off): the logit of a
@@ -64,22 +67,25 @@ class Sampled:
 
 
 class TokenHistory:
-    """Per request slot, on the device: which ids its prompt holds and how often each id was
-    generated. Dense [slots, vocab] tables, 5 bytes per (slot, id), allocated with the engine:
-    60 MiB for smollm2 (vocab 49152) at the default 256 request slots, 330 KB for tiny (258)."""
+    """Per request slot, on the device: its tokens by position ([slots, context + 1] int32) and
+    how often each id was generated ([slots, vocab] int32), allocated with the engine: 4 bytes
+    per (slot, position) and per (slot, id), 56 MiB for smollm2 (vocab 49152, context 8192) at
+    the default 256 request slots, 2.3 MB for tiny."""
 
-    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
-        self.in_prompt = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
+    def __init__(self, num_slots: int, vocab: int, context: int, device: torch.device) -> None:
+        # NOTE: one column more than the context, so that a sampled token's position (one past
+        # its row's last) is always in range.
+        self.tokens = torch.zeros(num_slots, context + 1, dtype=torch.int32, device=device)
         self.output_counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=device)
 
     def reset(self, slots: torch.Tensor) -> None:
-        """A slot's new request starts with no history (also on a recompute, which replays it)."""
-        self.in_prompt.index_fill_(0, slots, False)
+        """A slot's new request starts with no counts (also on a recompute, which replays its
+        outputs). Its tokens need none: every position below a row's is written before it is read."""
         self.output_counts.index_fill_(0, slots, 0)
 
-    def add_prompt(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Prompt tokens [T] of the slots [T] that hold them."""
-        self.in_prompt.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+    def add_tokens(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Tokens [T] of the slots [T] at the positions [T] (prompt or output)."""
+        self.tokens.index_put_((slots, positions), tokens.to(torch.int32))
 
     def add_outputs(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Generated tokens [T] of the slots [T]; a slot may appear several times (a recompute
@@ -87,17 +93,25 @@ class TokenHistory:
         ones = torch.ones_like(tokens, dtype=torch.int32)
         self.output_counts.index_put_((slots, tokens), ones, accumulate=True)
 
+    def seen(self, slots: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """[R, width] int64: each slot's tokens at positions below its length [R]; the rest of a
+        row repeats its first token, so that every entry names an id the row has seen."""
+        ids = self.tokens[:, :width].index_select(0, slots).long()
+        beyond = torch.arange(width, device=ids.device)[None, :] >= lengths[:, None]
+        return torch.where(beyond, ids[:, :1], ids)
+
 
 @dataclass(frozen=True)
 class RowPenalties:
-    """Penalty constants [R] and history [R, V] of a batch's sampling rows; neutral constants
-    (1, 0, 0) leave a row's logits exactly as they are."""
+    """Penalty constants [R] of a batch's sampling rows, the ids each has seen [R, W] and how
+    often each of those was generated [R, W]; neutral constants (1, 0, 0) leave a row's logits
+    exactly as they are."""
 
     repetition: torch.Tensor  # float32, 1 off
     presence: torch.Tensor  # float32, 0 off
     frequency: torch.Tensor  # float32, 0 off
-    in_prompt: torch.Tensor  # bool [R, V]
-    output_counts: torch.Tensor  # int32 [R, V]
+    seen_ids: torch.Tensor  # int64 [R, W]: prompt and output ids, any repeated
+    output_counts: torch.Tensor  # int32 [R, W]: the output count of each of seen_ids
 
 
 @dataclass(frozen=True)
@@ -117,22 +131,24 @@ def process_logits(logits: torch.Tensor, rows: RowProcessing) -> torch.Tensor:
     if rows.bias is not None:
         out.scatter_add_(1, *rows.bias)
     if rows.penalties is not None:
-        _apply_repetition_penalty(out, rows.penalties)
-        _apply_output_penalties(out, rows.penalties)
+        _apply_penalties(out, rows.penalties)
     return out
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, p: RowPenalties) -> None:
-    seen = p.in_prompt | (p.output_counts > 0)
+def _apply_penalties(logits: torch.Tensor, p: RowPenalties) -> None:
+    """Repetition over the seen ids, then presence/frequency over the generated ones (an id
+    never generated has count 0: unchanged). Ids a row has not seen keep their logits.
+
+    NOTE: every entry of one id in a row computes the same value from the same logit, so the
+    scatter writes the same value whichever entry lands last.
+    """
+    logit = logits.gather(1, p.seen_ids)
     penalty = p.repetition[:, None]
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits.copy_(torch.where(seen, penalized, logits))
-
-
-def _apply_output_penalties(logits: torch.Tensor, p: RowPenalties) -> None:
+    penalized = torch.where(logit > 0, logit / penalty, logit * penalty)
     counts = p.output_counts.to(logits.dtype)
-    logits.sub_(counts * p.frequency[:, None])
-    logits.sub_((counts > 0).to(logits.dtype) * p.presence[:, None])
+    penalized = penalized - counts * p.frequency[:, None]
+    penalized = penalized - (counts > 0).to(logits.dtype) * p.presence[:, None]
+    logits.scatter_(1, p.seen_ids, penalized)
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenLogprobs:
@@ -184,6 +200,7 @@ class StepPlan:
     mask_rows: list[int]  # (row, id) pairs that min_tokens holds back
     mask_ids: list[int]
     penalized: bool  # some row reads its history
+    history_width: int  # the tokens the longest penalized row has seen (its sampling position)
     bias_width: int  # the most logit_bias entries of a row
     top_logprobs: int | None  # None: no row asked for log-probabilities
 
@@ -203,10 +220,12 @@ def plan_step(rows: Sequence[LogitsProcessing | None], positions: Sequence[int])
             mask_ids.extend(p.stop_ids)
     present = [p for p in rows if p is not None]
     asked = [p.top_logprobs for p in present if p.logprobs]
+    penalized = [pos for p, pos in zip(rows, positions, strict=True) if p is not None and p.penalized]
     return StepPlan(
         mask_rows,
         mask_ids,
-        penalized=any(p.penalized for p in present),
+        penalized=bool(penalized),
+        history_width=max(penalized, default=0),
         bias_width=max((len(p.logit_bias) for p in present), default=0),
         top_logprobs=max(asked) if asked else None,
     )
@@ -241,13 +260,13 @@ class ProcessingTable:
     rows read it.
     """
 
-    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab: int, context: int, device: torch.device) -> None:
         self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.bias_ids = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
         self.bias_values = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
-        self.history = TokenHistory(num_slots, vocab, device)
+        self.history = TokenHistory(num_slots, vocab, context, device)
         self.host: dict[int, LogitsProcessing] = {}
         self.penalized: dict[int, LogitsProcessing] = {}
         # NOTE: per penalized slot, the output positions below it are counted in the history.
@@ -295,20 +314,19 @@ class ProcessingTable:
         self._counted_end.clear()
 
     def history_tokens(self, rows: Iterable[tuple[int, int, int, int]]) -> tuple[list[int], list[int]]:
-        """Which of a launch's prefill rows' tokens the history takes: their token indexes, those
-        in the prompt and the outputs not counted yet. A row is (slot, start position, tokens,
-        index of its first token); rows of slots not penalized are skipped."""
-        prompt: list[int] = []
+        """Which of a launch's prefill rows' tokens the history takes, as token indexes: all of
+        them (by position), and the outputs among them not counted yet. A row is (slot, start
+        position, tokens, index of its first token); rows of slots not penalized are skipped."""
+        tokens: list[int] = []
         outputs: list[int] = []
         for slot, start, n, t in rows:
-            p = self.penalized.get(slot)
-            if p is None:
+            if slot not in self.penalized:
                 continue
-            prompt.extend(range(t, t + min(n, p.prompt_len - start)))
+            tokens.extend(range(t, t + n))
             first_new = max(start, self._counted_end[slot])
             outputs.extend(range(t + first_new - start, t + n))
             self._counted_end[slot] = max(first_new, start + n)
-        return prompt, outputs
+        return tokens, outputs
 
     def count_sampled(self, slots: Sequence[int], positions: Sequence[int]) -> None:
         """The tokens sampled for `slots` at `positions` are counted in the step that samples them."""
@@ -326,24 +344,31 @@ class ProcessingTable:
         return plan_step(rows, positions)
 
     def rows(
-        self, slots: torch.Tensor, plan: StepPlan, stop_mask: tuple[torch.Tensor, torch.Tensor]
+        self,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        plan: StepPlan,
+        stop_mask: tuple[torch.Tensor, torch.Tensor],
     ) -> RowProcessing:
-        """The sampling rows' processing: `slots` [R], the plan's mask pairs on the device."""
+        """The sampling rows' processing: their `slots` [R] and sampling `positions` [R], the
+        plan's mask pairs, on the device."""
         return RowProcessing(
             stop_mask if plan.mask_ids else None,
             self._bias(slots, plan.bias_width) if plan.bias_width else None,
-            self._penalties(slots) if plan.penalized else None,
+            self._penalties(slots, positions, plan.history_width) if plan.penalized else None,
         )
 
     def _bias(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.bias_ids[:, :width].index_select(0, slots)
         return ids, self.bias_values[:, :width].index_select(0, slots)
 
-    def _penalties(self, slots: torch.Tensor) -> RowPenalties:
+    def _penalties(self, slots: torch.Tensor, positions: torch.Tensor, width: int) -> RowPenalties:
+        """A row's tokens are those below the position it samples."""
+        seen = self.history.seen(slots, positions, width)
         return RowPenalties(
             self.repetition.index_select(0, slots),
             self.presence.index_select(0, slots),
             self.frequency.index_select(0, slots),
-            self.history.in_prompt.index_select(0, slots),
-            self.history.output_counts.index_select(0, slots),
+            seen,
+            self.history.output_counts[slots[:, None], seen],
         )

@@ -1,0 +1,637 @@
+"""python -m bench.sampling_cost [--quick] [--out DIR]: what the worker's sampling features cost,
+on the model (part A) and through the services (part B), in one run.
+
+Feature sets: `none` (no logits processing), `penalties` (repetition 1.2, presence 0.5,
+frequency 0.5), `logprobs` (the sampled token's log-probability and the top 5) and `all`
+(penalties, logprobs top 5, min_tokens 8 with EOS as its stop id, and a logit_bias of 50
+random ids at random values in [-1, 1]).
+
+Part A, the model, in this process: a `WorkerEngine` over `tiny` and `smollm2` in float32 on
+the CPU (torch threads fixed, `--threads`). Per model, batch size B and feature set, a run
+starts a fresh engine session, registers B greedy requests of the set (one request slot each)
+with a prefill of B random prompts of 32 tokens, then launches D decode steps whose inputs the
+engine reads from its FutureMap, each launched one step ahead (step k+1 is submitted before
+step k's result is read, as the overlap loop does). Device ms per step: the mean of the decode
+steps' `forward_end - forward_start` (on the CPU, the forward thread's whole step: batch
+building, forward, logits processing, sampling, log-probabilities). Decode tok/s: B x D over
+the wall time from the first decode step's forward start to the last one's result in hand.
+After one untimed warmup round (2 decode steps per set), the feature sets run in turns (none,
+penalties, logprobs, all, none, ...) so that a competing load hits them alike; of the repeats
+the best counts (the least device ms, the most tok/s). Each figure is also given over `none`'s
+at the same model and batch size.
+
+Part B, the services: a `sim` worker (`--sim-step-ms 10 --sim-token-us 0`, the sim sweep's
+device) and an overlap scheduler over gRPC; a closed loop of loadgen requests at concurrency 64
+with exactly 128 prompt tokens (random ids) and 64 new tokens (ignore_eos), every request
+(warmup's too) asking for no feature or for `all`, in turns, on the same processes. Each
+measured run lies between two scrapes of both /metrics endpoints (as `bench.run.measure`);
+device busy is the worker's forward time over its busy + idle time (`bench.figures`). The sim
+ignores penalties, logit_bias and min_tokens but returns log-probabilities, so this measures
+what carrying the features and log-probabilities costs the scheduler, the link and the frontend.
+
+Writes bench/results/<UTC date-time>-sampling-cost.{json,md} and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.configs import Case, Configuration, Workload, sim
+from bench.figures import Figures, figures, ratio
+from bench.machine import Machine, describe_machine, load_average
+from bench.run import measure, serving
+from bench.save import RESULTS, command_line, publish
+from loadgen.backend import SamplingFeatures
+from stepahead.protocol import Launch, LogitsProcessing, NewRequest, StepResult
+from worker_svc.backends import ModelBackend, load_backend
+from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.model import TINY_CONFIG
+from worker_svc.streams import CpuStreams
+
+NAME = "sampling-cost"
+CPU = torch.device("cpu")
+FEATURE_SETS = ("none", "penalties", "logprobs", "all")
+MODELS = ("tiny", "smollm2")
+REPETITION, PRESENCE, FREQUENCY = 1.2, 0.5, 0.5
+TOP_LOGPROBS = 5
+MIN_TOKENS = 8
+BIAS_IDS = 50
+SEED = 0
+WARMUP_STEPS = 2
+TARGET_MODEL, TARGET_BATCH, TARGET_OVERHEAD = "smollm2", 64, 0.10  # penalties + logprobs
+TARGET_BUSY, SERVING_STEP_MS = 0.98, 10.0
+NONE = "—"
+
+Progress = Callable[[str], None]
+
+
+# ---- plans -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    models: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    steps: int  # decode steps per run
+    repeats: int  # timed runs of each feature set; the best counts
+    feature_sets: tuple[str, ...] = FEATURE_SETS
+    prompt_len: int = 32
+    threads: int = 2  # torch CPU threads
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    prompts: int  # requests per measured run
+    repeats: int  # measured runs of each feature set, in turns
+    concurrency: int = 64
+    input_len: int = 128
+    output_len: int = 64
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(
+            self.prompts, self.concurrency, self.input_len, self.output_len, 0.0, self.concurrency
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    engine: EnginePlan
+    serving: ServingPlan
+
+
+FULL = Plan("full", EnginePlan(MODELS, (1, 16, 64), steps=32, repeats=5), ServingPlan(512, repeats=2))
+QUICK = Plan("quick", EnginePlan(MODELS, (1, 16), steps=8, repeats=2), ServingPlan(128, repeats=1))
+
+
+# ---- the feature sets ------------------------------------------------------------------------
+
+
+def logit_bias(vocab: int, seed: int = SEED) -> tuple[tuple[int, float], ...]:
+    """BIAS_IDS distinct ids of the vocabulary, each at a value in [-1, 1]."""
+    rng = random.Random(seed)
+    return tuple((token, round(rng.uniform(-1.0, 1.0), 3)) for token in rng.sample(range(vocab), BIAS_IDS))
+
+
+def processing(features: str, prompt_len: int, backend: ModelBackend) -> LogitsProcessing | None:
+    """A request's LogitsProcessing under a feature set."""
+    if features == "none":
+        return None
+    if features == "penalties":
+        return LogitsProcessing(prompt_len, REPETITION, PRESENCE, FREQUENCY)
+    if features == "logprobs":
+        return LogitsProcessing(prompt_len, logprobs=True, top_logprobs=TOP_LOGPROBS)
+    if features == "all":
+        bias = logit_bias(backend.vocab_size)
+        stops = backend.eos_token_ids
+        return LogitsProcessing(
+            prompt_len, REPETITION, PRESENCE, FREQUENCY, MIN_TOKENS, stops, bias, True, TOP_LOGPROBS
+        )
+    raise ValueError(f"unknown feature set {features!r}")
+
+
+def loadgen_features(features: str) -> SamplingFeatures:
+    """What every loadgen request asks for under a feature set (`none` or `all`)."""
+    if features == "none":
+        return SamplingFeatures()
+    if features == "all":
+        return SamplingFeatures(
+            repetition_penalty=REPETITION,
+            presence_penalty=PRESENCE,
+            frequency_penalty=FREQUENCY,
+            min_tokens=MIN_TOKENS,
+            logprobs=TOP_LOGPROBS,
+            logit_bias=dict(logit_bias(TINY_CONFIG.vocab_size)),  # the sim's vocabulary
+        )
+    raise ValueError(f"the services run `none` or `all`, not {features!r}")
+
+
+# ---- part A: the model, in process -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """One run's decode steps."""
+
+    device_ms: float  # mean forward_end - forward_start per decode step
+    wall_s: float  # first decode forward start to last decode result in hand
+    tokens: int  # batch x steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    model: str
+    batch: int
+    features: str
+    runs: tuple[DecodeRun, ...]  # in the order they ran
+
+    @property
+    def device_ms(self) -> float:
+        return min(r.device_ms for r in self.runs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return max(r.tokens_per_s for r in self.runs)
+
+
+@dataclass(frozen=True)
+class VersusNone:
+    """A row's best figures over `none`'s at the same model and batch size."""
+
+    device_ms: float | None
+    tokens_per_s: float | None
+
+    @property
+    def overhead_percent(self) -> float | None:
+        """Device time added by the features, in % of `none`'s."""
+        return None if self.device_ms is None else (self.device_ms - 1.0) * 100.0
+
+
+class Decoder:
+    """Drives an engine as the overlap loop does: each launch is submitted before the previous
+    one's result is read."""
+
+    def __init__(self, engine: WorkerEngine, prompt_len: int, rng: random.Random) -> None:
+        self.engine = engine
+        self.prompt_len = prompt_len
+        self.rng = rng
+
+    def run(self, features: str, batch: int, steps: int) -> DecodeRun:
+        self.engine.begin_session().result()
+        width = self.prompt_len + steps
+        in_flight: deque[Future[StepResult]] = deque(
+            [self.engine.submit(self._prefill(features, batch, width))]
+        )
+        decoded: list[StepResult] = []
+        for k in range(1, steps + 1):
+            in_flight.append(self.engine.submit(self._decode(k, batch, width)))
+            decoded += self._read(in_flight.popleft())
+        decoded += self._read(in_flight.popleft())
+        done = time.time()
+        device_s = statistics.fmean(r.forward_seconds for r in decoded)
+        return DecodeRun(device_s * 1e3, done - decoded[0].forward_start, batch * steps)
+
+    @staticmethod
+    def _read(future: Future[StepResult]) -> list[StepResult]:
+        """The result, kept only if it is a decode step's (the prefill is step 1)."""
+        result = future.result(timeout=600)
+        return [] if result.step_id == 1 else [result]
+
+    def _prefill(self, features: str, batch: int, width: int) -> Launch:
+        n, backend = self.prompt_len, self.engine.backend
+        p = processing(features, n, backend)
+        ids = [self.rng.randrange(backend.vocab_size) for _ in range(batch * n)]
+        return Launch(
+            1,
+            new_requests=[NewRequest(slot, 0.0, 1.0, 0, 0, p) for slot in range(batch)],
+            row_req_slots=list(range(batch)),
+            row_start_pos=[0] * batch,
+            row_num_tokens=[n] * batch,
+            row_from_future=[False] * batch,
+            row_sample=[True] * batch,
+            prompt_ids=ids,
+            kv_slots=[slot * width + t for slot in range(batch) for t in range(n)],
+        )
+
+    def _decode(self, k: int, batch: int, width: int) -> Launch:
+        """Decode step k: every row's token k - 1 (read from the FutureMap) at position prompt + k - 1."""
+        position = self.prompt_len + k - 1
+        return Launch(
+            k + 1,
+            row_req_slots=list(range(batch)),
+            row_start_pos=[position] * batch,
+            row_num_tokens=[1] * batch,
+            row_from_future=[True] * batch,
+            row_sample=[True] * batch,
+            kv_slots=[slot * width + position for slot in range(batch)],
+        )
+
+
+def engine_for(backend: ModelBackend, plan: EnginePlan) -> WorkerEngine:
+    most = max(plan.batch_sizes)
+    config = EngineConfig(most * (plan.prompt_len + max(plan.steps, WARMUP_STEPS)), most)
+    return WorkerEngine(backend, config, CpuStreams())
+
+
+def measure_model(
+    backend: ModelBackend, model: str, plan: EnginePlan, progress: Progress = lambda line: None
+) -> list[EngineRow]:
+    """Every (batch size, feature set) of the plan on one model: rows by batch, then feature set."""
+    engine = engine_for(backend, plan)
+    decoder = Decoder(engine, plan.prompt_len, random.Random(SEED))
+    rows: list[EngineRow] = []
+    try:
+        for batch in plan.batch_sizes:
+            measured = measure_batch(decoder, model, batch, plan)
+            for row in measured:
+                progress(engine_progress_line(row, versus_none(measured, row)))
+            rows += measured
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def measure_batch(decoder: Decoder, model: str, batch: int, plan: EnginePlan) -> list[EngineRow]:
+    for features in plan.feature_sets:
+        decoder.run(features, batch, WARMUP_STEPS)
+    runs: dict[str, list[DecodeRun]] = {features: [] for features in plan.feature_sets}
+    for _ in range(plan.repeats):
+        for features in plan.feature_sets:
+            runs[features].append(decoder.run(features, batch, plan.steps))
+    return [EngineRow(model, batch, features, tuple(r)) for features, r in runs.items()]
+
+
+def versus_none(rows: Sequence[EngineRow], row: EngineRow) -> VersusNone:
+    none = next((r for r in rows if (r.model, r.batch, r.features) == (row.model, row.batch, "none")), None)
+    if none is None:
+        return VersusNone(None, None)
+    return VersusNone(ratio(row.device_ms, none.device_ms), ratio(row.tokens_per_s, none.tokens_per_s))
+
+
+def load_model(model: str) -> ModelBackend:
+    return load_backend(model, CPU, torch.float32, 0.0, 0.0)
+
+
+def run_engine_part(plan: EnginePlan, progress: Progress) -> list[EngineRow]:
+    torch.set_num_threads(plan.threads)
+    return [row for model in plan.models for row in measure_model(load_model(model), model, plan, progress)]
+
+
+def engine_progress_line(row: EngineRow, vs: VersusNone) -> str:
+    return (
+        f"{row.model} batch {row.batch:>2} {row.features:>9}: {row.device_ms:8.2f} ms/step "
+        f"({_times(vs.device_ms)}), {row.tokens_per_s:9,.1f} tok/s ({_times(vs.tokens_per_s)})"
+    )
+
+
+# ---- part B: the services on the sim ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingRow:
+    features: str
+    repeat: int  # 0, 1, ...: the turn it ran in
+    figures: Figures
+
+
+def serving_configuration() -> Configuration:
+    return Configuration(sim(SERVING_STEP_MS), "overlap", "grpc")
+
+
+def run_serving_part(plan: ServingPlan, progress: Progress) -> list[ServingRow]:
+    """One worker and scheduler for every run: none, all, none, all, ..."""
+    case = Case(serving_configuration(), plan.workload)
+    rows = []
+    with serving(case.configuration) as endpoints:
+        for repeat in range(plan.repeats):
+            for features in ("none", "all"):
+                measured = measure(endpoints, case.workload, 1, loadgen_features(features))
+                rows.append(ServingRow(features, repeat, figures(case, measured)))
+                progress(serving_progress_line(rows[-1]))
+    return rows
+
+
+def serving_progress_line(row: ServingRow) -> str:
+    f = row.figures
+    return (
+        f"sim overlap, {row.features:>4} features, run {row.repeat}: {f.output_tokens_per_s:7,.1f} tok/s, "
+        f"device busy {_number(f.device_busy_fraction, 3)}, {f.failed} failed"
+    )
+
+
+# ---- a run -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingCostRun:
+    plan: Plan
+    started_at: datetime  # UTC
+    machine: Machine
+    torch_threads: int
+    load_average: tuple[float, float, float]  # before part A, after it, after part B
+    engine: tuple[EngineRow, ...]
+    serving: tuple[ServingRow, ...]
+
+
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_plan(plan: Plan, progress: Progress = to_stderr) -> SamplingCostRun:
+    started_at, machine, before = datetime.now(UTC), describe_machine(), load_average()
+    engine = run_engine_part(plan.engine, progress)
+    between = load_average()
+    served = run_serving_part(plan.serving, progress)
+    loads = (before, between, load_average())
+    return SamplingCostRun(
+        plan, started_at, machine, torch.get_num_threads(), loads, tuple(engine), tuple(served)
+    )
+
+
+# ---- targets ---------------------------------------------------------------------------------
+
+
+def overhead_at_target(rows: Sequence[EngineRow]) -> dict[str, float | None]:
+    """Each feature set's device-time overhead (%) on TARGET_MODEL at TARGET_BATCH."""
+    at = [r for r in rows if (r.model, r.batch) == (TARGET_MODEL, TARGET_BATCH) and r.features != "none"]
+    return {r.features: versus_none(rows, r).overhead_percent for r in at}
+
+
+def engine_target_met(rows: Sequence[EngineRow]) -> bool | None:
+    """`all` holds penalties and logprobs (and more): its overhead bounds theirs together."""
+    overhead = overhead_at_target(rows).get("all")
+    return None if overhead is None else overhead <= TARGET_OVERHEAD * 100.0
+
+
+def least_busy_with_features(rows: Sequence[ServingRow]) -> float | None:
+    busy = [r.figures.device_busy_fraction for r in rows if r.features == "all"]
+    known = [b for b in busy if b is not None]
+    return min(known) if known and len(known) == len(busy) else None
+
+
+def serving_target_met(rows: Sequence[ServingRow]) -> bool | None:
+    busy = least_busy_with_features(rows)
+    return None if busy is None else busy >= TARGET_BUSY
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+
+def to_json(run: SamplingCostRun, command: str) -> dict[str, Any]:
+    return {
+        "started_at": run.started_at.isoformat(timespec="seconds"),
+        "command": command,
+        "plan": asdict(run.plan),
+        "machine": run.machine,
+        "torch_threads": run.torch_threads,
+        "load_average_1m": dict(
+            zip(("before", "after_engine", "after_serving"), run.load_average, strict=True)
+        ),
+        "engine": [_engine_json(run.engine, r) for r in run.engine],
+        "serving": {
+            "worker_args": list(serving_configuration().device.worker_args),
+            "scheduler_args": list(serving_configuration().scheduler_args),
+            "features": {name: asdict(loadgen_features(name)) for name in ("none", "all")},
+            "runs": [
+                {"features": r.features, "repeat": r.repeat, "figures": asdict(r.figures)}
+                for r in run.serving
+            ],
+        },
+        "targets": _targets_json(run),
+    }
+
+
+def _engine_json(rows: Sequence[EngineRow], r: EngineRow) -> dict[str, Any]:
+    vs = versus_none(rows, r)
+    return {
+        "model": r.model,
+        "batch": r.batch,
+        "features": r.features,
+        "device_ms_per_step": r.device_ms,
+        "decode_tokens_per_s": r.tokens_per_s,
+        "device_ms_over_none": vs.device_ms,
+        "tokens_per_s_over_none": vs.tokens_per_s,
+        "runs": [{**asdict(run), "tokens_per_s": run.tokens_per_s} for run in r.runs],
+    }
+
+
+def _targets_json(run: SamplingCostRun) -> dict[str, Any]:
+    return {
+        "engine": {
+            "model": TARGET_MODEL,
+            "batch": TARGET_BATCH,
+            "overhead_percent_at_most": TARGET_OVERHEAD * 100.0,
+            "checked_on": "all",
+            "overhead_percent": overhead_at_target(run.engine),
+            "met": engine_target_met(run.engine),
+        },
+        "serving": {
+            "busy_at_least": TARGET_BUSY,
+            "least_busy_with_all": least_busy_with_features(run.serving),
+            "met": serving_target_met(run.serving),
+        },
+    }
+
+
+def to_markdown(run: SamplingCostRun, command: str) -> str:
+    m, before, between, after = run.machine, *run.load_average
+    lines = [
+        f"# Sampling features: their cost on the model and the services, {run.started_at:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
+        f"Python {m.get('python')}, torch {m.get('torch')}, commit {str(m.get('git_commit'))[:10]}"
+        f"{' (modified)' if m.get('git_dirty') else ''}; {run.torch_threads} torch threads; "
+        f"1-minute load average {before} before, {between} after part A, {after} after part B.",
+        "",
+        "## A. The model, in process",
+        "",
+        *engine_table(run.engine),
+        "",
+        *engine_notes(run.plan.engine),
+        *engine_target_lines(run.engine),
+        "",
+        "## B. The services, on the sim",
+        "",
+        *serving_table(run.serving),
+        "",
+        *serving_notes(run.plan.serving),
+        *serving_target_lines(run.serving),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def engine_table(rows: Sequence[EngineRow]) -> list[str]:
+    header = "| model | batch | features | device ms/step | vs none | decode tok/s | vs none |"
+    return [
+        header,
+        "|---|---:|---|---:|---:|---:|---:|",
+        *(_engine_row(r, versus_none(rows, r)) for r in rows),
+    ]
+
+
+def _engine_row(r: EngineRow, vs: VersusNone) -> str:
+    cells = [
+        r.model,
+        str(r.batch),
+        r.features,
+        _number(r.device_ms, 2),
+        _times(vs.device_ms),
+        _number(r.tokens_per_s, 1),
+        _times(vs.tokens_per_s),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def engine_notes(plan: EnginePlan) -> list[str]:
+    return [
+        f"- float32 on the CPU; batch B: B greedy requests, {plan.prompt_len}-token random prompts, "
+        f"{plan.steps} decode steps each launched one step ahead (FutureMap inputs); best of "
+        f"{plan.repeats} runs per row, the sets in turns after a {WARMUP_STEPS}-step warmup round",
+        "- device ms/step: mean forward_end - forward_start over a run's decode steps (the forward "
+        "thread's whole step); decode tok/s: B x steps over first decode forward start to last result",
+        f"- penalties: repetition {REPETITION}, presence {PRESENCE}, frequency {FREQUENCY}; logprobs: "
+        f"top {TOP_LOGPROBS}; all: both, min_tokens {MIN_TOKENS} (EOS stopped), logit_bias of {BIAS_IDS} ids",
+        "- vs none: the row's figure over `none`'s at the same model and batch",
+    ]
+
+
+def engine_target_lines(rows: Sequence[EngineRow]) -> Iterator[str]:
+    overhead, met = overhead_at_target(rows), engine_target_met(rows)
+    if met is None:
+        target = f"penalties + logprobs <= {TARGET_OVERHEAD:.0%}"
+        yield f"- target ({target}): not measured, no {TARGET_MODEL} rows at batch {TARGET_BATCH}"
+        return
+    listed = ", ".join(f"{name} {_percent(value)}" for name, value in overhead.items())
+    verdict = "met" if met else "not met"
+    yield (
+        f"- forward overhead on {TARGET_MODEL} at batch {TARGET_BATCH}: {listed}; target penalties + "
+        f"logprobs <= {TARGET_OVERHEAD:.0%} (checked on `all`, which holds both): {verdict}"
+    )
+
+
+def serving_table(rows: Sequence[ServingRow]) -> list[str]:
+    header = (
+        "| features | run | output tok/s | of ideal | device busy | mean forward ms | mean gap ms "
+        "| tokens/step | completed | failed |"
+    )
+    return [header, "|---|---:|" + "---:|" * 8, *(_serving_row(r) for r in rows)]
+
+
+def _serving_row(r: ServingRow) -> str:
+    f = r.figures
+    cells = [
+        r.features,
+        str(r.repeat),
+        _number(f.output_tokens_per_s, 1),
+        _number(f.fraction_of_ideal, 3),
+        _number(f.device_busy_fraction, 3),
+        _number(f.mean_forward_ms, 2),
+        _number(f.mean_device_gap_ms, 3),
+        _number(f.tokens_per_step, 1),
+        str(f.completed),
+        str(f.failed),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def serving_notes(plan: ServingPlan) -> list[str]:
+    args = " ".join(serving_configuration().device.worker_args)
+    return [
+        f"- worker `{args}`, scheduler `--mode overlap` over gRPC; {plan.prompts} requests per run, a "
+        f"closed loop at concurrency {plan.concurrency}, {plan.input_len}-token prompts (random ids), "
+        f"exactly {plan.output_len} new tokens (ignore_eos); warmup: concurrency x 8 tokens, same features",
+        f"- all: repetition {REPETITION}, presence {PRESENCE}, frequency {FREQUENCY}, "
+        f"min_tokens {MIN_TOKENS}, logprobs {TOP_LOGPROBS}, logit_bias of {BIAS_IDS} ids (the sim "
+        "applies only the log-probabilities)",
+        "- of ideal: output tok/s over concurrency / step time; device busy: forward time over busy + idle",
+    ]
+
+
+def serving_target_lines(rows: Sequence[ServingRow]) -> Iterator[str]:
+    busy, met = least_busy_with_features(rows), serving_target_met(rows)
+    verdict = NONE if met is None else ("met" if met else "not met")
+    yield f"- target: device busy >= {TARGET_BUSY} with all features: least {_number(busy, 3)}, {verdict}"
+    for r in rows:
+        if r.figures.failed:
+            yield f"- **{r.figures.failed} requests failed** in run {r.repeat} with {r.features} features"
+
+
+def _number(value: float | None, digits: int) -> str:
+    return NONE if value is None else f"{value:,.{digits}f}"
+
+
+def _times(value: float | None) -> str:
+    return NONE if value is None else f"{value:.3f}x"
+
+
+def _percent(value: float | None) -> str:
+    return NONE if value is None else f"{value:+.1f}%"
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.sampling_cost", description=__doc__)
+    p.add_argument(
+        "--quick", action="store_true", help=f"a smoke run: {describe(QUICK)} (default: {describe(FULL)})"
+    )
+    p.add_argument("--threads", type=int, default=EnginePlan.threads, help="torch CPU threads for part A")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
+    return p.parse_args(argv)
+
+
+def describe(plan: Plan) -> str:
+    e, s = plan.engine, plan.serving
+    batches = ", ".join(map(str, e.batch_sizes))
+    return f"batches {batches}, {e.steps} steps, best of {e.repeats}; {s.prompts} requests x {s.repeats}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = command_line("bench.sampling_cost", argv)
+    plan = QUICK if args.quick else FULL
+    run = run_plan(replace(plan, engine=replace(plan.engine, threads=args.threads)))
+    publish(NAME, run.started_at, to_json(run, command), to_markdown(run, command), args.out)
+
+
+if __name__ == "__main__":
+    main()
