@@ -1,0 +1,174 @@
+"""A radix tree over token ids whose nodes own KV slots: the prefix cache's bookkeeping.
+
+Synchronous, free of gRPC, asyncio and torch; the scheduling policy drives it. A node's key is
+a run of token ids and its value the KV slots that hold them, one per token, position by
+position from the root: a path from the root spells a prefix and names the slots of its KV.
+
+    match(ids)               the longest cached prefix of `ids` (its slots and its last node)
+    lock(node) / unlock(...) a live request uses the path to `node`: not evictable meanwhile
+    insert(ids, slots)       cache a computed prefix; returns how many of `slots` it did not take
+    evict(n)                 free up to `n` slots of unreferenced leaves, least recently used first
+
+Invariants the policy relies on (tests/test_radix_cache.py checks them against a brute-force
+model of the cache):
+- A slot the tree holds is never written: the tree only takes slots whose KV is computed, and
+  gives a slot back (`evict`) only when no live request references its node.
+- `insert` never remaps: a prefix already cached keeps its slots, and the inserting request's
+  duplicates stay its own (the caller frees them with the request). So a launched batch always
+  reads the slots it was launched with.
+- Every cached prefix's parent prefix is cached (the tree is prefix-closed); `evict` takes
+  leaves only, so this holds after it too.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: list[int] = field(default_factory=list)  # token ids of this edge
+    slots: list[int] = field(default_factory=list)  # their KV slots, one each
+    parent: RadixNode | None = None
+    children: dict[int, RadixNode] = field(default_factory=dict)  # by the child key's first id
+    refs: int = 0  # live requests whose matched or inserted prefix runs through this node
+    last_use: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest cached prefix: its KV slots, and the node it ends in (the root: none)."""
+
+    slots: list[int]
+    node: RadixNode
+
+    @property
+    def length(self) -> int:
+        return len(self.slots)
+
+
+class RadixCache:
+    def __init__(self) -> None:
+        self.root = RadixNode()
+        self.size = 0  # slots held by the tree
+        self.evictable = 0  # of them, in nodes no live request references
+        self._clock = itertools.count(1)
+
+    def match(self, ids: Sequence[int]) -> Match:
+        """The longest prefix of `ids` in the tree; a node that matches only part of its key is
+        split, so the match always ends at a node boundary."""
+        node, slots, i = self.root, [], 0
+        now = next(self._clock)
+        while i < len(ids) and (child := node.children.get(ids[i])) is not None:
+            shared = _shared_length(child.key, ids, i)
+            if shared < len(child.key):
+                child = self._split(child, shared)
+            slots.extend(child.slots)
+            child.last_use = now
+            node, i = child, i + shared
+        return Match(slots, node)
+
+    def lock(self, node: RadixNode) -> None:
+        """A live request uses the prefix ending at `node`: none of its path may be evicted."""
+        for n in _path(node):
+            if n.refs == 0:
+                self.evictable -= len(n.slots)
+            n.refs += 1
+
+    def unlock(self, node: RadixNode) -> None:
+        for n in _path(node):
+            n.refs -= 1
+            if n.refs == 0:
+                self.evictable += len(n.slots)
+            assert n.refs >= 0, "unlocked more often than locked"
+
+    def insert(self, ids: Sequence[int], slots: Sequence[int]) -> tuple[RadixNode, int]:
+        """Cache `ids` whose KV is in `slots` (one each). Returns the node it ends in and how
+        many leading entries of `slots` the tree did not take: their prefix was cached already
+        (with other slots, which it keeps), so they stay the caller's."""
+        assert len(ids) == len(slots), "one KV slot per token"
+        match = self.match(ids)
+        taken_from = match.length
+        if taken_from == len(ids):
+            return match.node, taken_from
+        leaf = RadixNode(list(ids[taken_from:]), list(slots[taken_from:]), match.node)
+        leaf.last_use = next(self._clock)
+        match.node.children[leaf.key[0]] = leaf
+        self.size += len(leaf.slots)
+        self.evictable += len(leaf.slots)
+        return leaf, taken_from
+
+    def evict(self, wanted: int) -> list[int]:
+        """Free at least `wanted` slots if that many are evictable (else all that are): whole
+        unreferenced leaves, least recently used first; a parent left childless and unreferenced
+        becomes a leaf in its turn."""
+        freed: list[int] = []
+        order = itertools.count()  # ties in last use go oldest-found first
+        leaves = [(n.last_use, next(order), n) for n in self._nodes() if n.is_leaf and n.refs == 0]
+        heapq.heapify(leaves)
+        while len(freed) < wanted and leaves:
+            leaf = heapq.heappop(leaves)[2]
+            freed.extend(self._remove(leaf))
+            parent = leaf.parent
+            if parent is not None and parent is not self.root and parent.is_leaf and parent.refs == 0:
+                heapq.heappush(leaves, (parent.last_use, next(order), parent))
+        return freed
+
+    def reset(self) -> list[int]:
+        """Forget everything (a new worker session: the KV is gone); returns the slots held.
+        Only while no live request holds a lock."""
+        assert self.evictable == self.size, "reset with prefixes in use"
+        slots = [s for n in self._nodes() for s in n.slots]
+        self.root, self.size, self.evictable = RadixNode(), 0, 0
+        return slots
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut `node`'s key after `at` ids; the new upper node keeps its references."""
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.key)
+        upper = RadixNode(node.key[:at], node.slots[:at], parent, {}, node.refs, node.last_use)
+        parent.children[upper.key[0]] = upper
+        node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
+        upper.children[node.key[0]] = node
+        return upper
+
+    def _remove(self, leaf: RadixNode) -> list[int]:
+        assert leaf.parent is not None and leaf.is_leaf and leaf.refs == 0
+        del leaf.parent.children[leaf.key[0]]
+        self.size -= len(leaf.slots)
+        self.evictable -= len(leaf.slots)
+        return leaf.slots
+
+    def _nodes(self) -> list[RadixNode]:
+        """Every node but the root."""
+        found, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(node.children.values())
+        return found
+
+
+def _shared_length(key: list[int], ids: Sequence[int], start: int) -> int:
+    n = 0
+    for a, b in zip(key, itertools.islice(ids, start, None), strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _path(node: RadixNode) -> list[RadixNode]:
+    """`node` and its ancestors, the root excluded."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path

@@ -1,0 +1,133 @@
+"""The prefix cache's radix tree against a brute-force model: every cached prefix and its KV
+slot, under random sequences of insert, match, lock, unlock and evict."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from scheduler_svc.radix_cache import RadixCache, RadixNode
+
+Prefix = tuple[int, ...]
+
+
+class Model:
+    """Every cached prefix -> the KV slot of its last token; the locks, as prefixes."""
+
+    def __init__(self) -> None:
+        self.cached: dict[Prefix, int] = {}
+        self.locks: list[tuple[RadixNode, Prefix]] = []
+
+    def cached_length(self, ids: list[int]) -> int:
+        n = 0
+        while n < len(ids) and tuple(ids[: n + 1]) in self.cached:
+            n += 1
+        return n
+
+    def insert(self, ids: list[int], slots: list[int]) -> int:
+        taken_from = self.cached_length(ids)
+        for i in range(taken_from, len(ids)):
+            self.cached[tuple(ids[: i + 1])] = slots[i]
+        return taken_from
+
+    def locked_prefixes(self) -> set[Prefix]:
+        return {p[:i] for _, p in self.locks for i in range(1, len(p) + 1)}
+
+    def evictable(self) -> int:
+        locked = self.locked_prefixes()
+        return sum(p not in locked for p in self.cached)
+
+
+def random_ids(rng: random.Random, stems: list[list[int]]) -> list[int]:
+    """A prompt that often shares a stem (a system prompt) and a bit more with earlier ones."""
+    stem = rng.choice(stems)[: rng.randint(0, 12)]
+    return stem + [rng.randrange(6) for _ in range(rng.randint(1 if not stem else 0, 8))] or [0]
+
+
+def check_tree(cache: RadixCache, model: Model) -> None:
+    """Same prefixes, same slots, prefix-closed, sizes exact, every slot held once."""
+    assert cache.size == len(model.cached)
+    assert cache.evictable == model.evictable()
+    for prefix, slot in model.cached.items():
+        assert prefix[:-1] == () or prefix[:-1] in model.cached
+        assert cache.match(list(prefix)).slots[-1] == slot
+    assert len(set(model.cached.values())) == len(model.cached)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_operations_agree_with_the_brute_force_model(seed: int) -> None:
+    rng = random.Random(seed)
+    cache, model = RadixCache(), Model()
+    stems = [[rng.randrange(6) for _ in range(12)] for _ in range(3)]
+    next_slot, free = 0, 0  # slots handed out, and given back (by eviction or not taken)
+    for _ in range(400):
+        op = rng.random()
+        ids = random_ids(rng, stems)
+        if op < 0.35:
+            slots = list(range(next_slot, next_slot + len(ids)))
+            next_slot += len(ids)
+            node, not_taken = cache.insert(ids, slots)
+            assert not_taken == model.insert(ids, slots)
+            free += not_taken
+            if rng.random() < 0.5:
+                cache.lock(node)
+                model.locks.append((node, tuple(ids)))
+        elif op < 0.6:
+            match = cache.match(ids)
+            n = model.cached_length(ids)
+            assert match.slots == [model.cached[tuple(ids[: i + 1])] for i in range(n)]
+            if n and rng.random() < 0.5:
+                cache.lock(match.node)
+                model.locks.append((match.node, tuple(ids[:n])))
+        elif op < 0.8 and model.locks:
+            node, _ = model.locks.pop(rng.randrange(len(model.locks)))
+            cache.unlock(node)
+        else:
+            wanted, evictable = rng.randint(1, 20), model.evictable()
+            locked = model.locked_prefixes()
+            freed = cache.evict(wanted)
+            assert len(freed) >= wanted if evictable >= wanted else len(freed) == evictable
+            gone = {p for p, s in model.cached.items() if s in set(freed)}
+            assert len(gone) == len(freed) and not gone & locked, "only unlocked prefixes go"
+            for prefix in gone:
+                del model.cached[prefix]
+            free += len(freed)
+        check_tree(cache, model)
+    assert free + cache.size == next_slot, "every slot handed out is cached or given back"
+    for node, _ in model.locks:
+        cache.unlock(node)
+    assert cache.evictable == cache.size
+    assert sorted(cache.reset()) == sorted(model.cached.values()) and cache.size == 0
+
+
+def test_eviction_takes_the_least_recently_used_leaf_first() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12])
+    cache.insert([1, 2, 4], [20, 21, 22])  # shares [1, 2]: its first two slots stay the caller's
+    cache.insert([5], [30])
+    cache.match([1, 2, 3])  # now the most recently used
+    assert cache.evict(1) == [22]
+    assert cache.evict(1) == [30]
+    assert Counter(cache.evict(10)) == Counter([12, 10, 11])
+    assert cache.size == cache.evictable == 0
+
+
+def test_a_locked_prefix_survives_any_eviction_and_its_split_keeps_the_lock() -> None:
+    cache = RadixCache()
+    node, _ = cache.insert([1, 2, 3, 4], [0, 1, 2, 3])
+    cache.lock(node)
+    cache.insert([1, 2, 9], [4, 5, 6])  # splits [1, 2, 3, 4] after [1, 2]
+    assert cache.evict(100) == [6]
+    assert cache.match([1, 2, 3, 4]).slots == [0, 1, 2, 3]
+    cache.unlock(node)
+    assert sorted(cache.evict(100)) == [0, 1, 2, 3]
+
+
+def test_insert_never_remaps_a_cached_prefix() -> None:
+    cache = RadixCache()
+    cache.insert([7, 8], [0, 1])
+    node, not_taken = cache.insert([7, 8, 9], [5, 6, 7])
+    assert not_taken == 2  # slots 5 and 6 stay the inserting request's
+    assert cache.match([7, 8, 9]).slots == [0, 1, 7] and node.slots == [7]
