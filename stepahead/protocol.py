@@ -75,6 +75,7 @@ class NewRequest:
     top_k: int
     seed: int
     processing: LogitsProcessing | None = None  # None: plain sampling
+    prefix_kv_slots: tuple[int, ...] = ()  # KV of positions 0.. computed already (prefix cache)
 
 
 @dataclass
@@ -237,7 +238,12 @@ def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
 
 def new_request_to_proto(r: NewRequest) -> worker_pb2.NewRequest:
     msg = worker_pb2.NewRequest(
-        req_slot=r.req_slot, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed
+        req_slot=r.req_slot,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=r.seed,
+        prefix_kv_slots=r.prefix_kv_slots,
     )
     p = r.processing
     if p is not None:
@@ -273,7 +279,8 @@ def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequest:
             logprobs=p.logprobs,
             top_logprobs=p.top_logprobs,
         )
-    return NewRequest(msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing)
+    prefix = tuple(msg.prefix_kv_slots)
+    return NewRequest(msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing, prefix)
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:

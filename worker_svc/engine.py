@@ -468,6 +468,17 @@ class WorkerEngine:
             self._slots.release(launch.released_slots)
         if launch.new_requests:
             self._slots.register(launch.new_requests, self.streams)
+            self._map_cached_prefixes(launch.new_requests)
+
+    def _map_cached_prefixes(self, requests: list[NewRequest]) -> None:
+        """A request's cached prefix: its first positions read the KV slots earlier requests
+        computed (one transfer, only when some request has one)."""
+        entries = [(r.req_slot, pos, kv) for r in requests for pos, kv in enumerate(r.prefix_kv_slots)]
+        if not entries:
+            return
+        columns = [[e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]]
+        slots, positions, kv_slots = to_device_columns(columns, self.streams.device, self.streams)
+        self._req_to_token.index_put_((slots, positions), kv_slots)
 
     def _check_live_rows(self, launch: Launch) -> None:
         """Every row's request slot is registered once the launch's slot deltas apply."""

@@ -62,6 +62,7 @@ def check_launch(launch: Launch, limits: LaunchLimits) -> None:
     _check_slot_deltas(launch, limits.request_slots)
     for i, request in enumerate(launch.new_requests):
         _check_sampling(i, request)
+        _check_prefix(i, request, limits)
         if request.processing is not None:
             _check_processing(f"new_requests[{i}].processing", request.processing, limits)
 
@@ -129,6 +130,13 @@ def _check_sampling(i: int, r: NewRequest) -> None:
         raise LaunchError(f"new_requests[{i}].top_p: must be in (0, 1], got {r.top_p}")
     if r.top_k < 0:
         raise LaunchError(f"new_requests[{i}].top_k: must be >= 0, got {r.top_k}")
+
+
+def _check_prefix(i: int, r: NewRequest, limits: LaunchLimits) -> None:
+    """A cached prefix fits the context (a token is left to compute) and names pool slots."""
+    field = f"new_requests[{i}].prefix_kv_slots"
+    _check_count(field, len(r.prefix_kv_slots), limits.max_context_len - 1, "the context length less one")
+    _check_range(field + "[{}]", r.prefix_kv_slots, limits.kv_slots, "the KV pool")
 
 
 def _check_processing(field: str, p: LogitsProcessing, limits: LaunchLimits) -> None:
