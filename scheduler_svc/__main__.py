@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "next step); more get RESOURCE_EXHAUSTED at once",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="compute every prompt in full: no reuse of the KV of cached prefixes",
+    )
+    p.add_argument(
         "--worker-retry-timeout",
         type=float,
         default=CoreConfig.worker_retry_timeout_s,
@@ -216,7 +222,7 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 def core_config(args: argparse.Namespace) -> CoreConfig:
     return CoreConfig(
         args.mode,
-        PolicyConfig(args.max_batch_tokens, args.max_running, args.max_waiting),
+        PolicyConfig(args.max_batch_tokens, args.max_running, args.max_waiting, args.prefix_cache),
         worker_retry_timeout_s=args.worker_retry_timeout,
         worker_step_timeout_s=args.worker_step_timeout,
         late_pick=LatePickConfig(enabled=args.late_pick),

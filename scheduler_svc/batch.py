@@ -53,8 +53,9 @@ class ScheduledBatch:
         assert req.req_slot is not None
         p = req.params
         processing = logits_processing(req, eos_token_ids) if p.processes_logits else None
+        prefix = tuple(req.kv_slots[: req.num_computed])  # a cached prefix, reused
         self.launch.new_requests.append(
-            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing)
+            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing, prefix)
         )
 
     def _add_row(self, req: Request, start: int, n: int, from_future: bool, sample: bool) -> None:

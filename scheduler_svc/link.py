@@ -50,7 +50,7 @@ def core_server_info(core: EngineCore) -> generation_pb2.GetServerInfoResponse:
     response = generation_pb2.GetServerInfoResponse(
         version=stepahead.__version__,
         mode=core.config.mode,
-        kv_slots_free=p.kv.num_free,
+        kv_slots_free=p.cache.reclaimable,
         request_slots_free=p.req_slots.num_free,
         requests_running=len(p.running),
         requests_waiting=len(p.waiting),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from scheduler_svc.allocator import SlotAllocator
 from scheduler_svc.batch import SampledRow, ScheduledBatch
 from scheduler_svc.outputs import Outbox, OutputSink, TokenLogprob
+from scheduler_svc.prefix_cache import PrefixCache
 from scheduler_svc.request import MAX_COMPLETIONS, FinishReason, Request
 from scheduler_svc.telemetry import SchedulerTelemetry
 from stepahead.protocol import Launch, StepLogprobs, WorkerInfo
@@ -32,6 +33,7 @@ class PolicyConfig:
     max_batch_tokens: int = 512  # token budget of one step; longer prompts are chunked
     max_running: int = 0  # 0: as many as the worker has request slots
     max_waiting: int = 1024  # new requests beyond this many waiting ones are refused
+    prefix_cache: bool = True  # reuse the KV of cached prefixes (scheduler_svc/prefix_cache.py)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class SchedulingPolicy:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.kv = SlotAllocator(0, "kv slots")
         self.req_slots = SlotAllocator(0, "request slots")
+        self.cache = PrefixCache(self.kv, config.prefix_cache, telemetry)
         self._pending_releases: list[int] = []
         self._next_step_id = 1
         self._arrivals = 0
@@ -158,7 +161,7 @@ class SchedulingPolicy:
                 need = min(req.num_known - req.num_computed, budget - batch.num_tokens)
             else:
                 continue
-            if not self.kv.can_allocate(need):
+            if not self.cache.make_room(need):
                 preempted = True
                 if not self._preempt_until_free(need, req):
                     break
@@ -169,17 +172,31 @@ class SchedulingPolicy:
         """First come, first served: stop at the first request that does not fit."""
         while self.waiting and budget > 0 and self.req_slots.num_free:
             req = self.waiting[0]
-            chunk = min(req.num_known, budget)
-            # Leave one KV slot per running request for its next decode.
-            if not self.kv.can_allocate(chunk + len(self.running)):
+            if not self._reserve_kv(req, budget):
                 break
             self.waiting.popleft()
+            chunk = min(req.num_known - req.num_computed, budget)
             self._note_first_scheduled(req)
             req.req_slot = self.req_slots.allocate_one()
             self.running.append(req)
             batch.register(req, self.eos_token_ids)
             self._add_row(batch, req, chunk)
             budget -= chunk
+
+    def _reserve_kv(self, req: Request, budget: int) -> bool:
+        """Whether the waiting `req` fits: its first chunk past any cached prefix it reuses, and
+        one KV slot per running request for its next decode. The prefix is locked first, so
+        making room never evicts it; it is let go again when `req` does not fit."""
+        match = self.cache.lookup(req)
+        if match is not None:
+            self.cache.reuse(req, match)
+        chunk = min(req.num_known - req.num_computed, budget)
+        if self.cache.make_room(chunk + len(self.running)):
+            return True
+        if match is not None:
+            self.cache.release(req, computed=False)
+            req.kv_slots, req.num_computed = [], 0
+        return False
 
     def _note_first_scheduled(self, req: Request) -> None:
         if req.first_scheduled_time is None:  # not again on a recompute
@@ -203,7 +220,7 @@ class SchedulingPolicy:
     def _preempt_until_free(self, need: int, req: Request) -> bool:
         """Preempt the latest arrivals until `need` KV slots are free; False if
         `req` itself had to go."""
-        while not self.kv.can_allocate(need):
+        while not self.cache.make_room(need):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -215,17 +232,18 @@ class SchedulingPolicy:
         self.telemetry.preemptions.inc()
         self._requeue_for_recompute(req)
 
-    def _requeue_for_recompute(self, req: Request) -> None:
+    def _requeue_for_recompute(self, req: Request, computed: bool = True) -> None:
         """Back to the head of the queue, to be recomputed from prompt + processed output.
 
         NOTE: its in-flight token is dropped (the attempt changes) and sampled
         again on recompute; greedy and seeded sampling give the same token.
         """
-        self._release(req)
+        self._release(req, computed)
         self.running.remove(req)
         req.attempt += 1
         req.num_computed = 0
         req.num_inflight = 0
+        req.prompt_kept = False
         self.waiting.appendleft(req)
 
     # ---- process -----------------------------------------------------------------------
@@ -248,6 +266,9 @@ class SchedulingPolicy:
             return
         req.num_inflight -= 1
         req.output_ids.append(token)
+        if not req.prompt_kept:  # its prefill is computed: later arrivals may reuse it
+            self.cache.keep(req, min(req.num_computed, req.num_known))
+            req.prompt_kept = True
         finish = self._token_finish(req, token)
         self.outbox.token(req, token, finish, logprob)
         if finish is not None:
@@ -268,8 +289,9 @@ class SchedulingPolicy:
         t = self.telemetry
         t.running.set(len(self.running))
         t.waiting.set(len(self.waiting))
-        if self.kv.capacity:
-            t.kv_usage.set(self.kv.num_used / self.kv.capacity)
+        t.cache_slots.set(self.cache.tree.size)
+        if self.kv.capacity:  # slots only the prefix cache holds are free for the asking
+            t.kv_usage.set((self.kv.capacity - self.cache.reclaimable) / self.kv.capacity)
 
     # ---- endings -----------------------------------------------------------------------
 
@@ -283,8 +305,9 @@ class SchedulingPolicy:
         self._release(req)
         self._forget(req)
 
-    def _release(self, req: Request) -> None:
-        """Free the request's slots now, even if a batch in flight still holds it.
+    def _release(self, req: Request, computed: bool = True) -> None:
+        """Free the request's slots now, even if a batch in flight still holds it; the prefix
+        cache keeps what it computed (unless the worker session that holds its KV is gone).
 
         NOTE: safe because the worker runs batches in launch order: every batch
         that can reuse these slots runs after the in-flight ones that hold them.
@@ -294,7 +317,7 @@ class SchedulingPolicy:
             self._pending_releases.append(req.req_slot)
             req.req_slot = None
         if req.kv_slots:
-            self.kv.free(req.kv_slots)
+            self.kv.free(self.cache.release(req, computed))
             req.kv_slots = []
 
     def _forget(self, req: Request) -> None:
@@ -312,6 +335,7 @@ class SchedulingPolicy:
         running_cap = min(info.request_slots, self.config.max_running or info.request_slots)
         self.kv = SlotAllocator(info.kv_slots, "kv slots")
         self.req_slots = SlotAllocator(running_cap, "request slots")
+        self.cache = PrefixCache(self.kv, self.config.prefix_cache, self.telemetry)  # the KV is gone
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self._pending_releases = []
         self._next_step_id = 1
@@ -324,12 +348,12 @@ class SchedulingPolicy:
         gone) and their requests' attempts change, so none of them is applied.
         """
         for req in reversed(list(self.running)):
-            self._requeue_for_recompute(req)
+            self._requeue_for_recompute(req, computed=False)
 
     def fail_all(self, why: str) -> None:
         """End every live request with UNAVAILABLE: none is dropped silently."""
         for req in list(self.requests.values()):
-            self._release(req)
+            self._release(req, computed=False)
             self._forget(req)
             req.finish_reason = FinishReason.ABORT
             self.outbox.error(req, "UNAVAILABLE", why)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler_svc.outputs import OutputSink
+    from scheduler_svc.radix_cache import RadixNode
 
 
 class FinishReason(enum.IntEnum):
@@ -61,6 +62,11 @@ class SamplingParams:
             or bool(self.logit_bias)
         )
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the worker's penalties read the request's tokens."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def stop_finishes(self, num_generated: int) -> bool:
         """EOS, stop tokens and stop strings end the request only after min_tokens tokens."""
         return num_generated >= self.min_tokens
@@ -88,6 +94,10 @@ class Request:
     num_inflight: int = 0
     req_slot: int | None = None
     kv_slots: list[int] = field(default_factory=list)
+    tree_slots: set[int] = field(default_factory=set)  # of kv_slots, those the prefix cache holds
+    cache_node: RadixNode | None = None  # where its cached prefix ends (locked while it lives)
+    prompt_kept: bool = False  # this attempt's prefill is in the prefix cache
+    cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     attempt: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.time)

@@ -88,6 +88,14 @@ class SchedulerTelemetry:
         self.worker_connected = gauge("stepahead_worker_connected", "1 while a worker session is up.")
         self.prompt_tokens = counter("stepahead_prompt_tokens", "Prompt tokens of admitted requests.")
         self.preemptions = counter("stepahead_preemptions", "Requests preempted for KV and recomputed.")
+        self.cache_hit_tokens = counter(
+            "stepahead_prefix_cache_hit_tokens",
+            "Prompt tokens of admitted requests found in the prefix cache.",
+        )
+        self.cache_slots = gauge("stepahead_prefix_cache_slots", "KV slots the prefix cache holds.")
+        self.cache_evicted_slots = counter(
+            "stepahead_prefix_cache_evicted_slots", "KV slots evicted from the prefix cache for new work."
+        )
         self.dropped_inflight_tokens = counter(
             "stepahead_dropped_inflight_tokens",
             "Tokens sampled for requests that ended while their batch was in flight (never streamed).",

@@ -128,12 +128,13 @@ async def serve_workload(
     late_pick: bool = False,
     sim_step_ms: float = 1.0,
     device: torch.device = CPU,
+    prefix_cache: bool = True,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport, wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device)
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
-        policy=PolicyConfig(max_batch_tokens=max_batch_tokens),
+        policy=PolicyConfig(max_batch_tokens=max_batch_tokens, prefix_cache=prefix_cache),
         late_pick=LatePickConfig(enabled=late_pick),
     )
     served, task = await start_core(InProcessTransport(engine), config)

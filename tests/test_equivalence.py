@@ -64,9 +64,11 @@ def check_client_views(items: list[WorkItem], views: dict[str, ClientView]) -> N
 
 
 def check_drained(core: EngineCore, engine: WorkerEngine) -> None:
-    """Every KV and request slot free; the sentinel never read; launch order kept."""
-    policy = core.policy
-    assert policy.kv.num_used == 0 and policy.kv.num_free == policy.kv.capacity
+    """Every KV slot free or held, unreferenced, by the prefix cache; every request slot free;
+    the sentinel never read; launch order kept."""
+    policy, tree = core.policy, core.policy.cache.tree
+    assert policy.kv.num_free + tree.size == policy.kv.capacity
+    assert tree.evictable == tree.size, "a cached prefix is still referenced after the drain"
     assert policy.req_slots.num_used == 0
     assert not policy.running and not policy.waiting and not policy.requests
     assert not core.result_queue

@@ -1,0 +1,99 @@
+"""The prefix cache under both loops: outputs identical with the cache on and off on a
+workload of heavy prefix sharing (shared system prompts, multi-turn chats that resend their
+history, n > 1), with aborts, chunked prefills of cached and uncached parts, preemptions and
+eviction pressure; and after the drain every KV slot is free or held, unreferenced, by the tree."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scheduler_svc.__main__ import core_config, parse_args
+from scheduler_svc.core import EngineCore
+from scheduler_svc.request import FinishReason
+from tests.harness import ClientView, WorkItem, params, serve_workload
+from tests.test_equivalence import check_drained
+from tests.test_sampling_equivalence import assert_same_outputs
+
+pytestmark = pytest.mark.anyio
+
+
+def shared_prefix_workload(count: int, seed: int) -> list[WorkItem]:
+    """System prompts shared by many requests, chats that resend a growing history, a few
+    requests with n > 1 or penalties, and client aborts."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(32, 127) for _ in range(rng.randint(60, 180))] for _ in range(3)]
+    history: list[int] = []
+    items = []
+    for i in range(count):
+        kind = rng.random()
+        if kind < 0.3:  # the next turn of one conversation: its whole history again, and more
+            history = history + [rng.randrange(32, 127) for _ in range(rng.randint(4, 20))]
+            prompt = systems[0] + history
+        else:
+            prompt = rng.choice(systems) + [rng.randrange(32, 127) for _ in range(rng.randint(1, 24))]
+        p = params(rng.randint(1, 24), ignore_eos=rng.random() < 0.5, seed=rng.getrandbits(63))
+        if rng.random() < 0.2:
+            p = replace(p, temperature=1.0)
+        if rng.random() < 0.1:
+            p = replace(p, frequency_penalty=1.0)  # penalized: computes its whole prompt
+        abort_after = rng.randint(1, 4) if rng.random() < 0.1 else None
+        n = 2 if rng.random() < 0.1 else 1
+        items.append(WorkItem(f"p{i}", prompt, p, rng.expovariate(1 / 0.004), abort_after, n))
+    return items
+
+
+async def serve(mode: str, items: list[WorkItem], cache: bool) -> tuple[dict[str, ClientView], EngineCore]:
+    # float64 keeps a row's results independent of its batch to ~1e-15, so KV computed in another
+    # request's batch cannot flip a token; the pool is far smaller than the working set.
+    views, core, engine = await serve_workload(
+        "tiny", mode, items, kv_slots=900, request_slots=32, dtype=torch.float64, prefix_cache=cache
+    )
+    check_drained(core, engine)
+    return views, core
+
+
+async def test_outputs_are_the_same_with_the_cache_on_and_off_in_both_loops() -> None:
+    items = shared_prefix_workload(160, seed=5)
+    reference, _ = await serve("serial", items, cache=False)
+    for mode in ("serial", "overlap"):
+        views, core = await serve(mode, items, cache=True)
+        assert_same_outputs(items, reference, views)
+        cache = core.policy.cache
+        assert cache.cached_prompt_tokens > 10_000, "the workload must reuse cached prefixes"
+        assert cache.evicted > 0, "the workload must put the cache under eviction pressure"
+        assert core.stats.preemptions > 0, "the workload must preempt"
+    overlap_off, _ = await serve("overlap", items, cache=False)
+    assert_same_outputs(items, reference, overlap_off)
+    assert any(v.finish_reason == FinishReason.ABORT for v in reference.values())
+
+
+async def test_a_prompt_cached_by_the_batch_before_reads_the_same_kv_as_without_the_cache() -> None:
+    """A request whose prompt the previous step inserted, admitted and decoding right after it
+    (the situation of a prefix inserted one step late), gets the tokens it gets uncached."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(32, 127) for _ in range(90)]
+    first = WorkItem("first", prompt, params(12, ignore_eos=True), 0.0)
+    follow = [
+        WorkItem(f"f{i}", prompt + [65 + i] * i, params(12, ignore_eos=True), 0.0005 * i) for i in range(6)
+    ]
+    items = [first, *follow]
+    uncached, _ = await serve("overlap", items, cache=False)
+    cached, core = await serve("overlap", items, cache=True)
+    assert_same_outputs(items, uncached, cached)
+    assert core.policy.cache.cached_prompt_tokens >= 5 * (len(prompt) - 1)
+
+
+def test_the_cache_is_on_by_default_and_no_prefix_cache_turns_it_off() -> None:
+    assert core_config(parse_args([])).policy.prefix_cache
+    assert not core_config(parse_args(["--no-prefix-cache"])).policy.prefix_cache
+
+
+async def test_with_the_cache_off_nothing_is_matched_or_kept() -> None:
+    items = shared_prefix_workload(30, seed=9)
+    _, core, _ = await serve_workload("sim", "overlap", items, kv_slots=900, prefix_cache=False)
+    assert core.policy.cache.cached_prompt_tokens == 0 and core.policy.cache.tree.size == 0
+    assert core.policy.kv.num_free == core.policy.kv.capacity
