@@ -218,6 +218,9 @@ class Frontend:
         """One step's rows of this frontend's requests."""
         now = time.time()
         clients = self.clients
+        for entry, cached in zip(outputs.cached_entries, outputs.cached_tokens, strict=True):
+            if (client := clients.get(outputs.handles[entry])) is not None:
+                client.cached_tokens = cached
         for handle, token, finish, logprob in zip(
             outputs.handles, outputs.token_ids, outputs.finish_reasons, outputs.entry_logprobs(), strict=True
         ):

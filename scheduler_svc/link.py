@@ -55,6 +55,8 @@ def core_server_info(core: EngineCore) -> generation_pb2.GetServerInfoResponse:
         requests_running=len(p.running),
         requests_waiting=len(p.waiting),
         worker_connected=core.ready,
+        prefix_cache_slots=p.cache.tree.size,
+        prefix_cache_hit_tokens=p.cache.cached_prompt_tokens,
     )
     if core.info is not None:
         i = core.info
@@ -168,6 +170,8 @@ def outputs_to_proto(outputs: StepOutputs) -> core_pb2.StepOutputs:
             msg.top_counts.append(len(lp.top_ids))
             msg.top_ids.extend(lp.top_ids)
             msg.top_logprobs.extend(lp.top_logprobs)
+    msg.cached_entries.extend(outputs.cached_entries)
+    msg.cached_tokens.extend(outputs.cached_tokens)
     return msg
 
 
@@ -182,6 +186,8 @@ def outputs_from_proto(m: core_pb2.StepOutputs) -> StepOutputs:
         [(e.handle, _CODE_NAMES.get(e.code, "UNKNOWN"), e.message) for e in m.errors],
         list(m.logprob_entries),
         _logprobs_from_proto(m),
+        list(m.cached_entries),
+        list(m.cached_tokens),
     )
 
 

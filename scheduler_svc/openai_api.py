@@ -356,9 +356,10 @@ class Choice:
         return ids.choice(self.index, text, self.finish, chunk, logprobs)
 
 
-def _counts(completions: Completions, choices: list[Choice]) -> tuple[int, int]:
-    """(prompt tokens, completion tokens of every choice)."""
-    return len(completions.prompt_ids), sum(choice.completion_tokens for choice in choices)
+def _counts(completions: Completions, choices: list[Choice]) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens of every choice, prompt tokens found cached)."""
+    completion_tokens = sum(choice.completion_tokens for choice in choices)
+    return len(completions.prompt_ids), completion_tokens, completions.cached_tokens
 
 
 async def _collect(completions: Completions, choices: list[Choice]) -> None:

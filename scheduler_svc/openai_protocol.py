@@ -310,11 +310,13 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens whose KV was reused."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -352,7 +354,7 @@ class ResponseIds:
             choice["message"] = {"role": "assistant", "content": text}
         return choice
 
-    def body(self, choices: list[dict[str, Any]], counts: tuple[int, int]) -> dict[str, Any]:
+    def body(self, choices: list[dict[str, Any]], counts: tuple[int, int, int]) -> dict[str, Any]:
         return {**self.head(False), "choices": choices, "usage": usage(*counts)}
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -363,7 +365,7 @@ class ResponseIds:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         return {**self.head(True), "choices": [{**choice, "finish_reason": None}]}
 
-    def usage_chunk(self, counts: tuple[int, int]) -> dict[str, Any]:
+    def usage_chunk(self, counts: tuple[int, int, int]) -> dict[str, Any]:
         return {**self.head(True), "choices": [], "usage": usage(*counts)}
 
 

@@ -36,13 +36,23 @@ class StepOutputs:
     errors: list[tuple[int, str, str]] = field(default_factory=list)
     logprob_entries: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_entries: list[int] = field(default_factory=list)  # entries of first tokens, with
+    cached_tokens: list[int] = field(default_factory=list)  # the prompt tokens found cached
 
     def __bool__(self) -> bool:
         return bool(self.handles or self.errors)
 
     def add(
-        self, handle: int, token: int, finish: FinishReason | None, logprob: TokenLogprob | None = None
+        self,
+        handle: int,
+        token: int,
+        finish: FinishReason | None,
+        logprob: TokenLogprob | None = None,
+        cached: int | None = None,
     ) -> None:
+        if cached is not None:
+            self.cached_entries.append(len(self.handles))
+            self.cached_tokens.append(cached)
         if logprob is not None:
             self.logprob_entries.append(len(self.handles))
             self.logprobs.append(logprob)
@@ -80,8 +90,9 @@ class Outbox:
         token: int,
         finish: FinishReason | None = None,
         logprob: TokenLogprob | None = None,
+        cached: int | None = None,
     ) -> None:
-        self._for(req.owner).add(req.handle, token, finish, logprob)
+        self._for(req.owner).add(req.handle, token, finish, logprob, cached)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         self._for(req.owner).add(req.handle, NO_TOKEN, reason)

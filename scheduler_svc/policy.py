@@ -270,7 +270,8 @@ class SchedulingPolicy:
             self.cache.keep(req, min(req.num_computed, req.num_known))
             req.prompt_kept = True
         finish = self._token_finish(req, token)
-        self.outbox.token(req, token, finish, logprob)
+        first = req.cached_prompt_tokens if len(req.output_ids) == 1 else None
+        self.outbox.token(req, token, finish, logprob, first)
         if finish is not None:
             self._end(req, finish)
 

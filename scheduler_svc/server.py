@@ -103,6 +103,7 @@ async def _stream(
                 completion_tokens=chunk.completion_tokens,
                 logprobs=_logprobs_to_proto(chunk),
                 index=index,
+                cached_tokens=completions.clients[index].cached_tokens,
             )
 
 

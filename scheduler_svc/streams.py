@@ -92,6 +92,7 @@ class ClientRequest:
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
     num_generated: int = 0
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -107,6 +108,11 @@ class Completions:
     prompt_ids: list[int]
     ready: asyncio.Event
     clients: list[ClientRequest] = field(default_factory=list)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache, as the first completion's admission found them."""
+        return self.clients[0].cached_tokens
 
     @property
     def error(self) -> tuple[grpc.StatusCode, str] | None:
