@@ -172,7 +172,7 @@ class SchedulingPolicy:
         """First come, first served: stop at the first request that does not fit."""
         while self.waiting and budget > 0 and self.req_slots.num_free:
             req = self.waiting[0]
-            if not self._reserve_kv(req, budget):
+            if self._waits_for_first_completion(req) or not self._reserve_kv(req, budget):
                 break
             self.waiting.popleft()
             chunk = min(req.num_known - req.num_computed, budget)
@@ -182,6 +182,14 @@ class SchedulingPolicy:
             batch.register(req, self.eos_token_ids)
             self._add_row(batch, req, chunk)
             budget -= chunk
+
+    def _waits_for_first_completion(self, req: Request) -> bool:
+        """Completion i > 0 of a call is admitted once completion 0's prompt is in the prefix
+        cache (its first token processed), so that the n completions share the prompt's KV."""
+        if not self.cache.enabled or req.index == 0 or req.attempt or req.params.penalized:
+            return False
+        first = self.requests.get((req.rid, 0))
+        return first is not None and first.req_slot is not None and not first.prompt_kept
 
     def _reserve_kv(self, req: Request, budget: int) -> bool:
         """Whether the waiting `req` fits: its first chunk past any cached prefix it reuses, and

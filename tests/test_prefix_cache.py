@@ -97,3 +97,13 @@ async def test_with_the_cache_off_nothing_is_matched_or_kept() -> None:
     _, core, _ = await serve_workload("sim", "overlap", items, kv_slots=900, prefix_cache=False)
     assert core.policy.cache.cached_prompt_tokens == 0 and core.policy.cache.tree.size == 0
     assert core.policy.kv.num_free == core.policy.kv.capacity
+
+
+async def test_the_n_completions_of_a_call_share_its_prompt() -> None:
+    rng = random.Random(4)
+    prompt = [rng.randrange(32, 127) for _ in range(120)]
+    items = [WorkItem("n4", prompt, params(10, temperature=1.0, seed=7, ignore_eos=True), 0.0, n=4)]
+    uncached, _ = await serve("overlap", items, cache=False)
+    cached, core = await serve("overlap", items, cache=True)
+    assert_same_outputs(items, uncached, cached)
+    assert core.policy.cache.cached_prompt_tokens == 3 * (len(prompt) - 1)
