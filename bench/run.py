@@ -81,14 +81,14 @@ def measure(
     loadgen's, over `connections` client connections (one reaches a single frontend, which is
     all the scheduler runs by default), every request asking for the sampling `features`."""
     run_loadgen(_warmup_config(endpoints.address, workload, connections, features))
-    _settle(endpoints)
+    settle(endpoints)
     scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
     children_before = _scheduler_children_cpu_s(endpoints)
     cpu_before = time.process_time()
     summary = run_loadgen(_measured_config(endpoints.address, workload, connections, features))
     client_cpu_s = time.process_time() - cpu_before
     children_used = cpu_used(children_before, _scheduler_children_cpu_s(endpoints))
-    _settle(endpoints)
+    settle(endpoints)
     return Measurement(
         summary,
         delta(scheduler_before, scrape(endpoints.scheduler_metrics)),
@@ -153,7 +153,7 @@ def _scheduler_children_cpu_s(endpoints: Endpoints) -> dict[int, float]:
     return {} if endpoints.scheduler_pid is None else children_cpu_s(endpoints.scheduler_pid)
 
 
-def _settle(endpoints: Endpoints) -> None:
+def settle(endpoints: Endpoints) -> None:
     """Waits until the scheduler holds no request and the worker no request slot, so the scrapes
     bracket whole runs: the last release reaches the worker one (row-less) launch after the last
     token is streamed."""

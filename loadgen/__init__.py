@@ -9,7 +9,7 @@ from loadgen.backend import BackendError
 from loadgen.benchmark import BenchmarkConfig, BenchmarkResult, Observer, run_benchmark
 from loadgen.records import RequestRecord
 from loadgen.stats import Distribution, Slos, Summary
-from loadgen.workload import JsonlDataset, RandomDataset, WorkloadError
+from loadgen.workload import JsonlDataset, PrefixRepetitionDataset, RandomDataset, WorkloadError
 
 __all__ = [
     "BackendError",
@@ -18,6 +18,7 @@ __all__ = [
     "Distribution",
     "JsonlDataset",
     "Observer",
+    "PrefixRepetitionDataset",
     "RandomDataset",
     "RequestRecord",
     "Slos",

@@ -21,7 +21,14 @@ from loadgen.benchmark import (
 from loadgen.progress import ProgressBar
 from loadgen.report import format_summary, write_result
 from loadgen.stats import parse_slos
-from loadgen.workload import Dataset, JsonlDataset, RandomDataset, WorkloadError, load_workload
+from loadgen.workload import (
+    Dataset,
+    JsonlDataset,
+    PrefixRepetitionDataset,
+    RandomDataset,
+    WorkloadError,
+    load_workload,
+)
 
 DEFAULT_NUM_PROMPTS = 1000
 EXIT_INTERRUPTED = 130
@@ -109,7 +116,7 @@ def _add_load_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", choices=("random", "jsonl"), default="random")
+    group.add_argument("--dataset", choices=("random", "jsonl", "prefix-repetition"), default="random")
     group.add_argument(
         "--dataset-path",
         type=Path,
@@ -128,8 +135,30 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
         help="r: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1",
     )
     group.add_argument(
-        "--prompt-as-text", action="store_true", help="random: send printable ASCII text instead of token ids"
+        "--prompt-as-text",
+        action="store_true",
+        help="random, prefix-repetition: send printable ASCII text instead of token ids",
     )
+    _add_prefix_repetition_args(parser)
+
+
+def _add_prefix_repetition_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefix-repetition workload (vllm bench serve's prefix_repetition)")
+    d = PrefixRepetitionDataset()
+    flags = (
+        ("prefix-len", d.prefix_len, "tokens of each shared prefix"),
+        ("suffix-len", d.suffix_len, "tokens of each request's own suffix, after its prefix"),
+        ("num-prefixes", d.num_prefixes, "distinct prefixes; request i starts with prefix i mod N"),
+        ("output-len", d.output_len, "new tokens per request"),
+    )
+    for name, default, meaning in flags:
+        group.add_argument(
+            f"--prefix-repetition-{name}",
+            type=int,
+            default=default,
+            metavar="N",
+            help=f"{meaning} (default {default})",
+        )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -235,6 +264,14 @@ def dataset_from_args(args: argparse.Namespace) -> Dataset:
     if args.dataset == "random":
         return RandomDataset(
             args.random_input_len, args.random_output_len, args.random_range_ratio, args.prompt_as_text
+        )
+    if args.dataset == "prefix-repetition":
+        return PrefixRepetitionDataset(
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            args.prompt_as_text,
         )
     if args.dataset_path is None:
         raise ValueError("--dataset jsonl needs --dataset-path")

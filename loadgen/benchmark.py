@@ -20,7 +20,7 @@ from loadgen.openai_client import OpenAIBackend, OpenAITarget
 from loadgen.records import RequestRecord
 from loadgen.stats import Slos, Summary, summarize
 from loadgen.timing import RequestTiming
-from loadgen.workload import WARMUP_STREAM, Dataset, RandomDataset, Workload, load_workload
+from loadgen.workload import WARMUP_STREAM, Dataset, RandomDataset, Workload, load_workload, sends_token_ids
 
 ARRIVAL_STREAM = 2  # keeps the arrival rng apart from the workload's
 DEFAULT_CONNECTIONS = 8  # over gRPC; the HTTP connection pool has no cap unless given one
@@ -81,10 +81,10 @@ class BenchmarkConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
-        if self.backend == "openai-chat" and _sends_token_ids(self.dataset):
+        if self.backend == "openai-chat" and sends_token_ids(self.dataset):
             raise ValueError(
                 "openai-chat sends chat messages, which are text, and token ids cannot be "
-                "decoded here: use the random dataset's text prompts (--prompt-as-text)"
+                "decoded here: use text prompts (--prompt-as-text)"
             )
 
     @property
@@ -98,10 +98,6 @@ class BenchmarkConfig:
         if self.backend == "grpc" and self.connections is None:
             return DEFAULT_CONNECTIONS
         return self.connections
-
-
-def _sends_token_ids(dataset: Dataset) -> bool:
-    return isinstance(dataset, RandomDataset) and not dataset.as_text
 
 
 @dataclass(frozen=True)

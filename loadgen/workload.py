@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +20,7 @@ PRINTABLE_LOW = 32
 PRINTABLE_HIGH = 126
 MEASURED_STREAM = 0
 WARMUP_STREAM = 1
+PREFIX_STREAM = 3  # the prefixes' draws: apart from every request stream and from the arrivals (2)
 
 
 class WorkloadError(ValueError):
@@ -60,11 +62,35 @@ class JsonlDataset:
             raise ValueError("default output length must be at least 1")
 
 
-Dataset = RandomDataset | JsonlDataset
+@dataclass(frozen=True)
+class PrefixRepetitionDataset:
+    """vllm bench serve's `prefix_repetition`: `num_prefixes` random prefixes of `prefix_len`
+    tokens, and request i is prefix i mod `num_prefixes` followed by a random suffix of
+    `suffix_len` tokens of its own."""
+
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+    output_len: int = 128
+    as_text: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_len < 1 or self.num_prefixes < 1 or self.output_len < 1:
+            raise ValueError("prefix length, number of prefixes and output length must be at least 1")
+        if self.suffix_len < 0:
+            raise ValueError(f"suffix length must be >= 0, got {self.suffix_len}")
+
+
+Dataset = RandomDataset | JsonlDataset | PrefixRepetitionDataset
 
 
 class Workload(Protocol):
     def prompt(self, index: int) -> PromptSpec: ...
+
+
+def sends_token_ids(dataset: Dataset) -> bool:
+    """Whether the dataset's prompts are token ids rather than text."""
+    return isinstance(dataset, RandomDataset | PrefixRepetitionDataset) and not dataset.as_text
 
 
 def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
@@ -82,14 +108,48 @@ class RandomWorkload:
         rng = np.random.default_rng([self.seed, self.stream, index])
         input_len = _draw_length(rng, self.dataset.input_len, self.dataset.range_ratio)
         output_len = _draw_length(rng, self.dataset.output_len, self.dataset.range_ratio)
-        ids = tuple(int(t) for t in rng.integers(PRINTABLE_LOW, PRINTABLE_HIGH + 1, size=input_len))
-        prompt: str | tuple[int, ...] = "".join(map(chr, ids)) if self.dataset.as_text else ids
-        return PromptSpec(prompt, output_len)
+        return PromptSpec(_as_prompt(_draw_ids(rng, input_len), self.dataset.as_text), output_len)
+
+
+def _draw_ids(rng: np.random.Generator, length: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(PRINTABLE_LOW, PRINTABLE_HIGH + 1, size=length))
+
+
+def _as_prompt(ids: tuple[int, ...], as_text: bool) -> str | tuple[int, ...]:
+    """The ids themselves, or the text of the same characters (one byte each)."""
+    return "".join(map(chr, ids)) if as_text else ids
 
 
 def _draw_length(rng: np.random.Generator, length: int, range_ratio: float) -> int:
     low, high = length_bounds(length, range_ratio)
     return int(rng.integers(low, high + 1))
+
+
+@dataclass(frozen=True)
+class PrefixRepetitionWorkload:
+    """Prefix k is drawn from (seed, k) alone, so every stream (the warmup's too) shares the
+    same prefixes; request i's suffix is drawn from (seed, stream, i)."""
+
+    dataset: PrefixRepetitionDataset
+    seed: int
+    stream: int = MEASURED_STREAM
+
+    @cached_property
+    def prefixes(self) -> tuple[tuple[int, ...], ...]:
+        d = self.dataset
+        return tuple(
+            _draw_ids(np.random.default_rng([self.seed, PREFIX_STREAM, k]), d.prefix_len)
+            for k in range(d.num_prefixes)
+        )
+
+    def prefix_index(self, index: int) -> int:
+        """Which prefix request `index` starts with: round robin."""
+        return index % self.dataset.num_prefixes
+
+    def prompt(self, index: int) -> PromptSpec:
+        suffix = _draw_ids(np.random.default_rng([self.seed, self.stream, index]), self.dataset.suffix_len)
+        ids = self.prefixes[self.prefix_index(index)] + suffix
+        return PromptSpec(_as_prompt(ids, self.dataset.as_text), self.dataset.output_len)
 
 
 @dataclass(frozen=True)
@@ -105,6 +165,8 @@ class JsonlWorkload:
 def load_workload(dataset: Dataset, seed: int, stream: int = MEASURED_STREAM) -> Workload:
     if isinstance(dataset, RandomDataset):
         return RandomWorkload(dataset, seed, stream)
+    if isinstance(dataset, PrefixRepetitionDataset):
+        return PrefixRepetitionWorkload(dataset, seed, stream)
     return JsonlWorkload(load_jsonl(dataset.path, dataset.default_output_len))
 
 

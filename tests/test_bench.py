@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import core_cpu, sampling_cost, smollm2_serving
+from bench import core_cpu, prefix_cache, sampling_cost, smollm2_serving
 from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
@@ -814,3 +814,178 @@ def test_sampling_cost_targets_are_unmeasured_without_their_rows_and_missed_belo
     assert "- target (penalties + logprobs <= 10%): not measured, no smollm2 rows at batch 64" in markdown
     assert "- target: device busy >= 0.98 with all features: least 0.970, not met" in markdown
     assert sampling_cost.engine_target_met(run.engine) is None
+
+
+# ---- prefix cache: a shared system prompt, cache on and off -----------------------------------
+
+
+PREFIX_SCHEDULER_BEFORE = """\
+# TYPE stepahead_prompt_tokens counter
+stepahead_prompt_tokens_total{mode="overlap"} 1000.0
+# TYPE stepahead_prefix_cache_hit_tokens counter
+stepahead_prefix_cache_hit_tokens_total{mode="overlap"} 900.0
+"""
+
+PREFIX_SCHEDULER_AFTER = """\
+# TYPE stepahead_prompt_tokens counter
+stepahead_prompt_tokens_total{mode="overlap"} 68584.0
+# TYPE stepahead_prefix_cache_hit_tokens counter
+stepahead_prefix_cache_hit_tokens_total{mode="overlap"} 66436.0
+# TYPE stepahead_prefix_cache_evicted_slots counter
+stepahead_prefix_cache_evicted_slots_total{mode="overlap"} 12.0
+"""
+
+PREFIX_WORKER_AFTER = """\
+# TYPE stepahead_batch_tokens counter
+stepahead_batch_tokens_total{device="cpu",forward_mode="prefill",model="sim"} 2148.0
+stepahead_batch_tokens_total{device="cpu",forward_mode="decode",model="sim"} 4032.0
+"""
+
+
+def test_prefix_cache_figures_from_the_scrape_deltas() -> None:
+    worker = parse(WORKER_AFTER + PREFIX_WORKER_AFTER)
+    measured = Measurement(
+        summary(4000.0, ttft_p50_ms=30.0),
+        delta(parse(PREFIX_SCHEDULER_BEFORE), parse(PREFIX_SCHEDULER_AFTER)),
+        delta(parse(WORKER_BEFORE), worker),
+        0.5,
+    )
+    f = prefix_cache.cache_figures(measured)
+    assert (f.prompt_tokens, f.cache_hit_tokens, f.evicted_slots, f.worker_tokens) == (67584, 65536, 12, 6180)
+    assert f.prefill_tokens == 2048 and f.prefill_tokens_per_request == 32.0  # 64 completed
+    assert f.hit_ratio == pytest.approx(65536 / 67584)
+    assert f.device_busy_fraction == pytest.approx(3.0 / 4.0) and f.mean_forward_ms == pytest.approx(15.0)
+    assert (f.ttft_p50_ms, f.ttft_p99_ms, f.output_tokens_per_s) == (30.0, 90.0, 4000.0)
+
+
+def test_prefix_cache_configuration_turns_the_cache_off_with_a_flag() -> None:
+    on = prefix_cache.CacheConfiguration(prefix_cache.sim(), "overlap", "grpc")
+    off = replace(on, prefix_cache=False)
+    assert on.scheduler_args == ("--mode", "overlap", "--no-late-pick")
+    assert off.scheduler_args == ("--mode", "overlap", "--no-late-pick", "--no-prefix-cache")
+    assert (on.name, off.name) == ("sim overlap grpc, prefix cache on", "sim overlap grpc, prefix cache off")
+    assert "--sim-token-us" in on.device.worker_args and "20" in on.device.worker_args
+    dataset = prefix_cache.FULL.dataset()
+    assert (dataset.prefix_len, dataset.suffix_len, dataset.num_prefixes, dataset.output_len) == (
+        1024,
+        32,
+        1,
+        64,
+    )
+    assert [(m.device.name, m.concurrency) for m in prefix_cache.FULL.models] == [("tiny", 64), ("sim", 64)]
+
+
+def cache_row(
+    model: str, on: bool, ttft_p50_ms: float, prefill: int, tokens_per_s: float, busy: float | None
+) -> prefix_cache.Row:
+    device = prefix_cache.tiny() if model == "tiny" else prefix_cache.sim()
+    configuration = prefix_cache.CacheConfiguration(device, "overlap", "grpc", prefix_cache=on)
+    figures = prefix_cache.CacheFigures(
+        ttft_p50_ms=ttft_p50_ms,
+        ttft_p99_ms=ttft_p50_ms * 2,
+        output_tokens_per_s=tokens_per_s,
+        prompt_tokens=100 * 1056,
+        cache_hit_tokens=100 * 1056 - prefill,
+        evicted_slots=0,
+        worker_tokens=prefill + 100 * 63,
+        device_busy_fraction=busy,
+        mean_forward_ms=12.5,
+        completed=100,
+        failed=0,
+        duration_s=2.0,
+    )
+    return prefix_cache.Row(configuration, 100, 64, 0, figures)
+
+
+def prefix_cache_run(*rows: prefix_cache.Row) -> prefix_cache.PrefixCacheRun:
+    started_at = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+    machine: Machine = {"nproc": 2, "load_average_1m": 0.4}
+    return prefix_cache.PrefixCacheRun(
+        prefix_cache.FULL, started_at, machine, {"tiny": 1.5, "sim": 1.2}, rows
+    )
+
+
+PREFIX_ROWS = (
+    cache_row("tiny", True, 300.0, 3200, 1400.0, 0.99),
+    cache_row("tiny", False, 6000.0, 105600, 350.0, 0.995),
+    cache_row("sim", True, 60.0, 3200, 5000.0, 0.99),
+    cache_row("sim", False, 1500.0, 105600, 1250.0, 0.9),
+)
+
+
+def test_prefix_cache_on_over_off_ratios() -> None:
+    tiny = prefix_cache.on_over_off(PREFIX_ROWS, "tiny")
+    assert tiny.ttft_p50 == pytest.approx(0.05) and tiny.ttft_p50_times_lower == pytest.approx(20.0)
+    assert tiny.prefill_tokens == pytest.approx(3200 / 105600)
+    assert tiny.output_tokens_per_s == pytest.approx(4.0)
+    assert tiny.device_busy == pytest.approx(0.99 / 0.995)
+    sim = prefix_cache.on_over_off(PREFIX_ROWS, "sim")
+    assert sim.ttft_p50 == pytest.approx(0.04) and sim.device_busy == pytest.approx(1.1)
+    assert [r.model for r in prefix_cache.all_ratios(PREFIX_ROWS)] == ["tiny", "sim"]
+    assert prefix_cache.on_over_off(PREFIX_ROWS[:1], "tiny") == prefix_cache.OnOverOff(
+        "tiny", None, None, None, None
+    )
+    no_busy = replace(PREFIX_ROWS[3], figures=replace(PREFIX_ROWS[3].figures, device_busy_fraction=None))
+    assert prefix_cache.on_over_off((PREFIX_ROWS[2], no_busy), "sim").device_busy is None
+    assert prefix_cache.ttft_target_met(PREFIX_ROWS) is True and prefix_cache.busy_target_met(PREFIX_ROWS)
+    slow = replace(PREFIX_ROWS[0], figures=replace(PREFIX_ROWS[0].figures, ttft_p50_ms=2500.0))
+    assert prefix_cache.ttft_target_met((slow, *PREFIX_ROWS[1:])) is False  # 2.4x lower
+    assert prefix_cache.ttft_target_met(PREFIX_ROWS[2:]) is None
+
+
+def test_prefix_cache_markdown_of_hand_made_results() -> None:
+    markdown = prefix_cache.to_markdown(prefix_cache_run(*PREFIX_ROWS), "python -m bench.prefix_cache")
+    lines = markdown.splitlines()
+    assert lines[0] == "# Prefix cache: a shared system prompt, cache on and off, 2026-01-02 03:04 UTC"
+    assert "1-minute load average 0.4 before, 1.5 after tiny, 1.2 after sim." in lines[2]
+    header = lines.index(prefix_cache.table([])[0])
+    assert lines[header + 2 : header + 6] == [
+        "| tiny | on | 64 | 300.0 | 600.0 | 3,200 | 32.0 | 0.970 | 9,500 | 1,400.0 | 0.990 | 12.50 | 0 |",
+        "| tiny | off | 64 | 6,000.0 | 12,000.0 | 105,600 | 1,056.0 | 0.000 | 111,900 | 350.0 | 0.995 "
+        "| 12.50 | 0 |",
+        "| sim | on | 64 | 60.0 | 120.0 | 3,200 | 32.0 | 0.970 | 9,500 | 5,000.0 | 0.990 | 12.50 | 0 |",
+        "| sim | off | 64 | 1,500.0 | 3,000.0 | 105,600 | 1,056.0 | 0.000 | 111,900 | 1,250.0 | 0.900 "
+        "| 12.50 | 0 |",
+    ]
+    ratios = lines.index(prefix_cache.ratio_table([])[0])
+    assert lines[ratios + 2 : ratios + 4] == [
+        "| tiny | 0.050x | 0.030x | 4.000x | 0.995x |",
+        "| sim | 0.040x | 0.030x | 4.000x | 1.100x |",
+    ]
+    assert "- target: TTFT p50 at least 3x lower with the cache on tiny: 20.0x lower, met" in lines
+    assert "- target: device busy >= 0.98 with the cache on sim at concurrency 64: 0.990, met" in lines
+    assert "requests failed" not in markdown and "`--model tiny --kv-slots 81920`" in markdown
+
+
+def test_prefix_cache_report_flags_failures_and_unmeasured_targets_and_is_strict_json() -> None:
+    broken = replace(PREFIX_ROWS[2], warmup_failed=1, figures=replace(PREFIX_ROWS[2].figures, failed=3))
+    run = prefix_cache_run(broken, PREFIX_ROWS[3])
+    markdown = prefix_cache.to_markdown(run, "cmd")
+    assert "- **3 of 103 requests failed** (1 of the warmup's) on sim with the prefix cache on" in markdown
+    assert "- target: TTFT p50 at least 3x lower with the cache on tiny: —, not measured" in markdown
+    document = json.loads(json.dumps(finite(prefix_cache.to_json(run, "cmd")), allow_nan=False))
+    assert document["targets"]["ttft"]["met"] is None and document["targets"]["device_busy"]["met"] is True
+    assert document["rows"][0]["figures"]["prefill_tokens"] == 3200
+    assert document["rows"][1]["scheduler_args"][-1] == "--no-prefix-cache"
+    assert document["on_over_off"][0]["ttft_p50_times_lower"] == pytest.approx(25.0)
+    assert document["dataset"]["prefix_len"] == 1024
+
+
+def test_prefix_cache_smallest_real_run_reuses_the_warmed_prefix_only_with_the_cache() -> None:
+    plan = prefix_cache.Plan(
+        "test",
+        (prefix_cache.ModelPlan(prefix_cache.sim(2.0), 8, 4),),
+        64,
+        8,
+        output_len=4,
+        warmup_output_len=2,
+    )
+    on, off = prefix_cache.run_plan(plan, progress=lambda _: None).rows
+    assert (on.prefix_cache, off.prefix_cache) == (True, False)
+    for row in (on, off):
+        f = row.figures
+        assert (f.completed, f.failed, row.warmup_failed, f.prompt_tokens) == (8, 0, 0, 8 * 72)
+        assert f.output_tokens_per_s > 0 and f.ttft_p50_ms > 0 and f.device_busy_fraction is not None
+        assert f.worker_tokens == f.prefill_tokens + 8 * 3  # the last token of each is never fed back
+    assert on.figures.cache_hit_tokens >= 8 * 64 and on.figures.prefill_tokens <= 8 * 8
+    assert (off.figures.cache_hit_tokens, off.figures.prefill_tokens) == (0, 8 * 72)

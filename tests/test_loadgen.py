@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import datetime
@@ -29,7 +30,7 @@ from loadgen import (
 from loadgen.__main__ import build_parser, config_from_args
 from loadgen.__main__ import run as run_cli
 from loadgen.arrivals import arrival_intervals, send_offsets
-from loadgen.backend import Sampling
+from loadgen.backend import BackendName, Sampling
 from loadgen.client import build_request, open_channels, received
 from loadgen.openai_protocol import chat_body, completion_body
 from loadgen.progress import render_progress
@@ -48,16 +49,22 @@ from loadgen.stats import (
 )
 from loadgen.timing import RequestTiming
 from loadgen.workload import (
+    WARMUP_STREAM,
     JsonlWorkload,
+    PrefixRepetitionDataset,
+    PrefixRepetitionWorkload,
     PromptSpec,
     RandomWorkload,
     WorkloadError,
     length_bounds,
     load_jsonl,
     load_workload,
+    sends_token_ids,
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from tests.test_loadgen_openai import ScriptedOpenAI
+from tests.test_loadgen_openai import serve as serve_openai
 
 pytestmark = pytest.mark.anyio
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
@@ -294,6 +301,96 @@ def test_random_prompts_depend_only_on_seed_stream_and_index() -> None:
 def test_bad_random_dataset_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         RandomDataset(**bad)
+
+
+def ids_of(spec: PromptSpec) -> tuple[int, ...]:
+    assert isinstance(spec.prompt, tuple)
+    return spec.prompt
+
+
+def test_prefix_repetition_lengths_ids_and_round_robin_prefixes() -> None:
+    workload = PrefixRepetitionWorkload(PrefixRepetitionDataset(16, 8, 3, 5), seed=0)
+    specs = [workload.prompt(i) for i in range(30)]
+    assert all(len(ids_of(s)) == 24 and s.output_len == 5 and s.known_input_len == 24 for s in specs)
+    assert {t for s in specs for t in ids_of(s)} <= set(range(32, 127))
+    assert [workload.prefix_index(i) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert len({ids_of(s)[16:] for s in specs}) == 30  # every suffix is the request's own
+
+
+def common_prefix_len(prompts: list[tuple[int, ...]]) -> int:
+    """How many leading ids every prompt has in common."""
+    first = prompts[0]
+    return next((i for i in range(len(first)) if any(p[i] != first[i] for p in prompts)), len(first))
+
+
+def test_requests_of_one_prefix_share_exactly_its_leading_ids() -> None:
+    workload = PrefixRepetitionWorkload(PrefixRepetitionDataset(16, 8, 3, 5), seed=0)
+    groups = [[ids_of(workload.prompt(i)) for i in range(k, 30, 3)] for k in range(3)]
+    for k, group in enumerate(groups):
+        assert common_prefix_len(group) == 16
+        assert group[0][:16] == workload.prefixes[k]
+    assert len({group[0][:16] for group in groups}) == 3
+
+
+def test_prefix_repetition_depends_only_on_seed_stream_and_index() -> None:
+    dataset = PrefixRepetitionDataset(32, 8, 2, 4)
+    a, b = load_workload(dataset, 5), load_workload(dataset, 5)
+    assert isinstance(a, PrefixRepetitionWorkload)
+    assert [a.prompt(i) for i in (3, 1, 2)] == [b.prompt(i) for i in (3, 1, 2)]
+    other_seed = ids_of(load_workload(dataset, 6).prompt(0))
+    assert other_seed[:32] != ids_of(a.prompt(0))[:32]
+    warmup = ids_of(load_workload(dataset, 5, WARMUP_STREAM).prompt(0))
+    assert warmup[:32] == ids_of(a.prompt(0))[:32] and warmup[32:] != ids_of(a.prompt(0))[32:]
+
+
+def test_prefix_repetition_text_is_the_same_characters_and_a_suffix_may_be_empty() -> None:
+    ids = PrefixRepetitionWorkload(PrefixRepetitionDataset(12, 4, 2, 3), seed=1)
+    text = PrefixRepetitionWorkload(PrefixRepetitionDataset(12, 4, 2, 3, as_text=True), seed=1)
+    for i in range(6):
+        prompt = text.prompt(i).prompt
+        assert isinstance(prompt, str) and prompt.isprintable() and text.prompt(i).known_input_len == 0
+        assert prompt == "".join(map(chr, ids_of(ids.prompt(i))))
+    bare = PrefixRepetitionWorkload(PrefixRepetitionDataset(12, 0, 1, 3), seed=1)
+    assert bare.prompt(0) == bare.prompt(1) and len(ids_of(bare.prompt(0))) == 12
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(prefix_len=0), dict(suffix_len=-1), dict(num_prefixes=0), dict(output_len=0)],
+)
+def test_bad_prefix_repetition_dataset_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        PrefixRepetitionDataset(**bad)
+
+
+def test_prefix_repetition_prompts_in_the_openai_bodies() -> None:
+    dataset = PrefixRepetitionDataset(8, 4, 2, 3)
+    spec = load_workload(dataset, 0).prompt(0)
+    text_spec = load_workload(replace(dataset, as_text=True), 0).prompt(0)
+    sampling = Sampling(0.0, ignore_eos=True)
+    assert completion_body(spec, "m", sampling)["prompt"] == list(ids_of(spec))
+    assert completion_body(text_spec, "m", sampling)["prompt"] == text_spec.prompt
+    assert chat_body(text_spec, "m", sampling)["messages"] == [{"role": "user", "content": text_spec.prompt}]
+    assert sends_token_ids(dataset) and not sends_token_ids(replace(dataset, as_text=True))
+    with pytest.raises(ValueError, match="--prompt-as-text"):
+        BenchmarkConfig(backend="openai-chat", dataset=dataset)
+    BenchmarkConfig(backend="openai-chat", dataset=replace(dataset, as_text=True))  # text is accepted
+
+
+@pytest.mark.parametrize(("backend", "as_text"), [("openai", False), ("openai", True), ("openai-chat", True)])
+async def test_prefix_repetition_runs_over_the_openai_backends(backend: BackendName, as_text: bool) -> None:
+    server = ScriptedOpenAI()
+    runner, url = await serve_openai(server)
+    dataset = PrefixRepetitionDataset(10, 3, 2, 4, as_text=as_text)
+    try:
+        config = BenchmarkConfig(backend=backend, base_url=url, dataset=dataset, num_prompts=4)
+        result = await run_benchmark(config)
+    finally:
+        await runner.cleanup()
+    assert (result.summary.completed, result.summary.total_input_tokens) == (4, 4 * 13)
+    prompts = [b["messages"][0]["content"] if "messages" in b else b["prompt"] for b in server.bodies]
+    assert all(isinstance(p, str) == as_text and len(p) == 13 for p in prompts)
+    assert sorted(Counter(str(p[:10]) for p in prompts).values()) == [2, 2]  # two prefixes, twice each
 
 
 def write_lines(tmp_path: Path, *lines: str) -> Path:
@@ -593,6 +690,17 @@ def test_cli_defaults_and_flags() -> None:
     assert jsonl.dataset == JsonlDataset(Path("p.jsonl"), 7) and jsonl.num_prompts == 1000
 
 
+def test_cli_prefix_repetition_defaults_are_vllms_and_its_flags() -> None:
+    assert parse("--dataset", "prefix-repetition").dataset == PrefixRepetitionDataset(256, 256, 10, 128)
+    flags = ["--prefix-repetition-prefix-len", "1024", "--prefix-repetition-suffix-len", "32"]
+    flags += ["--prefix-repetition-num-prefixes", "1", "--prefix-repetition-output-len", "64"]
+    config = parse("--dataset", "prefix-repetition", *flags, "--prompt-as-text")
+    assert config.dataset == PrefixRepetitionDataset(1024, 32, 1, 64, as_text=True)
+    assert parse(*flags).dataset == RandomDataset()  # the flags of another dataset are ignored
+    with pytest.raises(ValueError, match="--prompt-as-text"):
+        parse("--backend", "openai-chat", "--dataset", "prefix-repetition")
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -604,6 +712,8 @@ def test_cli_defaults_and_flags() -> None:
         ["--connections", "0"],
         ["--random-range-ratio", "1"],
         ["--temperature", "-1"],
+        ["--dataset", "prefix-repetition", "--prefix-repetition-num-prefixes", "0"],
+        ["--dataset", "prefix-repetition", "--prefix-repetition-prefix-len", "0"],
     ],
 )
 def test_cli_refuses_bad_configurations(argv: list[str]) -> None:
