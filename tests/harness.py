@@ -81,8 +81,12 @@ async def start_core(transport: WorkerTransport, config: CoreConfig) -> tuple[Se
 
 async def consume(frontend: Frontend, call: Completions, abort_after: int | None) -> list[ClientView]:
     """What each completion of the call received; with `abort_after`, the client aborts the call
-    once its first completion holds that many tokens."""
+    once its first completion holds that many tokens (0: a few milliseconds after it is sent,
+    typically while its prompt is being prefilled)."""
     views = [ClientView() for _ in call.clients]
+    if abort_after == 0:
+        await asyncio.sleep(0.003)
+        await frontend.abort(call.rid)
     while not call.done:
         await call.ready.wait()
         assert call.error is None, call.error

@@ -13,7 +13,11 @@ import torch
 
 from scheduler_svc.__main__ import core_config, parse_args
 from scheduler_svc.core import EngineCore
+from scheduler_svc.outputs import Outbox
+from scheduler_svc.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.request import FinishReason
+from scheduler_svc.telemetry import SchedulerTelemetry
+from stepahead.protocol import TokenizerSpec, WorkerInfo
 from tests.harness import ClientView, WorkItem, params, serve_workload
 from tests.test_equivalence import check_drained
 from tests.test_sampling_equivalence import assert_same_outputs
@@ -40,7 +44,7 @@ def shared_prefix_workload(count: int, seed: int) -> list[WorkItem]:
             p = replace(p, temperature=1.0)
         if rng.random() < 0.1:
             p = replace(p, frequency_penalty=1.0)  # penalized: computes its whole prompt
-        abort_after = rng.randint(1, 4) if rng.random() < 0.1 else None
+        abort_after = rng.randint(0, 4) if rng.random() < 0.15 else None  # 0: mid-prefill
         n = 2 if rng.random() < 0.1 else 1
         items.append(WorkItem(f"p{i}", prompt, p, rng.expovariate(1 / 0.004), abort_after, n))
     return items
@@ -68,7 +72,8 @@ async def test_outputs_are_the_same_with_the_cache_on_and_off_in_both_loops() ->
         assert core.stats.preemptions > 0, "the workload must preempt"
     overlap_off, _ = await serve("overlap", items, cache=False)
     assert_same_outputs(items, reference, overlap_off)
-    assert any(v.finish_reason == FinishReason.ABORT for v in reference.values())
+    aborted = [v for v in reference.values() if v.finish_reason == FinishReason.ABORT]
+    assert any(not v.token_ids for v in aborted), "some requests must be aborted before their first token"
 
 
 async def test_a_prompt_cached_by_the_batch_before_reads_the_same_kv_as_without_the_cache() -> None:
@@ -107,3 +112,13 @@ async def test_the_n_completions_of_a_call_share_its_prompt() -> None:
     cached, core = await serve("overlap", items, cache=True)
     assert_same_outputs(items, uncached, cached)
     assert core.policy.cache.cached_prompt_tokens == 3 * (len(prompt) - 1)
+
+
+def test_a_new_worker_session_starts_with_an_empty_cache() -> None:
+    policy = SchedulingPolicy(PolicyConfig(), Outbox(), SchedulerTelemetry("overlap"))
+    info = WorkerInfo("tiny", 258, 2048, (257,), None, 64, 4, "cpu", TokenizerSpec("byte"))
+    policy.begin_session(info)
+    node, _ = policy.cache.tree.insert([1, 2, 3], policy.kv.allocate(3))
+    assert policy.cache.tree.size == 3 and node.slots
+    policy.begin_session(info)
+    assert policy.cache.tree.size == 0 and policy.kv.num_free == policy.kv.capacity
