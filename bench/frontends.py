@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.cells import NONE, number
 from bench.configs import Case, Configuration, Workload, sim
 from bench.figures import CPU, Figures, figures, ratio
 from bench.machine import Machine, describe_machine, load_average
@@ -32,7 +33,6 @@ GENERATED = "stepahead_generation_tokens_total"
 FRONTEND_COUNTS = (0, 1, 2)
 CONNECTIONS = 16  # client connections per run, whatever the frontend count
 BOX_BOUND = 0.9  # all processes together at this fraction of the cores or more: the box is the bound
-NONE = "—"
 
 Progress = Callable[[str], None]
 
@@ -220,8 +220,8 @@ def progress_line(r: PointResult) -> str:
     step_ms, concurrency, frontends = r.point
     return (
         f"step {step_ms:g} ms, concurrency {concurrency:>3}, frontends {frontends}: "
-        f"{r.figures.output_tokens_per_s:8,.0f} tok/s, scheduler {_number(r.cpu.scheduler_us_per_token, 1)} "
-        f"µs/token, CPUs used {_number(r.cpu.cpus_used, 2)}, {r.figures.failed} failed"
+        f"{r.figures.output_tokens_per_s:8,.0f} tok/s, scheduler {number(r.cpu.scheduler_us_per_token, 1)} "
+        f"µs/token, CPUs used {number(r.cpu.cpus_used, 2)}, {r.figures.failed} failed"
     )
 
 
@@ -290,15 +290,15 @@ def _row(r: PointResult) -> str:
         f"{step_ms:g}",
         str(concurrency),
         str(frontends),
-        _number(f.output_tokens_per_s, 0),
-        _number(f.fraction_of_ideal, 3),
-        _number(f.device_busy_fraction, 3),
-        _number(c.core_us_per_token, 1),
-        "in core" if frontends == 0 else _number(c.frontends_us_per_token, 1),
-        _number(c.scheduler_us_per_token, 1),
-        _number(c.worker_us_per_token, 1),
-        _number(c.loadgen_us_per_token, 1),
-        _number(c.cpus_used, 2) + (" †" if c.box_bound else ""),
+        number(f.output_tokens_per_s, 0),
+        number(f.fraction_of_ideal, 3),
+        number(f.device_busy_fraction, 3),
+        number(c.core_us_per_token, 1),
+        "in core" if frontends == 0 else number(c.frontends_us_per_token, 1),
+        number(c.scheduler_us_per_token, 1),
+        number(c.worker_us_per_token, 1),
+        number(c.loadgen_us_per_token, 1),
+        number(c.cpus_used, 2) + (" †" if c.box_bound else ""),
         split(c.frontend_shares, frontends),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -336,10 +336,6 @@ def failure_lines(results: Sequence[PointResult]) -> Iterator[str]:
                 f"**{r.figures.failed} of {r.figures.failed + r.figures.completed} requests failed** at "
                 f"step {step_ms:g} ms, concurrency {concurrency}, frontends {frontends}."
             )
-
-
-def _number(value: float | None, digits: int) -> str:
-    return NONE if value is None else f"{value:,.{digits}f}"
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.cells import NONE, number, times
 from bench.configs import SIM_KV_SLOTS, Configuration, Device
 from bench.figures import BUSY, IDLE, busy_fraction, mean_forward_ms, ratio
 from bench.machine import Machine, describe_machine, load_average
@@ -55,7 +56,6 @@ TINY_KV_SLOTS = 81920  # tokens: 64 requests of 1,120 (71,680) fit without the c
 TTFT_TARGET_MODEL, TTFT_TARGET_FACTOR = "tiny", 3.0  # TTFT p50 at least 3x lower with the cache
 BUSY_TARGET_MODEL, BUSY_TARGET = "sim", 0.98  # device busy with the cache on
 CACHE_STATES = (True, False)  # on first, then off, for each model
-NONE = "—"
 
 Progress = Callable[[str], None]
 
@@ -323,7 +323,7 @@ def progress_line(r: Row) -> str:
     return (
         f"{r.model}, prefix cache {on_off(r.prefix_cache):>3}: TTFT p50 {f.ttft_p50_ms:,.1f} ms, "
         f"{f.prefill_tokens:,} prefill tokens computed, {f.output_tokens_per_s:,.1f} tok/s, "
-        f"device busy {_number(f.device_busy_fraction, 3)}, {f.failed} failed"
+        f"device busy {number(f.device_busy_fraction, 3)}, {f.failed} failed"
     )
 
 
@@ -438,15 +438,15 @@ def _row(r: Row) -> str:
         r.model,
         on_off(r.prefix_cache),
         str(r.concurrency),
-        _number(f.ttft_p50_ms, 1),
-        _number(f.ttft_p99_ms, 1),
+        number(f.ttft_p50_ms, 1),
+        number(f.ttft_p99_ms, 1),
         f"{f.prefill_tokens:,}",
-        _number(f.prefill_tokens_per_request, 1),
-        _number(f.hit_ratio, 3),
+        number(f.prefill_tokens_per_request, 1),
+        number(f.hit_ratio, 3),
         f"{f.worker_tokens:,}",
-        _number(f.output_tokens_per_s, 1),
-        _number(f.device_busy_fraction, 3),
-        _number(f.mean_forward_ms, 2),
+        number(f.output_tokens_per_s, 1),
+        number(f.device_busy_fraction, 3),
+        number(f.mean_forward_ms, 2),
         str(f.failed),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -460,10 +460,10 @@ def ratio_table(rows: Sequence[Row]) -> list[str]:
 def _ratio_row(r: OnOverOff) -> str:
     cells = [
         r.model,
-        _times(r.ttft_p50),
-        _times(r.prefill_tokens),
-        _times(r.output_tokens_per_s),
-        _times(r.device_busy),
+        times(r.ttft_p50),
+        times(r.prefill_tokens),
+        times(r.output_tokens_per_s),
+        times(r.device_busy),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -508,7 +508,7 @@ def target_lines(rows: Sequence[Row]) -> Iterator[str]:
     at = "" if concurrency is None else f" at concurrency {concurrency}"
     yield (
         f"- target: device busy >= {BUSY_TARGET} with the cache on {BUSY_TARGET_MODEL}{at}: "
-        f"{_number(busy_with_cache(rows), 3)}, {_verdict(busy_target_met(rows))}"
+        f"{number(busy_with_cache(rows), 3)}, {_verdict(busy_target_met(rows))}"
     )
 
 
@@ -525,14 +525,6 @@ def failure_lines(rows: Sequence[Row]) -> Iterator[str]:
 
 def _verdict(met: bool | None) -> str:
     return "not measured" if met is None else ("met" if met else "not met")
-
-
-def _number(value: float | None, digits: int) -> str:
-    return NONE if value is None else f"{value:,.{digits}f}"
-
-
-def _times(value: float | None) -> str:
-    return NONE if value is None else f"{value:.3f}x"
 
 
 def _lower(value: float | None) -> str:

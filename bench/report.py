@@ -6,11 +6,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bench.cells import NONE, number
 from bench.configs import Case, Device, Mode, Transport
 from bench.figures import ratio
 from bench.harness import CaseResult, RunResult
-
-NONE = "—"
 
 
 @dataclass(frozen=True)
@@ -198,20 +197,20 @@ def configurations_table(results: Sequence[CaseResult]) -> list[str]:
 
 def _configuration_row(result: CaseResult) -> str:
     f, shared = result.figures, result.case.configuration.shares_process
-    scheduler_cpu = _number(f.scheduler_cpu_ms_per_step, 2) + (" \\*" if shared else "")
+    scheduler_cpu = number(f.scheduler_cpu_ms_per_step, 2) + (" \\*" if shared else "")
     cells = [
         result.case.configuration.name,
-        _number(f.output_tokens_per_s, 0),
-        _number(f.fraction_of_ideal, 3),
-        _number(f.device_busy_fraction, 3),
-        _number(f.step_ms, 2),
-        _number(f.mean_forward_ms, 2),
-        f"{_number(f.median_device_gap_ms, 2)} / {_number(f.mean_device_gap_ms, 2)}",
-        f"{_number(f.ttft_p50_ms, 1)} / {_number(f.ttft_p99_ms, 1)}",
-        f"{_number(f.itl_p50_ms, 1)} / {_number(f.itl_p99_ms, 1)}",
+        number(f.output_tokens_per_s, 0),
+        number(f.fraction_of_ideal, 3),
+        number(f.device_busy_fraction, 3),
+        number(f.step_ms, 2),
+        number(f.mean_forward_ms, 2),
+        f"{number(f.median_device_gap_ms, 2)} / {number(f.mean_device_gap_ms, 2)}",
+        f"{number(f.ttft_p50_ms, 1)} / {number(f.ttft_p99_ms, 1)}",
+        f"{number(f.itl_p50_ms, 1)} / {number(f.itl_p99_ms, 1)}",
         scheduler_cpu,
-        _number(f.worker_cpu_ms_per_step, 2) if not shared else "in scheduler",
-        _number(f.client_cpu_ms_per_step, 2),
+        number(f.worker_cpu_ms_per_step, 2) if not shared else "in scheduler",
+        number(f.client_cpu_ms_per_step, 2),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -245,10 +244,10 @@ def ratios_table(ratios: Sequence[Ratios]) -> list[str]:
     ]
     for r in ratios:
         cells = (
-            _number(r.overlap_over_serial_tokens_per_s, 3),
-            _number(r.grpc_over_in_process_tokens_per_s, 3),
-            _number(r.overlap_over_serial_ttft_p50, 3),
-            _number(r.late_pick_overlap_over_serial_ttft_p50, 3),
+            number(r.overlap_over_serial_tokens_per_s, 3),
+            number(r.grpc_over_in_process_tokens_per_s, 3),
+            number(r.overlap_over_serial_ttft_p50, 3),
+            number(r.late_pick_overlap_over_serial_ttft_p50, 3),
         )
         lines.append(f"| {r.device} | " + " | ".join(cells) + " |")
     return lines
@@ -268,10 +267,10 @@ def arrivals_section(results: Sequence[CaseResult]) -> list[str]:
         f = r.figures
         cells = (
             r.case.configuration.name,
-            _number(f.output_tokens_per_s, 0),
-            _number(f.device_busy_fraction, 3),
-            f"{_number(f.ttft_p50_ms, 1)} / {_number(f.ttft_p99_ms, 1)}",
-            f"{_number(f.itl_p50_ms, 1)} / {_number(f.itl_p99_ms, 1)}",
+            number(f.output_tokens_per_s, 0),
+            number(f.device_busy_fraction, 3),
+            f"{number(f.ttft_p50_ms, 1)} / {number(f.ttft_p99_ms, 1)}",
+            f"{number(f.itl_p50_ms, 1)} / {number(f.itl_p99_ms, 1)}",
         )
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -321,12 +320,12 @@ def _sweep_row(points: Sequence[CaseResult], concurrency: int) -> str:
     device = next(p for p in points if p.case.workload.concurrency == concurrency).case.configuration.device
     cells = (
         str(concurrency),
-        _number(device.ideal_tokens_per_s(concurrency), 0),
-        _number(_tokens_per_s(serial), 0),
-        _number(_tokens_per_s(overlap), 0),
-        _number(sweep_ratio(points, concurrency), 3),
-        _number(None if serial is None else serial.figures.device_busy_fraction, 3),
-        _number(None if overlap is None else overlap.figures.device_busy_fraction, 3),
+        number(device.ideal_tokens_per_s(concurrency), 0),
+        number(_tokens_per_s(serial), 0),
+        number(_tokens_per_s(overlap), 0),
+        number(sweep_ratio(points, concurrency), 3),
+        number(None if serial is None else serial.figures.device_busy_fraction, 3),
+        number(None if overlap is None else overlap.figures.device_busy_fraction, 3),
     )
     return "| " + " | ".join(cells) + " |"
 
@@ -336,7 +335,3 @@ def _at(points: Iterable[CaseResult], mode: Mode, concurrency: int) -> CaseResul
         if p.case.configuration.mode == mode and p.case.workload.concurrency == concurrency:
             return p
     return None
-
-
-def _number(value: float | None, decimals: int) -> str:
-    return NONE if value is None else f"{value:,.{decimals}f}"

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from bench.cells import NONE, number, percent, times
 from bench.configs import Case, Configuration, Workload, sim
 from bench.figures import Figures, figures, ratio
 from bench.machine import Machine, describe_machine, load_average
@@ -73,7 +74,6 @@ SEED = 0
 WARMUP_STEPS = 2
 TARGET_MODEL, TARGET_BATCH, TARGET_OVERHEAD = "smollm2", 64, 0.10  # penalties + logprobs
 TARGET_BUSY, SERVING_STEP_MS = 0.98, 10.0
-NONE = "—"
 
 Progress = Callable[[str], None]
 
@@ -318,7 +318,7 @@ def run_engine_part(plan: EnginePlan, progress: Progress) -> list[EngineRow]:
 def engine_progress_line(row: EngineRow, vs: VersusNone) -> str:
     return (
         f"{row.model} batch {row.batch:>2} {row.features:>9}: {row.device_ms:8.2f} ms/step "
-        f"({_times(vs.device_ms)}), {row.tokens_per_s:9,.1f} tok/s ({_times(vs.tokens_per_s)})"
+        f"({times(vs.device_ms)}), {row.tokens_per_s:9,.1f} tok/s ({times(vs.tokens_per_s)})"
     )
 
 
@@ -353,7 +353,7 @@ def serving_progress_line(row: ServingRow) -> str:
     f = row.figures
     return (
         f"sim overlap, {row.features:>4} features, run {row.repeat}: {f.output_tokens_per_s:7,.1f} tok/s, "
-        f"device busy {_number(f.device_busy_fraction, 3)}, {f.failed} failed"
+        f"device busy {number(f.device_busy_fraction, 3)}, {f.failed} failed"
     )
 
 
@@ -512,10 +512,10 @@ def _engine_row(r: EngineRow, vs: VersusNone) -> str:
         r.model,
         str(r.batch),
         r.features,
-        _number(r.device_ms, 2),
-        _times(vs.device_ms),
-        _number(r.tokens_per_s, 1),
-        _times(vs.tokens_per_s),
+        number(r.device_ms, 2),
+        times(vs.device_ms),
+        number(r.tokens_per_s, 1),
+        times(vs.tokens_per_s),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -539,7 +539,7 @@ def engine_target_lines(rows: Sequence[EngineRow]) -> Iterator[str]:
         target = f"penalties + logprobs <= {TARGET_OVERHEAD:.0%}"
         yield f"- target ({target}): not measured, no {TARGET_MODEL} rows at batch {TARGET_BATCH}"
         return
-    listed = ", ".join(f"{name} {_percent(value)}" for name, value in overhead.items())
+    listed = ", ".join(f"{name} {percent(value)}" for name, value in overhead.items())
     verdict = "met" if met else "not met"
     yield (
         f"- forward overhead on {TARGET_MODEL} at batch {TARGET_BATCH}: {listed}; target penalties + "
@@ -560,12 +560,12 @@ def _serving_row(r: ServingRow) -> str:
     cells = [
         r.features,
         str(r.repeat),
-        _number(f.output_tokens_per_s, 1),
-        _number(f.fraction_of_ideal, 3),
-        _number(f.device_busy_fraction, 3),
-        _number(f.mean_forward_ms, 2),
-        _number(f.mean_device_gap_ms, 3),
-        _number(f.tokens_per_step, 1),
+        number(f.output_tokens_per_s, 1),
+        number(f.fraction_of_ideal, 3),
+        number(f.device_busy_fraction, 3),
+        number(f.mean_forward_ms, 2),
+        number(f.mean_device_gap_ms, 3),
+        number(f.tokens_per_step, 1),
         str(f.completed),
         str(f.failed),
     ]
@@ -588,22 +588,10 @@ def serving_notes(plan: ServingPlan) -> list[str]:
 def serving_target_lines(rows: Sequence[ServingRow]) -> Iterator[str]:
     busy, met = least_busy_with_features(rows), serving_target_met(rows)
     verdict = NONE if met is None else ("met" if met else "not met")
-    yield f"- target: device busy >= {TARGET_BUSY} with all features: least {_number(busy, 3)}, {verdict}"
+    yield f"- target: device busy >= {TARGET_BUSY} with all features: least {number(busy, 3)}, {verdict}"
     for r in rows:
         if r.figures.failed:
             yield f"- **{r.figures.failed} requests failed** in run {r.repeat} with {r.features} features"
-
-
-def _number(value: float | None, digits: int) -> str:
-    return NONE if value is None else f"{value:,.{digits}f}"
-
-
-def _times(value: float | None) -> str:
-    return NONE if value is None else f"{value:.3f}x"
-
-
-def _percent(value: float | None) -> str:
-    return NONE if value is None else f"{value:+.1f}%"
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.cells import number, times
 from bench.configs import MODES, Case, Configuration, Device, Mode, Workload
 from bench.figures import Figures, figures, ratio
 from bench.machine import Machine, describe_machine, load_average
@@ -30,7 +31,6 @@ from bench.save import RESULTS, command_line, publish
 NAME = "smollm2-serving"
 THREAD_COUNTS = (1, 2)
 KV_SLOTS = 4096  # tokens: 16 requests of 128 fit eight times over
-NONE = "—"
 
 Progress = Callable[[str], None]
 
@@ -265,14 +265,14 @@ def _row(r: PointResult, ratios: Ratios) -> str:
         str(r.threads),
         r.mode,
         str(r.concurrency),
-        _number(f.output_tokens_per_s, 1),
-        _number(f.ttft_p50_ms, 0),
-        _number(f.ttft_p99_ms, 0),
-        _number(r.tpot_p50_ms, 1),
-        _number(f.itl_p50_ms, 1),
-        _number(f.device_busy_fraction, 3),
-        _times(ratios.tokens_per_s) if overlap else "",
-        _times(ratios.ttft_p50) if overlap else "",
+        number(f.output_tokens_per_s, 1),
+        number(f.ttft_p50_ms, 0),
+        number(f.ttft_p99_ms, 0),
+        number(r.tpot_p50_ms, 1),
+        number(f.itl_p50_ms, 1),
+        number(f.device_busy_fraction, 3),
+        times(ratios.tokens_per_s, 2) if overlap else "",
+        times(ratios.ttft_p50, 2) if overlap else "",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -294,13 +294,13 @@ def notes(plan: Smollm2Plan) -> list[str]:
 def best_lines(results: Sequence[PointResult]) -> Iterator[str]:
     for concurrency, best in best_threads(results).items():
         others = [
-            f"{_number(r.figures.output_tokens_per_s, 1)} with {r.threads}"
+            f"{number(r.figures.output_tokens_per_s, 1)} with {r.threads}"
             for r in results
             if r.mode == "overlap" and r.concurrency == concurrency and r.threads != best.threads
         ]
         against = f" (vs {', '.join(others)})" if others else ""
         threads = f"{best.threads} thread{'' if best.threads == 1 else 's'}"
-        tokens_per_s = _number(best.figures.output_tokens_per_s, 1)
+        tokens_per_s = number(best.figures.output_tokens_per_s, 1)
         yield f"- best overlap tok/s at concurrency {concurrency}: {threads}, {tokens_per_s} tok/s{against}"
 
 
@@ -313,14 +313,6 @@ def failure_lines(results: Sequence[PointResult]) -> Iterator[str]:
                 f"**{r.figures.failed} of {r.figures.failed + r.figures.completed} requests failed** at "
                 f"threads {r.threads}, {r.mode}, concurrency {r.concurrency}."
             )
-
-
-def _number(value: float | None, digits: int) -> str:
-    return NONE if value is None else f"{value:,.{digits}f}"
-
-
-def _times(value: float | None) -> str:
-    return NONE if value is None else f"{value:.2f}x"
 
 
 # ---- command line ----------------------------------------------------------------------------
