@@ -67,6 +67,7 @@ def core_server_info(core: EngineCore) -> generation_pb2.GetServerInfoResponse:
         response.kv_slots = i.kv_slots
         response.request_slots = p.req_slots.capacity
         response.device = i.device
+        response.tensor_parallel_size = i.tensor_parallel_size
     return response
 
 

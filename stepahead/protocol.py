@@ -43,6 +43,7 @@ class WorkerInfo:
     tokenizer: TokenizerSpec
     epoch: int = 0
     worker_unix_time: float = 0.0
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (kv_slots is each rank's pool)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:
         device=info.device,
         tokenizer=tokenizer_to_proto(info.tokenizer),
         worker_unix_time=info.worker_unix_time,
+        tensor_parallel_size=info.tensor_parallel_size,
     )
     if info.bos_token_id is not None:
         welcome.bos_token_id = info.bos_token_id
@@ -203,6 +205,7 @@ def info_from_proto(welcome: worker_pb2.Welcome) -> WorkerInfo:
         tokenizer=TokenizerSpec(t.kind, t.hf_json, t.chat_template),
         epoch=welcome.epoch,
         worker_unix_time=welcome.worker_unix_time,
+        tensor_parallel_size=welcome.tensor_parallel_size or 1,
     )
 
 

@@ -22,8 +22,10 @@ from worker_svc.model import (
     load_hf_checkpoint,
     store_weights_input_major,
 )
+from worker_svc.ranks import TensorParallelRanks
 from worker_svc.sampler import sample
 from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
+from worker_svc.tensor_parallel import shard_model
 
 BYTE_TOKENIZER = TokenizerSpec("byte")
 
@@ -51,6 +53,7 @@ class ModelBackend(Protocol):
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     tokenizer: TokenizerSpec  # with the model's chat template, when its files have one
+    kv_bytes_per_slot: int  # one token's K and V over all layers, as this rank holds them; 0: no KV
 
     def allocate_kv(self, num_slots: int) -> None: ...
 
@@ -95,6 +98,7 @@ class LlamaBackend:
         self.eos_token_ids = config.eos_token_ids
         self.bos_token_id = config.bos_token_id
         self.tokenizer = tokenizer
+        self.kv_bytes_per_slot = 2 * config.num_layers * config.kv_size * weight.element_size()
         self._kv: KVCache | None = None
 
     def make_streams(self, device: torch.device) -> DeviceStreams:
@@ -163,6 +167,7 @@ class SimBackend:
         self.eos_token_ids = TINY_CONFIG.eos_token_ids
         self.bos_token_id = TINY_CONFIG.bos_token_id
         self.tokenizer = BYTE_TOKENIZER
+        self.kv_bytes_per_slot = 0
         self._step_s = step_ms / 1e3
         self._token_s = token_us / 1e6
         self._device = SimDevice()
@@ -185,30 +190,49 @@ class SimBackend:
 
 
 def load_backend(
-    model: str, device: torch.device, dtype: torch.dtype, sim_step_ms: float, sim_token_us: float
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    sim_step_ms: float,
+    sim_token_us: float,
+    ranks: TensorParallelRanks | None = None,
 ) -> ModelBackend:
-    """`tiny`, `sim`, `smollm2`, a `.gguf` file, or a Hugging Face Llama-style checkpoint directory."""
+    """`tiny`, `sim`, `smollm2`, a `.gguf` file, or a Hugging Face Llama-style checkpoint
+    directory; with `ranks`, this rank's shard of it (loaded on the CPU, then sliced)."""
     if model == "sim":
+        if ranks is not None:
+            raise ValueError("--tp: the sim device has no weights to shard (run it with --tp 1)")
         return SimBackend(sim_step_ms, sim_token_us)
+    load_on = device if ranks is None else torch.device("cpu")
+    llama, tokenizer = _load_llama(model, load_on, dtype)
+    if ranks is not None:
+        llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
+    return LlamaBackend(llama, tokenizer)
+
+
+def _load_llama(
+    model: str, device: torch.device, dtype: torch.dtype
+) -> tuple[LlamaForCausalLM, TokenizerSpec]:
     if model == "tiny":
-        return LlamaBackend(build_tiny(dtype, device), BYTE_TOKENIZER)
+        return build_tiny(dtype, device), BYTE_TOKENIZER
     if model == SMOLLM2_NAME:
-        return _gguf_backend(smollm2_path(), dtype, device, SMOLLM2_NAME)
+        return _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME)
     path = Path(model)
     if path.suffix == ".gguf" and path.is_file():
-        return _gguf_backend(path, dtype, device, path.stem)
+        return _load_gguf(path, dtype, device, path.stem)
     if not path.is_dir():
         raise ValueError(
             f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
         )
     llama = load_hf_checkpoint(path, dtype, device)
-    return LlamaBackend(llama, _checkpoint_tokenizer(path, llama.config.vocab_size))
+    return llama, _checkpoint_tokenizer(path, llama.config.vocab_size)
 
 
-def _gguf_backend(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LlamaBackend:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, name: str
+) -> tuple[LlamaForCausalLM, TokenizerSpec]:
     loaded = load_gguf(path, dtype, device, name)
-    tokenizer = TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
-    return LlamaBackend(loaded.model, tokenizer)
+    return loaded.model, TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
 
 
 def checkpoint_chat_template(path: Path) -> str:

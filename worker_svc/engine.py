@@ -30,7 +30,9 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -50,6 +52,14 @@ from worker_svc.logits_processors import (
     unpack_from_host,
 )
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.ranks import (
+    Command,
+    GroupBroken,
+    TensorParallelRanks,
+    decode_launch,
+    decode_session,
+    fail_stop,
+)
 from worker_svc.streams import (
     DeviceStreams,
     PendingCopy,
@@ -59,6 +69,8 @@ from worker_svc.streams import (
 )
 
 __all__ = ["EngineConfig", "EngineStats", "LaunchError", "WorkerEngine"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -267,12 +279,18 @@ def _enter_inference_mode() -> None:
 
 class WorkerEngine:
     def __init__(
-        self, backend: ModelBackend, config: EngineConfig, streams: DeviceStreams, tracer: Tracer = NO_TRACE
+        self,
+        backend: ModelBackend,
+        config: EngineConfig,
+        streams: DeviceStreams,
+        tracer: Tracer = NO_TRACE,
+        ranks: TensorParallelRanks | None = None,
     ) -> None:
         self.backend = backend
         self.config = config
         self.streams = streams
         self.tracer = tracer
+        self.ranks = ranks  # None: one rank; else every command is handed to the others first
         self.metrics = WorkerMetrics(backend.name, str(streams.device))
         self._last_forward_end: float | None = None
         self._live_after_last_step = False
@@ -310,6 +328,7 @@ class WorkerEngine:
             tokenizer=b.tokenizer,
             epoch=self._epoch,
             worker_unix_time=time.time(),
+            tensor_parallel_size=self.ranks.size if self.ranks is not None else 1,
         )
 
     def stats(self) -> EngineStats:
@@ -335,7 +354,7 @@ class WorkerEngine:
         (`launch_check.step_budget`). ValueError, at once, if it is below 1.
         """
         limits = self._session_limits(max_batch_tokens)
-        return self._forward_thread.submit(self._reset_for_session, limits)
+        return self._forward_thread.submit(self._lead_session, max_batch_tokens, limits)
 
     def submit(self, launch: Launch) -> concurrent.futures.Future[StepResult]:
         """Enqueue a launch; the future resolves, in launch order, with its tokens."""
@@ -343,13 +362,55 @@ class WorkerEngine:
         return self._copy_thread.submit(self._complete, launch, pending)
 
     def shutdown(self) -> None:
+        if self.ranks is not None:  # after every launch queued so far: the other ranks stop too
+            self._forward_thread.submit(self._lead, self.ranks.hand_stop).result()
         self._forward_thread.shutdown(wait=True, cancel_futures=True)
         self._copy_thread.shutdown(wait=True, cancel_futures=True)
+
+    def follow(self) -> None:
+        """A rank other than 0: runs rank 0's commands, in its order, until it stops.
+
+        NOTE: rank 0 hands on only launches that passed its checks, and every rank's state is
+        the same, so these pass too; a rank that finds otherwise has diverged and stops.
+        """
+        assert self.ranks is not None and not self.ranks.is_leader
+        _enter_inference_mode()
+        try:
+            while self._follow_one(self.ranks):
+                pass
+        except GroupBroken as exc:
+            fail_stop(exc)
+
+    def _follow_one(self, ranks: TensorParallelRanks) -> bool:
+        """Runs rank 0's next command; False once it is the stop."""
+        kind, payload = ranks.receive()
+        if kind is Command.SESSION:
+            self._reset_for_session(self._session_limits(decode_session(payload)))
+        elif kind is Command.LAUNCH:
+            launch = decode_launch(payload)
+            self._check(launch)
+            with self.streams.forward(), transfers_through(self.streams):
+                self._run(launch)
+        return kind is not Command.STOP
 
     def _session_limits(self, max_batch_tokens: int | None) -> LaunchLimits:
         cfg, b = self.config, self.backend
         budget = step_budget(cfg.kv_slots, max_batch_tokens)
         return LaunchLimits(cfg.kv_slots, cfg.request_slots, b.max_context_len, b.vocab_size, budget)
+
+    def _lead(self, command: Callable[[], T]) -> T:
+        """Rank 0's forward thread runs a command that collectives may end: a group that lost
+        a peer cannot run another step, so this rank stops (its supervisor starts a new group)."""
+        try:
+            return command()
+        except GroupBroken as exc:
+            fail_stop(exc)
+
+    def _lead_session(self, max_batch_tokens: int | None, limits: LaunchLimits) -> WorkerInfo:
+        ranks = self.ranks
+        if ranks is not None:
+            self._lead(lambda: ranks.hand_session(max_batch_tokens))
+        return self._reset_for_session(limits)
 
     def _reset_for_session(self, limits: LaunchLimits) -> WorkerInfo:
         # NOTE: runs on the forward thread, so every launch queued before it
@@ -395,22 +456,30 @@ class WorkerEngine:
         self.tracer.span("copy", f"copy {launch.step_id}", timing.forward_end, timing.copy_end)
 
     def _enqueue(self, launch: Launch) -> _Enqueued:
+        self._check(launch)
+        return self._lead(lambda: self._run_and_copy(launch))
+
+    def _check(self, launch: Launch) -> None:
         # NOTE: a launch is checked whole before anything is allocated for it
         # or any device tensor is indexed with its values. The order check
         # comes first, so an out-of-order launch counts whatever else it breaks.
         self._check_order(launch.step_id)
         check_launch(launch, self._limits)
         self._check_live_rows(launch)
+
+    def _run_and_copy(self, launch: Launch) -> _Enqueued:
+        if self.ranks is not None:
+            self.ranks.hand_launch(launch)
         with self.streams.forward(), transfers_through(self.streams):
-            self._apply_slot_deltas(launch)
-            self._steps_executed += 1
-            if not launch.num_rows:  # a launch that only releases slots
-                return _Enqueued(
-                    self.streams.copy_to_host(self._no_tokens), len(self._slots.host), self._epoch
-                )
-            sampled = self._forward(launch)
-            copy = self.streams.copy_to_host(pack_for_host(sampled))
-            return _Enqueued(copy, len(self._slots.host), self._epoch)
+            sampled = self._run(launch)
+            packed = self._no_tokens if sampled is None else pack_for_host(sampled)
+            return _Enqueued(self.streams.copy_to_host(packed), len(self._slots.host), self._epoch)
+
+    def _run(self, launch: Launch) -> Sampled | None:
+        """The launch's slot deltas, then its forward unless it only releases slots."""
+        self._apply_slot_deltas(launch)
+        self._steps_executed += 1
+        return self._forward(launch) if launch.num_rows else None
 
     def _forward(self, launch: Launch) -> Sampled:
         """The launch's batch forward and sampled; its ids go to the FutureMap and the history."""
@@ -425,6 +494,8 @@ class WorkerEngine:
         if rows.tracked:
             self._track_sampled(on_device, sampled.token_ids)
         self._future.store(on_device.sample_req_slots, sampled.token_ids)
+        if self.ranks is not None and self.config.check_invariants:
+            self.ranks.check_same_ids(sampled.token_ids)
         return sampled
 
     def _track_prompt_sourced(self, batch: ForwardBatch, on_device: _DeviceRows) -> None:

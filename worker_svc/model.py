@@ -448,7 +448,7 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
-def _new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """A model with uninitialised weights allocated directly in `dtype` on `device`."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -466,7 +466,7 @@ def _new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
 
 def build_tiny(dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
     """TINY_CONFIG with seeded weights, bit-identical on every machine for a given seed."""
-    model = _new_model(TINY_CONFIG, dtype, device)
+    model = new_model(TINY_CONFIG, dtype, device)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -576,7 +576,7 @@ def load_hf_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.dev
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
-    model = _new_model(config, dtype, device)
+    model = new_model(config, dtype, device)
     _load_weights(model, (safetensors.torch.load_file(str(f)) for f in files))
     return model
 

@@ -1,0 +1,212 @@
+"""The worker's tensor-parallel ranks: one process a rank, one torch.distributed group.
+
+Rank 0 serves the Connect stream. Its forward thread hands every engine command (a session
+reset, a launch, the stop) to the other ranks before it runs it itself, in launch order, by a
+broadcast over a CPU (gloo) group; each other rank runs the same command on its own engine
+(`follow`). So every rank applies the same slot deltas, runs the same batch through its shard
+(the row-parallel all-reduces over the model group: gloo on CPU, NCCL on CUDA), samples the
+same ids from the same full logits with the same counter-based randomness, and keeps the same
+FutureMap. Only rank 0 copies results to the host.
+
+A rank whose peer is gone fails its next collective; that group cannot go on, so the rank exits
+(`GroupBroken`) and its supervisor (`worker_svc.launcher`, torchrun, or the pod) starts a new
+group; the scheduler sees the session end and recomputes, as for a worker crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import logging
+import os
+import sys
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from stepahead.protocol import Launch, launch_from_proto, launch_to_proto
+from stepahead.v1 import worker_pb2
+
+log = logging.getLogger("stepahead.worker")
+
+# Set by worker_svc.launcher for its ranks: the TCPStore it hosts, and which start of the group
+# this is (each start rendezvouses under its own prefix). Without them, torchrun's env:// is used.
+STORE_ENV = "STEPAHEAD_TP_STORE"
+ATTEMPT_ENV = "STEPAHEAD_TP_ATTEMPT"
+
+STEP_TIMEOUT = datetime.timedelta(minutes=5)  # a collective of a step: a hung peer fails the group
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for the next command while idle
+GROUP_BROKEN_EXIT = 70  # a rank's exit code once its group lost a peer
+UP_KEY = "up"  # set by rank 0 in its start's store prefix once it serves
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed: a peer is gone, and this group cannot run another step."""
+
+
+class Command(enum.IntEnum):
+    SESSION = 1  # payload: the session's max_batch_tokens (0: none announced)
+    LAUNCH = 2  # payload: a serialized worker.proto Launch
+    STOP = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlace:
+    """Where this process stands in the group, from the environment torchrun or the launcher set."""
+
+    rank: int
+    size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> RankPlace:
+        return cls(
+            int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+        )
+
+    def device(self, device_type: str) -> torch.device:
+        """One GPU a rank (by local rank); the CPU is shared."""
+        return torch.device(f"cuda:{self.local_rank}") if device_type == "cuda" else torch.device("cpu")
+
+
+class TensorParallelRanks:
+    """This rank's groups: the model's collectives, and the command broadcast from rank 0."""
+
+    def __init__(
+        self,
+        place: RankPlace,
+        model_group: dist.ProcessGroup,
+        bus: dist.ProcessGroup,
+        store: Store | None = None,
+    ) -> None:
+        self.place = place
+        self.store = store  # the launcher's, under this start's prefix; None under torchrun
+        self._model_group = model_group
+        self._bus = bus
+
+    @property
+    def is_leader(self) -> bool:
+        return self.place.rank == 0
+
+    @property
+    def size(self) -> int:
+        return self.place.size
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over the ranks in place (the model's row-parallel layers)."""
+        try:
+            dist.all_reduce(tensor, group=self._model_group)
+        except RuntimeError as exc:
+            raise GroupBroken(f"all-reduce failed: {exc}") from exc
+
+    def check_same_ids(self, ids: torch.Tensor) -> None:
+        """--check-invariants: every rank sampled the same ids (synchronises the device)."""
+        low, high = ids.clone(), ids.clone()
+        self._reduce(low, dist.ReduceOp.MIN)
+        self._reduce(high, dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            raise GroupBroken(f"rank {self.place.rank}: the ranks sampled different ids")
+
+    def hand_session(self, max_batch_tokens: int | None) -> None:
+        self._send(Command.SESSION, (max_batch_tokens or 0).to_bytes(8, "little"))
+
+    def hand_launch(self, launch: Launch) -> None:
+        self._send(Command.LAUNCH, launch_to_proto(launch).SerializeToString())
+
+    def hand_stop(self) -> None:
+        self._send(Command.STOP, b"")
+
+    def receive(self) -> tuple[Command, bytes]:
+        """The next command from rank 0 (followers only); waits while the worker is idle."""
+        header = torch.zeros(2, dtype=torch.int64)
+        self._broadcast(header)
+        kind, size = Command(int(header[0])), int(header[1])
+        payload = torch.empty(size, dtype=torch.uint8)
+        if size:
+            self._broadcast(payload)
+        return kind, payload.numpy().tobytes()
+
+    def barrier(self) -> None:
+        """Until every rank has its engine (rank 0 serves only then)."""
+        dist.barrier(group=self._bus)
+
+    def mark_up(self) -> None:
+        """Rank 0 serves: from now on, the loss of a rank is worth starting the group again."""
+        if self.store is not None:
+            self.store.set(UP_KEY, "1")
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+    def _send(self, kind: Command, payload: bytes) -> None:
+        if not self.is_leader:
+            return
+        self._broadcast(torch.tensor([int(kind), len(payload)], dtype=torch.int64))
+        if payload:
+            self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.broadcast(tensor, src=0, group=self._bus)
+        except RuntimeError as exc:
+            raise GroupBroken(f"command broadcast failed: {exc}") from exc
+
+    def _reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        try:
+            dist.all_reduce(tensor, op=op, group=self._model_group)
+        except RuntimeError as exc:
+            raise GroupBroken(f"all-reduce failed: {exc}") from exc
+
+
+def join_group(place: RankPlace, device_type: str) -> TensorParallelRanks:
+    """Rendezvous with the other ranks: NCCL for the model on CUDA, gloo on the CPU; the
+    command broadcast always over gloo (it carries host bytes)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(place.local_rank)
+    store = _launcher_store(place)
+    if store is not None:
+        dist.init_process_group(
+            backend, store=store, rank=place.rank, world_size=place.size, timeout=STEP_TIMEOUT
+        )
+    else:  # torchrun: MASTER_ADDR / MASTER_PORT
+        dist.init_process_group(backend, init_method="env://", timeout=STEP_TIMEOUT)
+    bus = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    world = dist.group.WORLD
+    assert bus is not None and isinstance(world, dist.ProcessGroup)
+    return TensorParallelRanks(place, world, bus, store)
+
+
+def _launcher_store(place: RankPlace) -> Store | None:
+    """The store worker_svc.launcher hosts, under this start's prefix; None without one."""
+    address = os.environ.get(STORE_ENV)
+    if not address:
+        return None
+    host, port = address.rsplit(":", 1)
+    client = TCPStore(host, int(port), place.size, is_master=False, timeout=STEP_TIMEOUT)
+    return attempt_store(client, int(os.environ.get(ATTEMPT_ENV, "0")))
+
+
+def attempt_store(store: Store, attempt: int) -> Store:
+    """The keys of one start of the group (each start rendezvouses afresh)."""
+    return PrefixStore(f"attempt{attempt}", store)
+
+
+def fail_stop(exc: GroupBroken) -> NoReturn:
+    """Ends this rank's process at once: a group that lost a peer cannot run another step, and
+    its pending collectives would never return (the supervisor starts a new group)."""
+    log.critical("tensor-parallel group broken, stopping this rank: %s", exc)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(GROUP_BROKEN_EXIT)
+
+
+def decode_session(payload: bytes) -> int | None:
+    return int.from_bytes(payload, "little") or None
+
+
+def decode_launch(payload: bytes) -> Launch:
+    return launch_from_proto(worker_pb2.Launch.FromString(payload))

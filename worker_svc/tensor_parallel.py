@@ -1,0 +1,101 @@
+"""Tensor parallelism of the Llama model: the slice of each weight a rank holds, and the
+all-reduce after the row-parallel layers (the Megatron split).
+
+Per decoder layer, rank r of N holds
+  q/k/v_proj, gate/up_proj  column-parallel: rows r*out/N .. (r+1)*out/N of the [out, in] weight,
+                            i.e. heads r*H/N .. and KV heads r*KVH/N .. (GQA groups stay whole),
+  o_proj, down_proj         row-parallel: the matching columns; each rank's partial output is
+                            summed over the ranks (one all-reduce after each, two a layer),
+and a replica of the norms, the embeddings and the output layer, so that every rank computes
+the same full logits from the same all-reduced hidden states and samples the same ids.
+
+NOTE: the output layer is replicated rather than vocab-parallel: split, each rank would need
+every other rank's logits to sample (an all-gather of [rows, vocab] a step, and gloo has no
+all_gather_into_tensor), while replicated it costs one [hidden, vocab] weight a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.model import Linear, LlamaDecoderLayer, LlamaForCausalLM, ModelConfig, new_model
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+class RowParallelLinear(Linear):
+    """A Linear over this rank's slice of the input features, summed over the ranks."""
+
+    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce) -> None:
+        super().__init__(in_features, out_features)
+        self._all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        self._all_reduce(out)
+        return out
+
+
+def check_divisible(config: ModelConfig, size: int) -> None:
+    """ValueError naming what does not divide by `size` (every rank holds whole heads)."""
+    counts = {
+        "attention heads": config.num_heads,
+        "KV heads": config.num_kv_heads,
+        "FFN width": config.intermediate_size,
+    }
+    for what, count in counts.items():
+        if count % size:
+            raise ValueError(f"--tp {size}: {config.name}'s {count} {what} do not divide by {size}")
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The per-rank shape: a 1/size share of the heads, KV heads and FFN width."""
+    check_divisible(config, size)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=config.num_kv_heads // size,
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def shard_weight(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s part of the full model's weight `name` (all of it when replicated)."""
+    module = name.split(".")[-2] if "." in name else ""
+    if module in COLUMN_PARALLEL:
+        return weight.chunk(size, dim=0)[rank]
+    if module in ROW_PARALLEL:
+        return weight.chunk(size, dim=1)[rank]
+    return weight
+
+
+def _row_parallel(linear: Linear, all_reduce: AllReduce) -> RowParallelLinear:
+    out_features, in_features = linear.weight.shape
+    return RowParallelLinear(in_features, out_features, all_reduce)
+
+
+def shard_model(full: LlamaForCausalLM, rank: int, size: int, all_reduce: AllReduce) -> LlamaForCausalLM:
+    """Rank `rank`'s model, on the full model's device and dtype, with copies of its slices
+    (the full model can be freed after)."""
+    weight = full.lm_head.weight
+    local = new_model(shard_config(full.config, size), weight.dtype, weight.device)
+    for layer in local.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight.shape[1], attn.o_proj.weight.shape[0], all_reduce)
+        mlp.down_proj = RowParallelLinear(
+            mlp.down_proj.weight.shape[1], mlp.down_proj.weight.shape[0], all_reduce
+        )
+    local.to(weight.device, weight.dtype)
+    full_weights = dict(full.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, param in local.named_parameters(remove_duplicate=False):
+            param.copy_(shard_weight(name, full_weights[name], rank, size))
+    return local
