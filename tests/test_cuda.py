@@ -3,6 +3,7 @@ on a GPU. Skipped wherever torch.cuda.is_available() is false."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import statistics
@@ -12,9 +13,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from stepahead.processes import serving_pair
 from stepahead.protocol import Launch
 from tests.harness import mixed_workload
 from tests.test_equivalence import serve_both
+from tests.test_tensor_parallel import near_ties, run_all, workload
 from tests.test_worker_processing import Driver, Live, Spec, decodes, mixed_specs, prefill
 from tests.transfer_guard import (
     Script,
@@ -280,3 +283,14 @@ def test_smollm2_bf16_overlap_equals_serial_through_the_services() -> None:
             got[mode] = asyncio.run(answers(scheduler.address))
     assert got["serial"] == got["overlap"]
     assert all(got["overlap"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism on CUDA needs two GPUs")
+def test_tp2_over_nccl_gives_tp1s_tokens_through_the_services() -> None:
+    """Two ranks, one GPU each, the model's all-reduces over NCCL and the commands over gloo."""
+    flags = ["--model", "tiny", "--device", "cuda", "--dtype", "float32", "--check-invariants"]
+    results = []
+    for tp in ("1", "2"):
+        with serving_pair([*flags, "--tp", tp]) as (_, scheduler):
+            results.append(asyncio.run(run_all(scheduler.address, workload())))
+    print("near ties:", near_ties(*results))

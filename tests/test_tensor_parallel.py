@@ -9,6 +9,7 @@ recorded as the test's `near_ties` property, not hidden."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
 import signal
@@ -17,13 +18,16 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
+from torch._C._distributed_c10d import TCPStore
 
 from stepahead.processes import Service, serving_pair, spawn_scheduler, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2 as pb
 from tests.live import generate, request, server_info, unused_port, wait_all_free
+from worker_svc import ranks as ranks_module
 from worker_svc.batch import ForwardBatch
 from worker_svc.model import TINY_CONFIG, KVCache, LlamaDecoderLayer, LlamaForCausalLM, build_tiny
 from worker_svc.tensor_parallel import AllReduce, shard_config, shard_model
@@ -321,3 +325,36 @@ def test_tp3_smollm2_gives_tp1s_greedy_tokens(record_property: Callable[[str, ob
         with serving_pair(["--model", "smollm2", "--tp", tp]) as (_, scheduler):
             results.append(asyncio.run(run_all(scheduler.address, reqs)))
     report(record_property, "smollm2 tp3", near_ties(*results))
+
+
+def _relay_commands(rank: int, port: int, payloads: list[bytes], received: Any) -> None:
+    os.environ.update(
+        {ranks_module.STORE_ENV: f"127.0.0.1:{port}", ranks_module.ATTEMPT_ENV: "0", "LOCAL_RANK": str(rank)}
+    )
+    ranks = ranks_module.join_group(ranks_module.RankPlace(rank, 2, rank), "cpu")
+    for payload in payloads:
+        if ranks.is_leader:
+            ranks.hand_launch_bytes(payload)
+        else:
+            received.put(ranks.receive())
+    ranks.close()
+
+
+def test_commands_of_any_size_reach_the_other_rank_whole() -> None:
+    """One frame for most commands, a second broadcast for what does not fit in it."""
+    inline = ranks_module.FRAME_BYTES - ranks_module.HEADER_BYTES
+    payloads = [b"", b"x" * 100, bytes(range(256)) * (inline // 256), b"y" * inline, b"z" * (inline + 1)]
+    payloads.append(bytes(range(256)) * 300)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    received = context.Queue()
+    procs = [
+        context.Process(target=_relay_commands, args=(r, store.port, payloads, received)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    got = [received.get(timeout=60) for _ in payloads]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert got == [(ranks_module.Command.LAUNCH, p) for p in payloads]

@@ -40,6 +40,8 @@ ATTEMPT_ENV = "STEPAHEAD_TP_ATTEMPT"
 STEP_TIMEOUT = datetime.timedelta(minutes=5)  # a collective of a step: a hung peer fails the group
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for the next command while idle
 GROUP_BROKEN_EXIT = 70  # a rank's exit code once its group lost a peer
+FRAME_BYTES = 16384  # a command's broadcast: kind and size (two int64), then the payload
+HEADER_BYTES = 16
 UP_KEY = "up"  # set by rank 0 in its start's store prefix once it serves
 
 
@@ -114,20 +116,26 @@ class TensorParallelRanks:
         self._send(Command.SESSION, (max_batch_tokens or 0).to_bytes(8, "little"))
 
     def hand_launch(self, launch: Launch) -> None:
-        self._send(Command.LAUNCH, launch_to_proto(launch).SerializeToString())
+        self.hand_launch_bytes(launch_to_proto(launch).SerializeToString())
+
+    def hand_launch_bytes(self, launch: bytes) -> None:
+        """A serialized worker.proto Launch."""
+        self._send(Command.LAUNCH, launch)
 
     def hand_stop(self) -> None:
         self._send(Command.STOP, b"")
 
     def receive(self) -> tuple[Command, bytes]:
         """The next command from rank 0 (followers only); waits while the worker is idle."""
-        header = torch.zeros(2, dtype=torch.int64)
-        self._broadcast(header)
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self._broadcast(frame)
+        header = frame[:HEADER_BYTES].view(torch.int64)
         kind, size = Command(int(header[0])), int(header[1])
-        payload = torch.empty(size, dtype=torch.uint8)
-        if size:
-            self._broadcast(payload)
-        return kind, payload.numpy().tobytes()
+        if size <= FRAME_BYTES - HEADER_BYTES:
+            return kind, frame[HEADER_BYTES : HEADER_BYTES + size].numpy().tobytes()
+        rest = torch.empty(size, dtype=torch.uint8)
+        self._broadcast(rest)
+        return kind, rest.numpy().tobytes()
 
     def barrier(self) -> None:
         """Until every rank has its engine (rank 0 serves only then)."""
@@ -142,10 +150,19 @@ class TensorParallelRanks:
         dist.destroy_process_group()
 
     def _send(self, kind: Command, payload: bytes) -> None:
+        """One broadcast of a fixed frame for most commands (a launch of a few hundred rows
+        fits); a larger payload follows in a second one."""
         if not self.is_leader:
             return
-        self._broadcast(torch.tensor([int(kind), len(payload)], dtype=torch.int64))
-        if payload:
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([int(kind), len(payload)]))
+        inline = len(payload) <= FRAME_BYTES - HEADER_BYTES
+        if inline and payload:
+            frame[HEADER_BYTES : HEADER_BYTES + len(payload)] = torch.frombuffer(
+                bytearray(payload), dtype=torch.uint8
+            )
+        self._broadcast(frame)
+        if not inline:
             self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
