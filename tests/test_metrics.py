@@ -49,6 +49,7 @@ WORKER_METRICS = {
     "stepahead_batches_total",
     "stepahead_batch_tokens_total",
     "stepahead_live_request_slots",
+    "stepahead_tensor_parallel_size",
 }
 
 

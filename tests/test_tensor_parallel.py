@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -231,6 +232,9 @@ def test_tp2_gives_tp1s_tokens_in_both_loops(
         reference_info = asyncio.run(server_info(tp1.address))
         assert info.tensor_parallel_size == 2 and reference_info.tensor_parallel_size == 1
         assert info.kv_slots == 2 * reference_info.kv_slots  # each rank holds half the KV heads
+        with urllib.request.urlopen(worker.metrics_url, timeout=10) as response:
+            assert "stepahead_tensor_parallel_size{" in (text := response.read().decode())
+        assert re.search(r"^stepahead_tensor_parallel_size\{.*\} 2\.0$", text, re.M), text
     finally:
         worker.stop()
 

@@ -292,6 +292,7 @@ class WorkerEngine:
         self.tracer = tracer
         self.ranks = ranks  # None: one rank; else every command is handed to the others first
         self.metrics = WorkerMetrics(backend.name, str(streams.device))
+        self.metrics.tensor_parallel_size.set(ranks.size if ranks is not None else 1)
         self._last_forward_end: float | None = None
         self._live_after_last_step = False
         device = streams.device

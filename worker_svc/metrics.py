@@ -77,6 +77,12 @@ class WorkerMetrics:
             names,
             registry=self.registry,
         ).labels(*values)
+        self.tensor_parallel_size = Gauge(
+            "stepahead_tensor_parallel_size",
+            "Ranks the model is sharded over (--tp); the forward figures are rank 0's.",
+            names,
+            registry=self.registry,
+        ).labels(*values)
         forward = Histogram(
             "stepahead_forward_seconds",
             "One batch's device time.",
