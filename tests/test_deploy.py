@@ -45,6 +45,9 @@ DASHBOARD = DASHBOARDS / "stepahead.json"
 PROVISIONING = DEPLOY / "grafana" / "provisioning"
 METRICS_DOC = ROOT / "docs" / "METRICS.md"
 HEALTHCHECK = DEPLOY / "healthcheck.py"
+# Each worker and the scheduler in front of it; the second pair runs in the compose profile `replicas`.
+PAIRS = {"worker": "scheduler", "worker-b": "scheduler-b"}
+REPLICAS_PROFILE = "replicas"
 
 # What Grafana substitutes before a query reaches Prometheus, as the live test does.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
@@ -124,12 +127,30 @@ def published_ports(service: str) -> set[int]:
     return {int(str(p).split(":")[-1]) for p in services()[service].get("ports", [])}
 
 
+def host_ports(service: str) -> dict[int, int]:
+    """host port -> container port, of the service's `ports` ("HOST:CONTAINER" each)."""
+    pairs = [str(p).split(":") for p in services()[service].get("ports", [])]
+    assert all(len(pair) == 2 for pair in pairs), f"{service}: every port is published as HOST:CONTAINER"
+    return {int(host): int(container) for host, container in pairs}
+
+
 def scrape_targets() -> dict[str, list[str]]:
     config = load_yaml(PROMETHEUS_CONFIG)
     return {
         job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
         for job in config["scrape_configs"]
     }
+
+
+def discovered_targets() -> dict[str, list[str]]:
+    """job -> NAME:PORT of each DNS-discovered name (the replicas profile's services)."""
+    config = load_yaml(PROMETHEUS_CONFIG)
+    found: dict[str, list[str]] = {}
+    for job in config["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            assert sd["type"] == "A", f"{job['job_name']}: compose names resolve to A records"
+            found.setdefault(job["job_name"], []).extend(f"{name}:{sd['port']}" for name in sd["names"])
+    return found
 
 
 def dashboard() -> Json:
@@ -206,7 +227,7 @@ def test_compose_file_follows_the_compose_specification() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("service", ["worker", "scheduler", "loadgen"])
+@pytest.mark.parametrize("service", ["worker", "scheduler", "loadgen", "worker-b", "scheduler-b"])
 def test_service_commands_parse_with_the_real_clis(service: str) -> None:
     cli_args(service)
 
@@ -217,16 +238,17 @@ def test_loadgen_arguments_make_a_valid_benchmark() -> None:
     assert config.num_prompts and config.duration_s and config.ignore_eos
 
 
-def test_scheduler_mode_comes_from_stepahead_mode_and_takes_both_loops() -> None:
-    raw = [str(arg) for arg in services()["scheduler"]["command"]]
+@pytest.mark.parametrize("scheduler", PAIRS.values())
+def test_scheduler_mode_comes_from_stepahead_mode_and_takes_both_loops(scheduler: str) -> None:
+    raw = [str(arg) for arg in services()[scheduler]["command"]]
     assert raw[raw.index("--mode") + 1] == "${STEPAHEAD_MODE:-overlap}"
-    assert cli_args("scheduler").mode == "overlap"
+    assert cli_args(scheduler).mode == "overlap"
     serial = [interpolate(arg.replace("${STEPAHEAD_MODE:-overlap}", "serial")) for arg in raw]
     assert cli_parser("scheduler_svc")(serial[3:]).mode == "serial"
 
 
 def test_services_listen_on_all_interfaces_where_others_reach_them() -> None:
-    for service in ("worker", "scheduler"):
+    for service in (*PAIRS, *PAIRS.values()):
         args = cli_args(service)
         assert (args.host, args.metrics_host) == ("0.0.0.0", "0.0.0.0"), service
 
@@ -247,16 +269,55 @@ def test_ports_agree_across_commands_healthchecks_and_scrape_targets() -> None:
     assert published_ports("grafana") == {3000}
 
 
+def test_the_replicas_pair_matches_the_first_with_its_own_host_ports() -> None:
+    worker, scheduler = cli_args("worker"), cli_args("scheduler")
+    worker_b, scheduler_b = cli_args("worker-b"), cli_args("scheduler-b")
+    assert scheduler_b.worker == f"worker-b:{worker_b.port}"
+    assert healthcheck_address("worker-b") == f"127.0.0.1:{worker_b.port}"
+    assert healthcheck_address("scheduler-b") == f"127.0.0.1:{scheduler_b.port}"
+    # The same flags but for its worker: a second pod of deploy/k8s, not another configuration.
+    assert vars(worker_b) == vars(worker)
+    assert vars(scheduler_b) == {**vars(scheduler), "worker": scheduler_b.worker}
+    assert host_ports("scheduler") == {
+        scheduler.port: scheduler.port,
+        scheduler.http_port: scheduler.http_port,
+    }
+    assert host_ports("scheduler-b") == {50052: scheduler_b.port, 8001: scheduler_b.http_port}
+    assert "ports" not in services()["worker-b"]
+
+
+def test_no_two_services_publish_the_same_host_port() -> None:
+    published = [(port, name) for name in services() for port in host_ports(name)]
+    ports = [port for port, _ in published]
+    assert len(ports) == len(set(ports)), sorted(published)
+
+
+def test_prometheus_discovers_the_replicas_pair_by_name() -> None:
+    """Static targets for the default pair; DNS for the profile's, so without it there is no target."""
+    discovered = discovered_targets()
+    for worker, scheduler in PAIRS.items():
+        in_profile = services()[worker].get("profiles") == [REPLICAS_PROFILE]
+        found = discovered if in_profile else scrape_targets()
+        assert f"{worker}:{cli_args(worker).metrics_port}" in found["worker"], worker
+        assert f"{scheduler}:{cli_args(scheduler).metrics_port}" in found["scheduler"], scheduler
+    every = [t for job in (scrape_targets(), discovered) for targets in job.values() for t in targets]
+    assert len(every) == len(set(every)), every
+    names = {t.rsplit(":", 1)[0] for targets in discovered.values() for t in targets}
+    assert all(services()[name]["profiles"] == [REPLICAS_PROFILE] for name in names)
+
+
 def test_startup_order_and_the_load_profile() -> None:
     svc = services()
     assert svc["scheduler"]["depends_on"]["worker"]["condition"] == "service_healthy"
     assert svc["loadgen"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert svc["loadgen"]["profiles"] == ["load"]
     assert all("profiles" not in svc[name] for name in ("worker", "scheduler", "prometheus", "grafana"))
+    assert svc["scheduler-b"]["depends_on"] == {"worker-b": {"condition": "service_healthy"}}
+    assert svc["worker-b"]["profiles"] == svc["scheduler-b"]["profiles"] == [REPLICAS_PROFILE]
 
 
 def test_images_build_from_the_repository_with_the_deploy_dockerfile() -> None:
-    for name in ("worker", "scheduler", "loadgen"):
+    for name in ("worker", "scheduler", "loadgen", "worker-b", "scheduler-b"):
         build = services()[name]["build"]
         assert (COMPOSE.parent / build["context"]).resolve() == ROOT
         assert (ROOT / build["dockerfile"]).resolve() == DOCKERFILE
@@ -436,6 +497,7 @@ def live_scrape_config(live_targets: dict[str, str], interval: str) -> Json:
     config = load_yaml(PROMETHEUS_CONFIG)
     config["global"].update(scrape_interval=interval, scrape_timeout=interval, evaluation_interval=interval)
     for job in config["scrape_configs"]:
+        job.pop("dns_sd_configs", None)  # the replicas profile's names: not here, and no DNS lookups
         for static in job["static_configs"]:
             unknown = set(static["targets"]) - set(live_targets)
             assert not unknown, f"no live address for {unknown}"
