@@ -59,11 +59,19 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
         help="grpc (default): stepahead.v1.Generation; openai: streaming /v1/completions; "
         "openai-chat: streaming /v1/chat/completions (text prompts only)",
     )
-    group.add_argument("--server", default="127.0.0.1:50051", help="grpc: scheduler address HOST:PORT")
+    group.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="grpc: the scheduler; replicas: several, comma-separated, or one target URI "
+        "(dns:///NAME:PORT, ipv4:..., ipv6:...), each connection going round robin over them",
+    )
     group.add_argument(
         "--base-url",
         default=DEFAULT_BASE_URL,
-        help=f"openai*: the server, without /v1 (default {DEFAULT_BASE_URL})",
+        metavar="URL[,URL...]",
+        help=f"openai*: the server, without /v1 (default {DEFAULT_BASE_URL}); replicas: several, "
+        "comma-separated, request i going to the (i mod n)-th",
     )
     group.add_argument(
         "--model", default=None, help="openai*: the model to name (default: the first of /v1/models)"

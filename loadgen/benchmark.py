@@ -16,11 +16,12 @@ import numpy as np
 from loadgen.arrivals import check_arrival_params, send_offsets
 from loadgen.backend import BACKENDS, Backend, BackendName, Sampling, SamplingFeatures
 from loadgen.client import GrpcBackend
-from loadgen.openai_client import OpenAIBackend, OpenAITarget
+from loadgen.openai_client import OpenAIBackend, OpenAITarget, base_urls
 from loadgen.records import RequestRecord
 from loadgen.stats import Slos, Summary, summarize
 from loadgen.timing import RequestTiming
 from loadgen.workload import WARMUP_STREAM, Dataset, RandomDataset, Workload, load_workload, sends_token_ids
+from stepahead.targets import split_servers
 
 ARRIVAL_STREAM = 2  # keeps the arrival rng apart from the workload's
 DEFAULT_CONNECTIONS = 8  # over gRPC; the HTTP connection pool has no cap unless given one
@@ -29,7 +30,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    server: str = "127.0.0.1:50051"  # grpc
+    # grpc: HOST:PORT, replicas as HOST:PORT,HOST:PORT... or one dns:/ipv4:/ipv6: target URI
+    server: str = "127.0.0.1:50051"
     dataset: Dataset = field(default_factory=RandomDataset)
     num_prompts: int | None = 1000  # None: as many as fit in duration_s
     duration_s: float | None = None  # stop issuing after this long; in-flight requests finish
@@ -46,7 +48,7 @@ class BenchmarkConfig:
     features: SamplingFeatures = field(default_factory=SamplingFeatures)
     slos: Slos = field(default_factory=Slos)
     backend: BackendName = "grpc"
-    base_url: str = DEFAULT_BASE_URL  # openai*, without /v1
+    base_url: str = DEFAULT_BASE_URL  # openai*, without /v1; replicas: comma-separated, taken in turn
     model: str | None = None  # openai*: None takes the first of GET /v1/models
     api_key: str | None = field(default=None, repr=False)  # openai*: sent as a bearer token
 
@@ -79,8 +81,11 @@ class BenchmarkConfig:
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
+        if self.backend == "grpc":
+            split_servers(self.server)
+        for url in base_urls(self.base_url):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"base URL must start with http:// or https://, got {url!r}")
         if self.backend == "openai-chat" and sends_token_ids(self.dataset):
             raise ValueError(
                 "openai-chat sends chat messages, which are text, and token ids cannot be "

@@ -6,9 +6,10 @@ import asyncio
 
 import grpc
 
-from loadgen.backend import Sampling, SamplingFeatures
+from loadgen.backend import BackendError, Sampling, SamplingFeatures
 from loadgen.timing import Clock, RequestTiming
 from loadgen.workload import PromptSpec
+from stepahead.targets import open_target, split_servers
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 
@@ -25,8 +26,15 @@ SETTLED = frozenset(
 
 
 def open_channels(server: str, count: int) -> list[grpc.aio.Channel]:
-    """`count` channels to `server`, each over its own TCP connection."""
-    return [grpc.aio.insecure_channel(server, options=OWN_CONNECTION) for _ in range(count)]
+    """`count` channels to `server`, each over its own TCP connection. Several servers
+    (comma-separated, or a dns:/ipv4:/ipv6: target) are replicas: each channel then connects to
+    every one and sends its calls round robin over them. BackendError for a name that cannot be
+    resolved."""
+    try:
+        servers = split_servers(server)
+        return [open_target(servers, options=OWN_CONNECTION) for _ in range(count)]
+    except ValueError as exc:
+        raise BackendError(f"--server: {exc}") from exc
 
 
 async def connect(channel: grpc.aio.Channel) -> None:
@@ -91,7 +99,8 @@ async def send_request(
 
 
 class GrpcBackend:
-    """Request i goes over connection i mod `connections`."""
+    """Request i goes over connection i mod `connections` (to the next replica of that
+    connection's round robin, when there are several)."""
 
     model = None
 

@@ -31,15 +31,27 @@ STREAM_ERROR = "STREAM_ERROR"
 NO_TIMEOUT = aiohttp.ClientTimeout(total=None)
 
 
+def base_urls(value: str) -> list[str]:
+    """Comma-separated base URLs (replicas) as a list; ValueError when one is empty."""
+    urls = [url.strip() for url in value.split(",")]
+    if not all(urls):
+        raise ValueError(f"empty base URL in {value!r}")
+    return urls
+
+
 @dataclass(frozen=True)
 class OpenAITarget:
-    base_url: str  # without /v1
-    model: str | None = None  # None: the first of GET /v1/models
+    base_url: str  # without /v1; several (replicas) comma-separated
+    model: str | None = None  # None: the first of GET /v1/models (of the first base URL)
     api_key: str | None = field(default=None, repr=False)
     chat: bool = False
 
     def url(self, path: str) -> str:
-        return self.base_url.rstrip("/") + path
+        return self.urls(path)[0]
+
+    def urls(self, path: str) -> list[str]:
+        """`path` under every base URL, in their order."""
+        return [base.rstrip("/") + path for base in base_urls(self.base_url)]
 
 
 def received(timing: RequestTiming, now: float, chunk: StreamChunk) -> None:
@@ -97,7 +109,8 @@ def _on_event(timing: RequestTiming, now: float, payload: str, chat: bool) -> No
 
 class OpenAIBackend:
     """One session for the run; `pool_limit` caps its connections (None: no cap). Over HTTP/1.1
-    a streaming request holds a connection to its end, so the cap also caps requests in flight."""
+    a streaming request holds a connection to its end, so the cap also caps requests in flight.
+    With several base URLs (replicas), request i goes to the (i mod n)-th."""
 
     def __init__(self, target: OpenAITarget, pool_limit: int | None, sampling: Sampling) -> None:
         self.target, self.sampling, self.model = target, sampling, target.model
@@ -106,7 +119,7 @@ class OpenAIBackend:
             timeout=NO_TIMEOUT,
             headers=_auth_headers(target.api_key),
         )
-        self.url = target.url(CHAT_PATH if target.chat else COMPLETIONS_PATH)
+        self.urls = target.urls(CHAT_PATH if target.chat else COMPLETIONS_PATH)
 
     async def connect(self) -> None:
         if self.model is None:
@@ -116,7 +129,8 @@ class OpenAIBackend:
         body = self.body(timing)
         timing.sent(clock())
         try:
-            async with self.session.post(self.url, json=body) as response:
+            url = self.urls[timing.index % len(self.urls)]
+            async with self.session.post(url, json=body) as response:
                 if response.status != 200:
                     timing.failed(clock(), *http_failure(response.status, await response.read()))
                     return

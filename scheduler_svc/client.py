@@ -2,6 +2,12 @@
 
 python -m scheduler_svc.client --chat "What is the capital of France?"
 python -m scheduler_svc.client "Hello, my name is" --max-new-tokens 32
+python -m scheduler_svc.client "Hello" --server 10.0.0.1:50051,10.0.0.2:50051
+python -m scheduler_svc.client "Hello" --server dns:///schedulers.internal:50051
+
+Several schedulers serving one model (replicas) are reached over one channel that balances
+calls over them with gRPC's `round_robin` policy (`stepahead/targets.py`, which loadgen's gRPC
+backend uses too).
 """
 
 from __future__ import annotations
@@ -14,10 +20,17 @@ import sys
 import grpc
 
 from stepahead.serving import API_KEY_ENV, pem_file
+from stepahead.targets import open_target, split_servers
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
 TEXT_MAX_NEW_TOKENS = 32
 CHAT_MAX_NEW_TOKENS = 256  # an answer usually ends with EOS well before
+DEFAULT_SERVER = "127.0.0.1:50051"
+EXIT_BAD_SERVER = 2  # as argparse exits on a bad flag
+SERVER_HELP = (
+    "the scheduler HOST:PORT; replicas: several, comma-separated, or one gRPC target URI "
+    "(dns:///NAME:PORT, ipv4:..., ipv6:...): calls go round robin over them"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("prompt", help="the text to continue, or with --chat the user's message")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="with --chat: a system message first")
-    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT[,HOST:PORT...]", help=SERVER_HELP)
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -63,14 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--system needs --chat")
     if args.max_new_tokens is None:
         args.max_new_tokens = CHAT_MAX_NEW_TOKENS if args.chat else TEXT_MAX_NEW_TOKENS
+    try:
+        args.servers = split_servers(args.server)
+    except ValueError as exc:
+        p.error(f"--server: {exc}")
     return args
 
 
 def open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    """Raises ValueError when a server's name cannot be resolved."""
     if args.tls_ca is None:
-        return grpc.aio.insecure_channel(args.server)
+        return open_target(args.servers)
     credentials = grpc.ssl_channel_credentials(args.tls_ca, args.tls_key, args.tls_cert)
-    return grpc.aio.secure_channel(args.server, credentials)
+    return open_target(args.servers, credentials)
 
 
 def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -105,7 +123,12 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 async def stream_reply(args: argparse.Namespace) -> int:
-    async with open_channel(args) as channel:
+    try:
+        opened = open_channel(args)
+    except ValueError as exc:
+        print(f"error: --server: {exc}", file=sys.stderr)
+        return EXIT_BAD_SERVER
+    async with opened as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         last: generation_pb2.GenerateResponse | None = None
         try:

@@ -991,3 +991,77 @@ async def test_the_default_run_keeps_its_summary_and_result_keys() -> None:
     }
     assert (data["backend"], data["model"], data["connections"]) == ("grpc", None, 8)
     assert "Successful requests:                    10" in format_summary(result).splitlines()
+
+
+# --- replicas: several servers ---
+
+
+def test_cli_server_and_base_url_name_replicas() -> None:
+    assert parse("--server", "10.0.0.1:9000,10.0.0.2:9000").server == "10.0.0.1:9000,10.0.0.2:9000"
+    assert parse("--server", "dns:///schedulers:50051").server == "dns:///schedulers:50051"
+    urls = "http://10.0.0.1:8000,http://10.0.0.2:8000"
+    assert parse("--backend", "openai", "--base-url", urls).base_url == urls
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--server", "10.0.0.1:9000,,10.0.0.2:9000"],
+        ["--server", "dns:///a:1,b:2"],
+        ["--backend", "openai", "--base-url", "http://10.0.0.1:8000,10.0.0.2:8000"],
+        ["--backend", "openai", "--base-url", "http://10.0.0.1:8000,"],
+    ],
+)
+def test_cli_refuses_bad_replica_lists(argv: list[str]) -> None:
+    with pytest.raises(ValueError):
+        parse(*argv)
+
+
+def test_cli_reports_a_server_name_that_does_not_resolve(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--server", "127.0.0.1:1,no-such-host.invalid:1", "--num-prompts", "1", "--no-progress"]
+    assert run_cli(argv) == 2
+    assert "error: --server: cannot resolve no-such-host.invalid" in capsys.readouterr().err
+
+
+async def test_each_connection_sends_its_requests_round_robin_over_the_replicas() -> None:
+    replicas = [ScriptedGeneration(), ScriptedGeneration()]
+    served = [await serve(servicer) for servicer in replicas]
+    config = BenchmarkConfig(
+        server=",".join(address for _, address in served),
+        dataset=RandomDataset(16, 2, as_text=True),  # the warmup's prompts differ from the measured
+        num_prompts=24,
+        max_concurrency=4,
+        connections=2,
+        warmup=8,  # its requests reach every replica once it has connected
+    )
+    try:
+        result = await run_benchmark(config)
+    finally:
+        await asyncio.gather(*(server.stop(None) for server, _ in served))
+    workload = load_workload(config.dataset, config.seed)
+    texts = [workload.prompt(i).prompt for i in range(24)]
+    assert result.summary.completed == 24
+    measured = [sum(text in servicer.peers for text in texts) for servicer in replicas]
+    assert measured == [12, 12], measured  # every connection alternates: request i, i + 2, ...
+    connections = [set(servicer.peers.values()) for servicer in replicas]
+    assert [len(c) for c in connections] == [2, 2]  # both connections reach both replicas
+
+
+async def test_http_requests_go_to_the_base_urls_in_turn() -> None:
+    replicas = [ScriptedOpenAI(), ScriptedOpenAI()]
+    served = [await serve_openai(server) for server in replicas]
+    config = BenchmarkConfig(
+        backend="openai",
+        base_url=",".join(url for _, url in served),
+        dataset=RandomDataset(4, 2),
+        num_prompts=6,
+    )
+    try:
+        result = await run_benchmark(config)
+    finally:
+        await asyncio.gather(*(runner.cleanup() for runner, _ in served))
+    workload = load_workload(config.dataset, config.seed)
+    sent = [sorted(tuple(body["prompt"]) for body in server.bodies) for server in replicas]
+    expected = [sorted(tuple(workload.prompt(i).prompt) for i in range(k, 6, 2)) for k in (0, 1)]
+    assert result.summary.completed == 6 and sent == expected  # request i to URL i mod 2
+    assert [server.model_lists for server in replicas] == [1, 0]  # the model comes from the first
