@@ -120,14 +120,24 @@ class Sweep:
     range_ratio: float
 
     def workload(self, concurrency: int) -> Workload:
-        return Workload(
-            num_prompts=self.prompts_per_concurrency * concurrency,
-            concurrency=concurrency,
-            input_len=self.input_len,
-            output_len=self.output_len,
-            range_ratio=self.range_ratio,
-            warmup_prompts=concurrency,
+        return waves(
+            self.prompts_per_concurrency, concurrency, self.input_len, self.output_len, self.range_ratio
         )
+
+
+def waves(
+    per_concurrency: int, concurrency: int, input_len: int, output_len: int, range_ratio: float
+) -> Workload:
+    """A closed loop of `per_concurrency` x `concurrency` requests (as many waves at any
+    concurrency), after a warmup of one wave."""
+    return Workload(
+        num_prompts=per_concurrency * concurrency,
+        concurrency=concurrency,
+        input_len=input_len,
+        output_len=output_len,
+        range_ratio=range_ratio,
+        warmup_prompts=concurrency,
+    )
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.cells import NONE, number
-from bench.configs import Case, Configuration, Workload, sim
+from bench.configs import Case, Configuration, Workload, sim, waves
 from bench.figures import CPU, Figures, figures, ratio
-from bench.machine import Machine, describe_machine, load_average
+from bench.machine import Machine, describe_machine, load_average, measured_on
 from bench.promtext import total
 from bench.run import Endpoints, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
@@ -67,14 +67,7 @@ class FrontendsPlan:
         return sorted(p.concurrency for p in self.points if p.step_ms == step_ms)
 
     def workload(self, concurrency: int) -> Workload:
-        return Workload(
-            self.waves * concurrency,
-            concurrency,
-            self.input_len,
-            self.output_len,
-            0.0,
-            warmup_prompts=concurrency,
-        )
+        return waves(self.waves, concurrency, self.input_len, self.output_len, 0.0)
 
 
 FULL = FrontendsPlan("full", waves=16)
@@ -260,9 +253,7 @@ def to_markdown(run: FrontendsRun, command: str) -> str:
     lines = [
         f"# Stepahead frontends benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
         "",
-        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
-        f"Python {m.get('python')}, commit {str(m.get('git_commit'))[:10]}"
-        f"{' (modified)' if m.get('git_dirty') else ''}; "
+        measured_on(command, run.plan.name, m, ("python",)) + f"; "
         f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
         "",
         *table(run.results),

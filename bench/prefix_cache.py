@@ -37,7 +37,7 @@ from typing import Any
 from bench.cells import NONE, number, times
 from bench.configs import SIM_KV_SLOTS, Configuration, Device
 from bench.figures import BUSY, IDLE, busy_fraction, mean_forward_ms, ratio
-from bench.machine import Machine, describe_machine, load_average
+from bench.machine import Machine, describe_machine, load_average, measured_on
 from bench.promtext import Samples, delta, scrape, total
 from bench.run import Endpoints, Measurement, run_loadgen, serving, settle
 from bench.save import RESULTS, command_line, publish
@@ -408,9 +408,7 @@ def to_markdown(run: PrefixCacheRun, command: str) -> str:
     lines = [
         f"# Prefix cache: a shared system prompt, cache on and off, {run.started_at:%Y-%m-%d %H:%M} UTC",
         "",
-        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
-        f"Python {m.get('python')}, torch {m.get('torch')}, commit {str(m.get('git_commit'))[:10]}"
-        f"{' (modified)' if m.get('git_dirty') else ''}; "
+        measured_on(command, run.plan.name, m) + f"; "
         f"1-minute load average {m.get('load_average_1m')} before, {after}.",
         "",
         *table(run.rows),

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.cells import NONE, number, times
-from bench.configs import Configuration, Workload, sim
+from bench.configs import Configuration, Workload, sim, waves
 from bench.figures import BUSY, CPU, IDLE, busy_fraction, ratio
 from bench.frontends import BOX_BOUND, FRONTEND_CPU, GENERATED
-from bench.machine import Machine, describe_machine, load_average
+from bench.machine import Machine, describe_machine, load_average, measured_on
 from bench.promtext import Samples, delta, scrape, total
 from bench.run import Endpoints, run_loadgen, serving, settle
 from bench.save import RESULTS, command_line, publish
@@ -60,9 +60,7 @@ class Plan:
     connections: int = 4
 
     def workload(self, concurrency: int) -> Workload:
-        return Workload(
-            self.waves * concurrency, concurrency, self.input_len, self.output_len, 0.0, concurrency
-        )
+        return waves(self.waves, concurrency, self.input_len, self.output_len, 0.0)
 
 
 FULL = Plan("full", waves=16)
@@ -360,9 +358,7 @@ def to_markdown(run: ReplicasRun, command: str) -> str:
     lines = [
         f"# Replicas: one scheduler + worker pair vs two, {run.started_at:%Y-%m-%d %H:%M} UTC",
         "",
-        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
-        f"Python {m.get('python')}, grpcio {m.get('grpcio')}, commit {str(m.get('git_commit'))[:10]}"
-        f"{' (modified)' if m.get('git_dirty') else ''}; "
+        measured_on(command, run.plan.name, m, ("python", "grpcio")) + f"; "
         f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
         "",
         *table(run.points),

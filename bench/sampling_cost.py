@@ -52,7 +52,7 @@ import torch
 from bench.cells import NONE, number, percent, times
 from bench.configs import Case, Configuration, Workload, sim
 from bench.figures import Figures, figures, ratio
-from bench.machine import Machine, describe_machine, load_average
+from bench.machine import Machine, describe_machine, load_average, measured_on
 from bench.run import measure, serving
 from bench.save import RESULTS, command_line, publish
 from loadgen.backend import SamplingFeatures
@@ -476,9 +476,7 @@ def to_markdown(run: SamplingCostRun, command: str) -> str:
     lines = [
         f"# Sampling features: their cost on the model and the services, {run.started_at:%Y-%m-%d %H:%M} UTC",
         "",
-        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
-        f"Python {m.get('python')}, torch {m.get('torch')}, commit {str(m.get('git_commit'))[:10]}"
-        f"{' (modified)' if m.get('git_dirty') else ''}; {run.torch_threads} torch threads; "
+        measured_on(command, run.plan.name, m) + f"; {run.torch_threads} torch threads; "
         f"1-minute load average {before} before, {between} after part A, {after} after part B.",
         "",
         "## A. The model, in process",

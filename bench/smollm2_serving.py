@@ -24,7 +24,7 @@ from typing import Any
 from bench.cells import number, times
 from bench.configs import MODES, Case, Configuration, Device, Mode, Workload
 from bench.figures import Figures, figures, ratio
-from bench.machine import Machine, describe_machine, load_average
+from bench.machine import Machine, describe_machine, load_average, measured_on
 from bench.run import Endpoints, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
 
@@ -235,9 +235,7 @@ def to_markdown(run: Smollm2Run, command: str) -> str:
     lines = [
         f"# Stepahead smollm2 serving benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
         "",
-        f"`{command}` (plan `{run.plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
-        f"Python {m.get('python')}, torch {m.get('torch')}, commit {str(m.get('git_commit'))[:10]}"
-        f"{' (modified)' if m.get('git_dirty') else ''}; "
+        measured_on(command, run.plan.name, m) + f"; "
         f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
         "",
         *table(run.results),

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
 from bench.cells import number, times
-from bench.configs import Configuration, Device, Workload
+from bench.configs import Configuration, Device, Workload, waves
 from bench.figures import BUSY, IDLE, busy_fraction, mean_forward_ms, ratio
-from bench.machine import Machine, describe_machine
+from bench.machine import Machine, describe_machine, measured_on
 from bench.promtext import total
 from bench.run import measure, serving
 from bench.save import RESULTS, command_line, publish
@@ -57,14 +57,7 @@ class Plan:
     repeats: int = 400
 
     def workload(self, concurrency: int) -> Workload:
-        return Workload(
-            num_prompts=self.prompts_per_concurrency * concurrency,
-            concurrency=concurrency,
-            input_len=self.input_len,
-            output_len=self.output_len,
-            range_ratio=0.0,
-            warmup_prompts=concurrency,
-        )
+        return waves(self.prompts_per_concurrency, concurrency, self.input_len, self.output_len, 0.0)
 
 
 FULL = Plan("full", (1, 16, 64), 4)
@@ -184,9 +177,7 @@ def to_markdown(
     lines = [
         f"# Tensor parallelism on the CPU: tiny on 1 and 2 ranks, {started_at:%Y-%m-%d %H:%M} UTC",
         "",
-        f"`{command}` (plan `{plan.name}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
-        f"torch {m.get('torch')}, commit {str(m.get('git_commit'))[:10]}"
-        f"{' (modified)' if m.get('git_dirty') else ''}.",
+        measured_on(command, plan.name, m, ("torch",)) + ".",
         "",
         "| TP | concurrency | output tok/s | mean forward ms | device busy | tok/s vs TP 1 "
         "| forward ms vs TP 1 | failed |",
