@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import core_cpu, prefix_cache, sampling_cost, smollm2_serving
+from bench import core_cpu, prefix_cache, sampling_cost, smollm2_serving, tensor_parallel
 from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
@@ -989,3 +989,20 @@ def test_prefix_cache_smallest_real_run_reuses_the_warmed_prefix_only_with_the_c
         assert f.worker_tokens == f.prefill_tokens + 8 * 3  # the last token of each is never fed back
     assert on.figures.cache_hit_tokens >= 8 * 64 and on.figures.prefill_tokens <= 8 * 8
     assert (off.figures.cache_hit_tokens, off.figures.prefill_tokens) == (0, 8 * 72)
+
+
+def test_tensor_parallel_report_divides_by_tp1_at_the_same_concurrency() -> None:
+    rows = [
+        tensor_parallel.Row(1, 16, 2000.0, 8.0, 0.99, 64, 0),
+        tensor_parallel.Row(2, 16, 1000.0, 16.0, 0.93, 64, 0),
+        tensor_parallel.Row(2, 64, 2400.0, 24.0, 0.95, 256, 0),
+    ]
+    assert tensor_parallel.versus_tp1(rows, rows[1]) == (0.5, 2.0)
+    assert tensor_parallel.versus_tp1(rows, rows[2]) == (None, None)  # no TP 1 row at 64
+    reduces = [tensor_parallel.AllReduceRow(16, 300.0)]
+    assert reduces[0].per_layer_us == 600.0 and reduces[0].per_step_ms == 2.4  # 2 a layer, 4 layers
+    markdown = tensor_parallel.to_markdown(
+        tensor_parallel.QUICK, datetime(2026, 1, 1, tzinfo=UTC), {"nproc": 2}, rows, reduces, "cmd"
+    )
+    assert "| 2 | 16 | 1,000.0 | 16.00 | 0.930 | 0.500x | 2.000x | 0 |" in markdown
+    assert "| 16 | 300.0 | 600.0 | 2.400 |" in markdown
