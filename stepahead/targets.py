@@ -18,7 +18,17 @@ import grpc
 # any other target keeps gRPC's default (pick_first), as a single scheduler always had.
 RESOLVER_SCHEMES = ("dns:", "ipv4:", "ipv6:")
 SERVICE_CONFIG = "grpc.service_config"
-ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+# NOTE: round_robin skips an address whose health service (grpc.health.v1) reports this service
+# NOT_SERVING: a scheduler does while it has no worker session (its worker died or restarts), so
+# new calls go to the replicas that can run them; calls it already accepted wait for its worker.
+# When every replica is NOT_SERVING, a call fails at once with UNAVAILABLE.
+HEALTH_CHECKED_SERVICE = "stepahead.v1.Generation"
+ROUND_ROBIN = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": HEALTH_CHECKED_SERVICE},
+    }
+)
 ChannelOptions = tuple[tuple[str, str | int], ...]
 
 

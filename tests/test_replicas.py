@@ -6,6 +6,7 @@ client and loadgen given both."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import socket
@@ -16,7 +17,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.promtext import Samples, scrape, total
 from bench.replicas import (
@@ -39,6 +42,7 @@ from stepahead.processes import (
     wait_serving,
 )
 from stepahead.targets import (
+    HEALTH_CHECKED_SERVICE,
     ROUND_ROBIN,
     SERVICE_CONFIG,
     ChannelTarget,
@@ -76,7 +80,10 @@ def test_a_list_becomes_one_address_list_balanced_round_robin() -> None:
     target = channel_target(["127.0.0.1:7001", "localhost:7002"])
     assert target.target == "ipv4:127.0.0.1:7001,127.0.0.1:7002"  # names resolved, IPv4 first
     options = dict(target.options)
-    assert options[SERVICE_CONFIG] == '{"loadBalancingConfig": [{"round_robin": {}}]}'
+    assert json.loads(str(options[SERVICE_CONFIG])) == {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": "stepahead.v1.Generation"},
+    }
     assert options["grpc.default_authority"] == "127.0.0.1:7001"  # what TLS checks the names against
 
 
@@ -263,6 +270,41 @@ def test_killing_one_replicas_worker_mid_load_loses_nothing_on_either(replicas: 
     assert not lost_sessions(replicas[1].scheduler)
     for replica in replicas:
         asyncio.run(wait_all_free(replica.address))
+
+
+def test_new_calls_skip_a_replica_whose_worker_is_lost(replicas: list[Replica]) -> None:
+    """Its scheduler reports NOT_SERVING without a worker session; round_robin's health check
+    sends every new call to the other replica, and to both again once the worker is back."""
+    victim = replicas[0]
+
+    async def load() -> tuple[list[int], list[int]]:
+        async with open_target(addresses(replicas)) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await reach_every_replica(stub, replicas)
+            port = victim.worker.port
+            victim.worker.proc.kill()
+            victim.worker.proc.wait(10)
+            await wait_health(victim.address, health_pb2.HealthCheckResponse.NOT_SERVING)
+            before = finished(replicas)
+            await asyncio.gather(*(stream_tokens(stub, i, 4) for i in range(10)))
+            while_lost = served_since(replicas, before, 10)
+            victim.worker = spawn_worker(SIM, port=port)
+            await wait_health(victim.address, health_pb2.HealthCheckResponse.SERVING)
+            return while_lost, served_since(replicas, await reach_every_replica(stub, replicas), 0)
+
+    while_lost, _ = asyncio.run(load())
+    assert while_lost == [0, 10], while_lost  # reach_every_replica shows both serve again
+
+
+async def wait_health(address: str, status: int) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=HEALTH_CHECKED_SERVICE)
+        for _ in range(400):
+            if (await stub.Check(request, timeout=5)).status == status:  # type: ignore[attr-defined]
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{address} never reported {status}")
 
 
 def kill_and_restart_worker(replica: Replica) -> None:
