@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
 from scheduler_svc.core import CoreConfig, EngineCore
+from scheduler_svc.depth import MAX_DEPTH, DepthConfig, parse_depth
 from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.http_server import HttpServer, HttpTls
 from scheduler_svc.late_pick import LatePickConfig
@@ -115,6 +116,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "margin is steered to keep late wake-ups under 1%% of device time. Helps below saturation, "
         "hurts when the scheduler's CPU is the bottleneck (see docs/BENCHMARKS.md)",
     )
+    p.add_argument(
+        "--overlap-depth",
+        type=_depth,
+        default=DepthConfig.depth,
+        metavar="N|auto",
+        help="overlap: batches launched ahead of the one being processed (1: one step ahead). A slow "
+        "worker link needs more: about (link round trip + scheduler CPU per step) / device step. "
+        f"auto: chosen from those, measured, and adjusted as they change (1..{MAX_DEPTH})",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)  # a frontend process: the core
     p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -125,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_tls_server_args(p, args, client_ca_required=False)
     check_worker_link_args(p, args)
+    if args.overlap_depth != 1 and args.mode != "overlap":
+        p.error("--overlap-depth: the serial loop launches one batch at a time (use --mode overlap)")
+    if args.overlap_depth != 1 and args.late_pick:
+        p.error("--overlap-depth: --late-pick holds the pick of k+1 for forward k; it needs depth 1")
     return args
 
 
@@ -219,6 +233,13 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _depth(value: str) -> int:
+    try:
+        return parse_depth(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def core_config(args: argparse.Namespace) -> CoreConfig:
     return CoreConfig(
         args.mode,
@@ -226,6 +247,7 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
         worker_retry_timeout_s=args.worker_retry_timeout,
         worker_step_timeout_s=args.worker_step_timeout,
         late_pick=LatePickConfig(enabled=args.late_pick),
+        depth=DepthConfig(args.overlap_depth),
     )
 
 

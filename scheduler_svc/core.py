@@ -4,7 +4,8 @@ worker session (connect, backoff, loss, recompute).
 Each loop iteration is the seed's steps, one method each:
   pick_batch -> launch_step -> queue_result -> process_results
 The serial loop processes batch k right after launching it; the overlap loop
-processes batch k-1 after launching batch k, while the worker runs k.
+processes batch k-1 after launching batch k, while the worker runs k (at
+`--overlap-depth D`, batch k-D after launching k: `scheduler_svc/depth.py`).
 Both use the same batching policy and the same FutureMap relay.
 
 The core imports neither torch nor `worker_svc`, and knows tokens only: frontends
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from scheduler_svc.batch import ScheduledBatch
+from scheduler_svc.depth import DepthConfig, OverlapDepth
 from scheduler_svc.late_pick import LatePick, LatePickConfig
 from scheduler_svc.outputs import Outbox, OutputSink
 from scheduler_svc.policy import PolicyConfig, Refused, SchedulerStats, SchedulingPolicy
@@ -48,6 +50,7 @@ class CoreConfig:
     worker_step_timeout_s: float = 10.0
     idle_heartbeat_s: float = 2.0  # idle: a row-less launch this often, so a hung worker is found
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
+    depth: DepthConfig = field(default_factory=DepthConfig)  # overlap: batches launched ahead
 
 
 class FrontendLink(OutputSink, Protocol):
@@ -65,8 +68,12 @@ class EngineCore:
         self.telemetry = telemetry or SchedulerTelemetry(config.mode)
         self.outbox = Outbox()
         self.policy = SchedulingPolicy(config.policy, self.outbox, self.telemetry)
-        # NOTE: holds at most one entry whenever a batch is picked.
+        # NOTE: holds at most `depth.current` entries whenever a batch is picked.
         self.result_queue: collections.deque[tuple[ScheduledBatch, StepHandle]] = collections.deque()
+        self.depth = OverlapDepth(config.depth)
+        self.telemetry.depth_configured.set(config.depth.depth)
+        self.telemetry.depth.set(self.depth.current if config.mode == "overlap" else 0)
+        self._last_result: tuple[StepResult, float] | None = None  # processed, not yet followed by a launch
         self.session: WorkerSession | None = None
         self.info: WorkerInfo | None = None  # the last session's, kept while the worker is away
         self.frontends: set[FrontendLink] = set()
@@ -156,7 +163,7 @@ class EngineCore:
             if batch is not None:
                 handle = await self.launch_step(batch)
                 self.queue_result(batch, handle)
-            if len(self.result_queue) > 1 or (batch is None and self.result_queue):
+            if len(self.result_queue) > self.depth.current or (batch is None and self.result_queue):
                 await self.process_results(*self.result_queue.popleft())
                 await self._until_late_pick()
             elif batch is None:
@@ -210,7 +217,17 @@ class EngineCore:
             sent = time.time()
             handle = await self.session.launch(batch.launch)
         handle.add_done_callback(lambda _: self.telemetry.worker_latency.observe(time.time() - sent))
+        self._observe_depth()
         return handle
+
+    def _observe_depth(self) -> None:
+        """The last processed result's link round trip and device time, and the time from its
+        arrival to this launch: what the overlap depth must cover."""
+        if self._last_result is None:
+            return
+        (result, seen_at), self._last_result = self._last_result, None
+        self.depth.observe(result.link_rtt_s, time.monotonic() - seen_at, result.forward_seconds)
+        self.telemetry.observe_depth(self.depth.current, result.link_rtt_s)
 
     # ---- step 3: queue -----------------------------------------------------------------
 
@@ -226,6 +243,7 @@ class EngineCore:
         self.telemetry.observe_result_queue(len(self.result_queue))
         with self.telemetry.phase("wait", batch.step_id):
             result = await self._result_in_time(batch, handle)
+        self._last_result = (result, time.monotonic())
         if (result.step_id, result.epoch) != (batch.step_id, batch.epoch):
             self.stats.results_out_of_order += 1
             raise WorkerUnavailable(
@@ -288,6 +306,7 @@ class EngineCore:
         if self._expiry is not None:
             self._expiry.cancel()
         self.late_pick = LatePick(self.config.late_pick)
+        self.depth = OverlapDepth(self.config.depth)  # another link, maybe: measured afresh
         log.info(
             "worker session %d: model %s, %d KV slots, %d request slots, mode %s",
             *(info.epoch, info.model, info.kv_slots, running_cap, self.config.mode),
@@ -319,6 +338,7 @@ class EngineCore:
             retry = self.config.worker_retry_timeout_s
             self._expiry = asyncio.get_running_loop().call_later(retry, self._expire_if_lost_too_long)
         self.result_queue.clear()
+        self._last_result = None
         self.policy.requeue_all()
         self._broadcast_worker_state()
         if session is not None:

@@ -17,6 +17,7 @@ from stepahead.trace import NO_TRACE, Tracer
 FORWARD_MODES = ("prefill", "decode", "mixed")
 PHASES = ("pick", "launch", "wait", "process")
 FINISH_REASONS = ("length", "stop", "abort", "error")
+LINK_RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02, 0.05, 0.1, 0.25)
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -84,6 +85,12 @@ class SchedulerTelemetry:
         self.running = gauge("stepahead_requests_running", "Requests holding a request slot.")
         self.waiting = gauge("stepahead_requests_waiting", "Requests queued for admission.")
         self.result_queue_depth = gauge("stepahead_result_queue_depth", "Batches launched, not processed.")
+        self.depth_configured = gauge(
+            "stepahead_overlap_depth_configured", "--overlap-depth: batches launched ahead (0: auto)."
+        )
+        self.depth = gauge(
+            "stepahead_overlap_depth", "Batches the overlap loop launches ahead of the one it processes."
+        )
         self.kv_usage = gauge("stepahead_kv_cache_usage_ratio", "KV slots in use / KV slots.")
         self.worker_connected = gauge("stepahead_worker_connected", "1 while a worker session is up.")
         self.prompt_tokens = counter("stepahead_prompt_tokens", "Prompt tokens of admitted requests.")
@@ -104,6 +111,13 @@ class SchedulerTelemetry:
         self.worker_latency = latency(
             "stepahead_worker_step_latency_seconds", "Launch sent to result received (device time included)."
         )
+        self.link_rtt = Histogram(
+            "stepahead_worker_link_rtt_seconds",
+            "Round trip of the worker link per step: the wait for a result less the worker's hold.",
+            ["mode"],
+            buckets=LINK_RTT_BUCKETS,
+            registry=r,
+        ).labels(*m)
         self.step_timeouts = counter(
             "stepahead_worker_step_timeouts",
             "Worker sessions ended by the watchdog: a step or handshake without an answer in time.",
@@ -134,6 +148,11 @@ class SchedulerTelemetry:
     def observe_batch(self, forward_mode: str, rows: int, tokens: int) -> None:
         self.batch_size[forward_mode].observe(rows)
         self.batch_tokens[forward_mode].observe(tokens)
+
+    def observe_depth(self, depth: int, link_rtt_s: float | None) -> None:
+        self.depth.set(depth)
+        if link_rtt_s is not None:
+            self.link_rtt.observe(link_rtt_s)
 
     def observe_result_queue(self, depth: int) -> None:
         self.result_queue_depth.set(depth)

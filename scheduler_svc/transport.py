@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, cast
@@ -115,7 +117,8 @@ class GrpcWorkerSession:
         self._link = link
         metadata = (("authorization", f"Bearer {link.token}"),) if link.token else None
         self._call: WorkerCall = worker_pb2_grpc.WorkerStub(channel).Connect(metadata=metadata)
-        self._pending: collections.deque[tuple[int, asyncio.Future[StepResult]]] = collections.deque()
+        # step id, its result, when it was sent
+        self._pending: collections.deque[tuple[int, asyncio.Future[StepResult], float]] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
         self._failure: WorkerUnavailable | None = None
         self.info: WorkerInfo
@@ -141,7 +144,7 @@ class GrpcWorkerSession:
         if self._failure is not None:
             raise self._failure
         done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((launch.step_id, done))
+        self._pending.append((launch.step_id, done, time.monotonic()))
         try:
             await self._call.write(worker_pb2.SchedulerMessage(launch=launch_to_proto(launch)))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
@@ -165,7 +168,7 @@ class GrpcWorkerSession:
             self._fail_pending(WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}"))
 
     def _deliver(self, message: worker_pb2.WorkerMessage) -> None:
-        step_id, done = self._pending.popleft()
+        step_id, done, sent_at = self._pending.popleft()
         if message.HasField("error"):
             done.set_exception(WorkerStepError(message.error.step_id, message.error.message))
             self._fail_pending(WorkerUnavailable(f"step {message.error.step_id} failed on the worker"))
@@ -175,11 +178,12 @@ class GrpcWorkerSession:
             done.set_exception(WorkerUnavailable(f"result of step {result.step_id}, expected {step_id}"))
             self._fail_pending(WorkerUnavailable("results out of launch order"))
             return
-        done.set_result(result)
+        rtt = max(time.monotonic() - sent_at - result.held_s, 0.0)  # the link's share of the wait
+        done.set_result(dataclasses.replace(result, link_rtt_s=rtt))
 
     def _fail_pending(self, failure: WorkerUnavailable) -> None:
         self._failure = self._failure or failure
         while self._pending:
-            _, done = self._pending.popleft()
+            _, done, _ = self._pending.popleft()
             if not done.done():
                 done.set_exception(failure)

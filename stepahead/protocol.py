@@ -153,6 +153,8 @@ class StepResult:
     forward_end: float = 0.0
     epoch: int = 0  # the worker session that executed the step
     logprobs: StepLogprobs | None = None  # when any sampling row asked for them
+    held_s: float = 0.0  # the worker's time from reading the launch to sending this result
+    link_rtt_s: float | None = None  # set by the scheduler's transport: its wait minus held_s
 
     @property
     def forward_seconds(self) -> float:
@@ -293,6 +295,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         forward_start_unix_s=result.forward_start,
         forward_end_unix_s=result.forward_end,
         epoch=result.epoch,
+        held_s=result.held_s,
     )
     lp = result.logprobs
     if lp is not None:
@@ -308,4 +311,5 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     if msg.logprobs:
         logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
     ids = list(msg.token_ids)
-    return StepResult(msg.step_id, ids, msg.forward_start_unix_s, msg.forward_end_unix_s, msg.epoch, logprobs)
+    start, end = msg.forward_start_unix_s, msg.forward_end_unix_s
+    return StepResult(msg.step_id, ids, start, end, msg.epoch, logprobs, msg.held_s)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from scheduler_svc.core import CoreConfig, EngineCore
+from scheduler_svc.depth import DepthConfig
 from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.link import LocalCore
@@ -16,7 +19,8 @@ from scheduler_svc.outputs import TokenLogprob
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FinishReason, SamplingParams
 from scheduler_svc.streams import Completions, OutputChunk
-from scheduler_svc.transport import WorkerTransport
+from scheduler_svc.transport import WorkerSession, WorkerTransport
+from stepahead.protocol import Launch, StepResult
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.inprocess import InProcessTransport
@@ -67,6 +71,77 @@ class Served:
 
     core: EngineCore
     frontend: Frontend
+
+
+class DelayedSession:
+    """A worker session behind a link of `one_way_s` each way: each launch reaches the worker,
+    and each result comes back, that much later, in launch order; results carry the link's
+    round trip as the gRPC transport measures it."""
+
+    def __init__(self, inner: WorkerSession, one_way_s: float) -> None:
+        self.info = inner.info
+        self._inner, self._one_way_s = inner, one_way_s
+        self._queue: asyncio.Queue[tuple[float, Launch, asyncio.Future[StepResult]]] = asyncio.Queue()
+        self._forwarder = asyncio.create_task(self._forward())
+        self._returns: set[asyncio.Task[None]] = set()
+        self.outstanding = 0
+        self.max_outstanding = 0  # launches sent whose result had not come back, at most
+
+    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
+        done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((time.monotonic(), launch, done))
+        self.outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        return done
+
+    async def close(self) -> None:
+        self._forwarder.cancel()
+        for task in self._returns:
+            task.cancel()
+        await self._inner.close()
+
+    async def _forward(self) -> None:
+        while True:
+            sent_at, launch, done = await self._queue.get()
+            await asyncio.sleep(max(sent_at + self._one_way_s - time.monotonic(), 0.0))
+            held = self._back(sent_at, time.monotonic(), await self._inner.launch(launch), done)
+            task = asyncio.create_task(held)
+            self._returns.add(task)
+            task.add_done_callback(self._returns.discard)
+
+    async def _back(
+        self,
+        sent_at: float,
+        arrived_at: float,
+        result: asyncio.Future[StepResult],
+        done: asyncio.Future[StepResult],
+    ) -> None:
+        try:
+            got = await result
+        except Exception as exc:
+            done.set_exception(exc)
+            return
+        held = time.monotonic() - arrived_at
+        await asyncio.sleep(self._one_way_s)
+        self.outstanding -= 1
+        if not done.done():
+            done.set_result(dataclasses.replace(got, link_rtt_s=time.monotonic() - sent_at - held))
+
+
+class DelayedTransport:
+    """`inner` behind a link of `one_way_s` each way (see DelayedSession)."""
+
+    def __init__(self, inner: WorkerTransport, one_way_s: float) -> None:
+        self._inner, self._one_way_s = inner, one_way_s
+        self.sessions: list[DelayedSession] = []
+
+    async def connect(self) -> DelayedSession:
+        session = DelayedSession(await self._inner.connect(), self._one_way_s)
+        self.sessions.append(session)
+        return session
+
+    async def close(self) -> None:
+        await self._inner.close()
 
 
 async def start_core(transport: WorkerTransport, config: CoreConfig) -> tuple[Served, asyncio.Task[None]]:
@@ -133,15 +208,25 @@ async def serve_workload(
     sim_step_ms: float = 1.0,
     device: torch.device = CPU,
     prefix_cache: bool = True,
+    depth: int = 1,
+    link_delay_s: float = 0.0,
+    transport: list[WorkerTransport] | None = None,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
-    """Serve the workload with the in-process transport, wait for the drain."""
+    """Serve the workload with the in-process transport (behind a link of `link_delay_s` each
+    way when set; `transport` receives the one used), wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device)
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
         policy=PolicyConfig(max_batch_tokens=max_batch_tokens, prefix_cache=prefix_cache),
         late_pick=LatePickConfig(enabled=late_pick),
+        depth=DepthConfig(depth),
     )
-    served, task = await start_core(InProcessTransport(engine), config)
+    link: WorkerTransport = InProcessTransport(engine)
+    if link_delay_s:
+        link = DelayedTransport(link, link_delay_s)
+    if transport is not None:
+        transport.append(link)
+    served, task = await start_core(link, config)
     try:
         views = await run_workload(served.frontend, items)
         await wait_drained(served.core)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -35,7 +37,7 @@ KEEPALIVE_SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
-_InFlight = tuple[int, "asyncio.Future[StepResult]"] | None
+_InFlight = tuple[int, "asyncio.Future[StepResult]", float] | None  # step, result, when read
 
 
 DEFAULT_SCHEDULER_TIMEOUT_S = 10.0
@@ -213,10 +215,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             while (message := await self._next_message(messages, session)) is not None:
                 if session.superseded:
                     break
+                read_at = time.monotonic()
                 launch = launch_from_proto(message.launch)
                 done = asyncio.wrap_future(self._engine.submit(launch))
                 session.unanswered += 1
-                session.in_flight.put_nowait((launch.step_id, done))
+                session.in_flight.put_nowait((launch.step_id, done, read_at))
         finally:
             session.end()
 
@@ -244,7 +247,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _results(self, session: _Session) -> AsyncIterator[worker_pb2.WorkerMessage]:
         while (item := await session.in_flight.get()) is not None:
-            step_id, done = item
+            step_id, done, read_at = item
             try:
                 result = await done
             except Exception as exc:  # the step failed: report it, end the session
@@ -252,7 +255,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield worker_pb2.WorkerMessage(error=worker_pb2.StepError(step_id=step_id, message=str(exc)))
                 return
             session.unanswered -= 1
-            yield worker_pb2.WorkerMessage(result=result_to_proto(result))
+            held = dataclasses.replace(result, held_s=time.monotonic() - read_at)
+            yield worker_pb2.WorkerMessage(result=result_to_proto(held))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,260 @@
+"""N-step-ahead scheduling (`--overlap-depth N|auto`, scheduler_svc/depth.py): any depth gives
+serial's tokens, finishes exactly, drops only unstreamed tokens and frees every slot, with and
+without a slow link; auto picks the depth a link needs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler_svc.core import EngineCore
+from scheduler_svc.depth import AUTO, DepthConfig, OverlapDepth, parse_depth
+from scheduler_svc.request import FinishReason
+from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
+from tests.harness import ClientView, DelayedTransport, WorkItem, mixed_workload, params, serve_workload
+from tests.live import generate, unused_port, wait_all_free
+from tests.test_equivalence import (
+    EOS,
+    assert_same_tokens,
+    check_client_views,
+    check_drained,
+    sim_reference,
+    to_proto,
+)
+from tests.test_sampling_equivalence import assert_same_outputs, check_views, features_workload
+from worker_svc.engine import WorkerEngine
+
+pytestmark = pytest.mark.anyio
+
+SIM = dict(kv_slots=1200, request_slots=48)
+DEPTHS = (1, 2, 3)
+
+# ---- the controller ------------------------------------------------------------------------
+
+
+def test_parse_depth() -> None:
+    assert parse_depth("3") == 3 and parse_depth("auto") == AUTO
+    for bad in ("0", "9", "two", "-1"):
+        with pytest.raises(ValueError):
+            parse_depth(bad)
+
+
+def test_a_fixed_depth_never_moves() -> None:
+    depth = OverlapDepth(DepthConfig(3))
+    for _ in range(100):
+        depth.observe(0.05, 0.01, 0.001)  # a link that would call for the maximum
+    assert depth.current == 3
+
+
+def test_auto_covers_the_round_trip_and_the_cpu_work_with_its_margin() -> None:
+    depth = OverlapDepth(DepthConfig(AUTO, smoothing=1.0))
+    assert depth.current == 1
+    depth.observe(0.0003, 0.002, 0.010)  # loopback: 2.3 ms of a 10 ms step
+    assert depth.current == 1
+    depth.observe(0.010, 0.002, 0.010)  # 5 ms each way: (10 + 2) x 1.25 / 10 = 1.5
+    assert depth.current == 2
+    depth.observe(0.030, 0.002, 0.010)
+    assert depth.current == 4
+    depth.observe(10.0, 0.002, 0.010)
+    assert depth.current == DepthConfig().max_depth
+
+
+def test_auto_goes_deeper_at_once_and_shallower_one_step_at_a_time_once_it_has_held() -> None:
+    depth = OverlapDepth(DepthConfig(AUTO, smoothing=1.0, hold_steps=5))
+    depth.observe(0.030, 0.002, 0.010)
+    assert depth.current == 4
+    for _ in range(4):
+        depth.observe(0.0, 0.001, 0.010)
+    assert depth.current == 4  # not yet held long enough
+    depth.observe(0.0, 0.001, 0.010)
+    assert depth.current == 3
+    for _ in range(10):
+        depth.observe(0.0, 0.001, 0.010)
+    assert depth.current == 1
+
+
+def test_auto_without_measurements_stays_one_step_ahead() -> None:
+    depth = OverlapDepth(DepthConfig(AUTO, smoothing=1.0))
+    depth.observe(None, 0.001, 0.0)  # no link round trip, no device time yet
+    assert depth.current == 1
+
+
+# ---- the loop at depth N, in process ---------------------------------------------------------
+
+
+async def serve_at(
+    model: str, items: list[WorkItem], depth: int, delay_s: float, **kw: object
+) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine, int]:
+    """The workload in overlap at `depth` behind a link of `delay_s`; with the most batches that
+    were ever launched and not processed (0 without a delayed link)."""
+    links: list[object] = []
+    got, core, engine = await serve_workload(
+        model,
+        "overlap",
+        items,
+        depth=depth,
+        link_delay_s=delay_s,
+        transport=links,  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+    sessions = [s for link in links if isinstance(link, DelayedTransport) for s in link.sessions]
+    return got, core, engine, max((s.max_outstanding for s in sessions), default=0)
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 2.0], ids=["loopback", "2ms-link"])
+async def test_sim_at_every_depth_equals_serial_and_the_reference(delay_ms: float) -> None:
+    items = mixed_workload(200, seed=21, sampled=False)
+    serial, _, _ = await serve_workload("sim", "serial", items, **SIM)  # type: ignore[arg-type]
+    dropped = {}
+    for depth in DEPTHS:
+        got, core, engine, most_in_flight = await serve_at("sim", items, depth, delay_ms / 1e3, **SIM)
+        check_client_views(items, got)
+        check_drained(core, engine)
+        assert core.stats.preemptions > 0, "the workload must exercise preemption"
+        assert_same_tokens(items, serial, got)
+        for item in items:
+            if item.abort_after is None:  # no token after a finish, exact length finishes
+                assert (got[item.rid].token_ids, got[item.rid].finish_reason) == sim_reference(item)
+        if delay_ms:  # the link is slow enough that every depth fills up
+            assert most_in_flight >= depth + 1, (depth, most_in_flight)
+        dropped[depth] = core.stats.dropped_inflight_tokens
+    assert any(serial[i.rid].token_ids[-1:] == [EOS] for i in items), "some requests must end on EOS"
+    # Each EOS or stop finish drops the tokens of the batches launched after it: deeper, more.
+    assert dropped[1] < dropped[2] < dropped[3], dropped
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 1.0], ids=["loopback", "1ms-link"])
+async def test_every_sampling_feature_at_depth_3_equals_serial(delay_ms: float) -> None:
+    """Penalties, logit_bias, min_tokens, logprobs and n > 1 on tiny (float64): the token history
+    on the worker counts three launches ahead of what the scheduler has seen."""
+    items = features_workload(120, seed=31, sampled=True)
+    kw: dict[str, object] = dict(kv_slots=1500, request_slots=48, dtype=torch.float64)
+    serial, _, _ = await serve_workload("tiny", "serial", items, **kw)  # type: ignore[arg-type]
+    got, core, engine, _ = await serve_at("tiny", items, 3, delay_ms / 1e3, **kw)
+    check_views(items, got)
+    check_drained(core, engine)
+    assert core.stats.preemptions > 0, "the workload must exercise preemption"
+    assert_same_outputs(items, serial, got)
+
+
+async def test_auto_deepens_for_a_slow_link_and_stays_one_step_ahead_without_one() -> None:
+    items = [WorkItem(f"r{i}", [65 + i % 26] * 8, params(120, ignore_eos=True), 0.0) for i in range(32)]
+    kw: dict[str, object] = dict(kv_slots=20000, request_slots=48, sim_step_ms=10.0)
+    _, fast, _, _ = await serve_at("sim", items, AUTO, 0.0, **kw)
+    _, slow, _, most_in_flight = await serve_at("sim", items, AUTO, 0.006, **kw)
+    assert fast.depth.current == 1
+    # 6 ms each way: 12 ms of round trip a 10 ms step must cover, so 2 at least.
+    assert slow.depth.current >= 2 and most_in_flight >= 3, (slow.depth.current, most_in_flight)
+    assert slow.depth.link_rtt.value is not None and slow.depth.link_rtt.value >= 0.012
+
+
+def test_the_finish_reasons_are_the_workloads() -> None:
+    """The workload above has every kind of ending (a guard on the tests, not the code)."""
+    items = mixed_workload(200, seed=21, sampled=False)
+    reasons = {sim_reference(i)[1] for i in items if i.abort_after is None}
+    assert reasons == {FinishReason.LENGTH, FinishReason.STOP}
+
+
+# ---- through live processes, behind the link-delay proxy -------------------------------------
+
+LIVE_SIM = ["--model", "sim", "--sim-token-us", "0", "--check-invariants", "--kv-slots", "20000"]
+
+
+@contextlib.contextmanager
+def link_delay(target: str, delay_ms: float) -> Iterator[str]:
+    """`python -m bench.link_delay` in front of `target`; yields its address."""
+    command = [sys.executable, "-m", "bench.link_delay", "--target", target, "--delay-ms", str(delay_ms)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"listening on ([\d.]+:\d+)", line)
+        assert found, line
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def live_requests(count: int, new_tokens: int) -> list[WorkItem]:
+    return [
+        WorkItem(f"l{i}", [66 + i % 20] * (4 + i % 7), params(new_tokens, ignore_eos=True), 0.0)
+        for i in range(count)
+    ]
+
+
+async def generate_all(address: str, items: list[WorkItem]) -> list[list[int]]:
+    async def one(item: WorkItem) -> list[int]:
+        return [t for r in await generate(address, to_proto(item)) for t in r.token_ids]
+
+    return await asyncio.gather(*(one(item) for item in items))
+
+
+def metric(service: Service, name: str) -> float:
+    with urllib.request.urlopen(service.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_worker_loss_with_three_batches_in_flight_over_a_slow_link_loses_nothing() -> None:
+    items = live_requests(32, 240)
+    port = unused_port()
+    worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "3"], port)
+    try:
+        wait_serving(worker.address)
+        with link_delay(worker.address, 2.0) as proxied:
+            scheduler = spawn_scheduler(proxied, ["--overlap-depth", "3"])
+            try:
+                wait_serving(scheduler.address)
+
+                async def load_with_a_crash() -> list[list[int]]:
+                    nonlocal worker
+                    calls = asyncio.ensure_future(generate_all(scheduler.address, items))
+                    await asyncio.sleep(0.5)
+                    assert not calls.done()
+                    worker.proc.kill()
+                    worker.proc.wait(10)
+                    worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "3"], port)
+                    return await calls
+
+                got = asyncio.run(load_with_a_crash())
+                assert got == [sim_reference(item)[0] for item in items]
+                asyncio.run(wait_all_free(scheduler.address))
+                assert "requests wait for a worker" in "".join(scheduler.output)
+                assert metric(scheduler, "stepahead_overlap_depth") == 3
+                assert metric(scheduler, "stepahead_overlap_depth_configured") == 3
+                rtt_sum = metric(scheduler, "stepahead_worker_link_rtt_seconds_sum")
+                rtt_count = metric(scheduler, "stepahead_worker_link_rtt_seconds_count")
+                assert rtt_count > 100 and rtt_sum / rtt_count >= 0.004  # 2 ms each way
+            finally:
+                scheduler.stop()
+    finally:
+        worker.stop()
+
+
+def test_auto_deepens_behind_a_5ms_link_through_the_services() -> None:
+    items = live_requests(48, 150)
+    worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "10"])
+    try:
+        wait_serving(worker.address)
+        with link_delay(worker.address, 5.0) as proxied:
+            scheduler = spawn_scheduler(proxied, ["--overlap-depth", "auto"])
+            try:
+                wait_serving(scheduler.address)
+                got = asyncio.run(generate_all(scheduler.address, items))
+                assert got == [sim_reference(item)[0] for item in items]
+                assert metric(scheduler, "stepahead_overlap_depth_configured") == 0  # auto
+                assert metric(scheduler, "stepahead_overlap_depth") >= 2
+            finally:
+                scheduler.stop()
+    finally:
+        worker.stop()
