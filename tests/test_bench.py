@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from bench import core_cpu, prefix_cache, sampling_cost, smollm2_serving, tensor_parallel
+from bench import (
+    core_cpu,
+    link_delay,
+    overlap_depth,
+    prefix_cache,
+    sampling_cost,
+    smollm2_serving,
+    tensor_parallel,
+)
 from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
@@ -1006,3 +1014,44 @@ def test_tensor_parallel_report_divides_by_tp1_at_the_same_concurrency() -> None
     )
     assert "| 2 | 16 | 1,000.0 | 16.00 | 0.930 | 0.500x | 2.000x | 0 |" in markdown
     assert "| 16 | 300.0 | 600.0 | 2.400 |" in markdown
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(1024):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_the_link_delay_proxy_delays_each_direction_and_keeps_the_bytes_in_order() -> None:
+    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    proxy = link_delay.LinkDelay("127.0.0.1", server.sockets[0].getsockname()[1], delay_s=0.02)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        start = time.monotonic()
+        payload = bytes(range(256)) * 40
+        writer.write(payload)
+        got = await reader.readexactly(len(payload))
+        assert got == payload
+        assert time.monotonic() - start >= 0.04  # 20 ms each way
+        writer.close()
+    finally:
+        await proxy.close()
+        server.close()
+
+
+def test_overlap_depth_report_finds_the_target_and_the_cost_at_zero_delay() -> None:
+    def point(delay: float, depth: str, busy: float, tok: float) -> overlap_depth.Point:
+        return overlap_depth.Point(
+            delay, depth, busy, tok, 2 * delay + 0.5, 2 if depth == "auto" else 1, 3, 64, 0
+        )
+
+    points = [point(0.0, "1", 1.0, 6000.0), point(0.0, "auto", 1.0, 6060.0), point(5.0, "auto", 0.96, 5900.0)]
+    assert overlap_depth.target_busy(points) == 0.96
+    assert overlap_depth.auto_at_zero(points) == pytest.approx(1.01)
+    markdown = overlap_depth.to_markdown(
+        overlap_depth.QUICK, datetime(2026, 1, 1, tzinfo=UTC), {"nproc": 2}, points, "cmd"
+    )
+    assert "| 5 ms |  |  |  | 0.960, 5,900 | 10.50 | 2 |" in markdown
+    assert "at d = 5 ms: 0.960, met" in markdown
