@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
+import subprocess
+import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 
 CHUNK_BYTES = 1 << 16
@@ -94,6 +97,25 @@ async def _write_delayed(chunks: asyncio.Queue[tuple[float, bytes]], writer: asy
             return
         writer.write(chunk)
         await writer.drain()
+
+
+@contextlib.contextmanager
+def running(target: str, delay_ms: float) -> Iterator[str]:
+    """This proxy in a process of its own in front of `target` (HOST:PORT), delaying each
+    direction by `delay_ms`; yields the address to connect to instead (`target` itself at 0)."""
+    if not delay_ms:
+        yield target
+        return
+    command = [sys.executable, "-m", "bench.link_delay", "--target", target, "--delay-ms", f"{delay_ms:g}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        found = re.search(r"listening on ([\d.]+:\d+)", proc.stdout.readline())
+        assert found, "bench.link_delay did not start"
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def _address(value: str) -> tuple[str, int]:

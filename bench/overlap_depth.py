@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +30,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import link_delay
 from bench.cells import number
 from bench.configs import SIM_KV_SLOTS, Workload, waves
 from bench.figures import BUSY, IDLE, busy_fraction, ratio
@@ -83,31 +82,13 @@ class Point:
 
 
 @contextlib.contextmanager
-def link_delay(target: str, delay_ms: float) -> Iterator[str]:
-    """The worker's address behind `python -m bench.link_delay` (as it is at d = 0)."""
-    if not delay_ms:
-        yield target
-        return
-    command = [sys.executable, "-m", "bench.link_delay", "--target", target, "--delay-ms", f"{delay_ms:g}"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        found = re.search(r"listening on ([\d.]+:\d+)", proc.stdout.readline())
-        assert found, "bench.link_delay did not start"
-        yield found.group(1)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@contextlib.contextmanager
 def serving(delay_ms: float, depth: str) -> Iterator[Endpoints]:
     worker_args = ["--model", "sim", "--sim-step-ms", f"{STEP_MS:g}", "--sim-token-us", "0"]
     worker = spawn_worker([*worker_args, "--kv-slots", str(SIM_KV_SLOTS)])
     scheduler: Service | None = None
     try:
         wait_serving(worker.address)
-        with link_delay(worker.address, delay_ms) as address:
+        with link_delay.running(worker.address, delay_ms) as address:
             scheduler = spawn_scheduler(address, ["--mode", "overlap", "--overlap-depth", depth])
             wait_serving(scheduler.address)
             yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url, scheduler.proc.pid)

@@ -5,17 +5,13 @@ without a slow link; auto picks the depth a link needs."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
-import subprocess
-import sys
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import link_delay
 from scheduler_svc.core import EngineCore
 from scheduler_svc.depth import AUTO, DepthConfig, OverlapDepth, parse_depth
 from scheduler_svc.request import FinishReason
@@ -169,22 +165,6 @@ def test_the_finish_reasons_are_the_workloads() -> None:
 LIVE_SIM = ["--model", "sim", "--sim-token-us", "0", "--check-invariants", "--kv-slots", "20000"]
 
 
-@contextlib.contextmanager
-def link_delay(target: str, delay_ms: float) -> Iterator[str]:
-    """`python -m bench.link_delay` in front of `target`; yields its address."""
-    command = [sys.executable, "-m", "bench.link_delay", "--target", target, "--delay-ms", str(delay_ms)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        found = re.search(r"listening on ([\d.]+:\d+)", line)
-        assert found, line
-        yield found.group(1)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def live_requests(count: int, new_tokens: int) -> list[WorkItem]:
     return [
         WorkItem(f"l{i}", [66 + i % 20] * (4 + i % 7), params(new_tokens, ignore_eos=True), 0.0)
@@ -211,7 +191,7 @@ def test_worker_loss_with_three_batches_in_flight_over_a_slow_link_loses_nothing
     worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "3"], port)
     try:
         wait_serving(worker.address)
-        with link_delay(worker.address, 2.0) as proxied:
+        with link_delay.running(worker.address, 2.0) as proxied:
             scheduler = spawn_scheduler(proxied, ["--overlap-depth", "3"])
             try:
                 wait_serving(scheduler.address)
@@ -246,7 +226,7 @@ def test_auto_deepens_behind_a_5ms_link_through_the_services() -> None:
     worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "10"])
     try:
         wait_serving(worker.address)
-        with link_delay(worker.address, 5.0) as proxied:
+        with link_delay.running(worker.address, 5.0) as proxied:
             scheduler = spawn_scheduler(proxied, ["--overlap-depth", "auto"])
             try:
                 wait_serving(scheduler.address)
