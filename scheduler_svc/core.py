@@ -183,6 +183,7 @@ class EngineCore:
         """Idle: first tell the worker about released slots, then sleep until work comes,
         with a row-less launch every `idle_heartbeat_s` (the watchdog's and the worker's sign
         of life)."""
+        self._last_result = None  # the time until the next launch is idle, not the loop's work
         release = self.policy.release_batch()
         if release is not None:
             await self.process_results(release, await self.launch_step(release))

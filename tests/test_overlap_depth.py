@@ -153,6 +153,17 @@ async def test_auto_deepens_for_a_slow_link_and_stays_one_step_ahead_without_one
     assert slow.depth.link_rtt.value is not None and slow.depth.link_rtt.value >= 0.012
 
 
+async def test_auto_does_not_count_idle_time_as_the_loops_work() -> None:
+    """A pause between two bursts is not CPU work between a result and the next launch."""
+    burst = [WorkItem(f"a{i}", [70 + i] * 6, params(20, ignore_eos=True), 0.0) for i in range(8)]
+    later = [
+        WorkItem(f"b{i}", [80 + i] * 6, params(20, ignore_eos=True), 0.3 if i == 0 else 0.0) for i in range(8)
+    ]
+    _, core, _, _ = await serve_at("sim", burst + later, AUTO, 0.0, kv_slots=4000, request_slots=48)
+    assert core.depth.current == 1
+    assert core.depth.cpu.value is not None and core.depth.cpu.value < 0.05
+
+
 def test_the_finish_reasons_are_the_workloads() -> None:
     """The workload above has every kind of ending (a guard on the tests, not the code)."""
     items = mixed_workload(200, seed=21, sampled=False)
