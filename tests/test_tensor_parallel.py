@@ -217,7 +217,7 @@ def tp1_results(tp1: Service) -> dict[str, Completion]:
 def test_tp2_gives_tp1s_tokens_in_both_loops(
     tp1: Service, tp1_results: dict[str, Completion], record_property: Callable[[str, object], None]
 ) -> None:
-    worker = spawn_worker([*TINY64, "--tp", "2"])
+    worker = spawn_worker([*TINY64, "--tp", "2", "--check-invariants"])  # the ranks agree, each step
     try:
         wait_serving(worker.address)
         for mode in ("serial", "overlap"):
