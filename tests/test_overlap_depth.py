@@ -5,7 +5,10 @@ without a slow link; auto picks the depth a link needs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -196,56 +199,65 @@ def metric(service: Service, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-def test_worker_loss_with_three_batches_in_flight_over_a_slow_link_loses_nothing() -> None:
-    items = live_requests(32, 240)
-    port = unused_port()
-    worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "3"], port)
+@dataclass
+class LinkedWorker:
+    """A sim worker on a port of its own, which it keeps when replaced."""
+
+    args: list[str]
+    port: int
+    service: Service
+
+    def restart(self) -> None:
+        self.service.proc.kill()
+        self.service.proc.wait(10)
+        self.service = spawn_worker(self.args, self.port)
+
+
+@contextlib.contextmanager
+def behind_a_link(step_ms: float, delay_ms: float, depth: str) -> Iterator[tuple[LinkedWorker, Service]]:
+    """A sim worker, and an overlap scheduler at `depth` that reaches it through
+    `bench.link_delay` (`delay_ms` each way)."""
+    args, port = [*LIVE_SIM, "--sim-step-ms", f"{step_ms:g}"], unused_port()
+    worker = LinkedWorker(args, port, spawn_worker(args, port))
     try:
-        wait_serving(worker.address)
-        with link_delay.running(worker.address, 2.0) as proxied:
-            scheduler = spawn_scheduler(proxied, ["--overlap-depth", "3"])
+        wait_serving(worker.service.address)
+        with link_delay.running(worker.service.address, delay_ms) as proxied:
+            scheduler = spawn_scheduler(proxied, ["--overlap-depth", depth])
             try:
                 wait_serving(scheduler.address)
-
-                async def load_with_a_crash() -> list[list[int]]:
-                    nonlocal worker
-                    calls = asyncio.ensure_future(generate_all(scheduler.address, items))
-                    await asyncio.sleep(0.5)
-                    assert not calls.done()
-                    worker.proc.kill()
-                    worker.proc.wait(10)
-                    worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "3"], port)
-                    return await calls
-
-                got = asyncio.run(load_with_a_crash())
-                assert got == [sim_reference(item)[0] for item in items]
-                asyncio.run(wait_all_free(scheduler.address))
-                assert "requests wait for a worker" in "".join(scheduler.output)
-                assert metric(scheduler, "stepahead_overlap_depth") == 3
-                assert metric(scheduler, "stepahead_overlap_depth_configured") == 3
-                rtt_sum = metric(scheduler, "stepahead_worker_link_rtt_seconds_sum")
-                rtt_count = metric(scheduler, "stepahead_worker_link_rtt_seconds_count")
-                assert rtt_count > 100 and rtt_sum / rtt_count >= 0.004  # 2 ms each way
+                yield worker, scheduler
             finally:
                 scheduler.stop()
     finally:
-        worker.stop()
+        worker.service.stop()
+
+
+def test_worker_loss_with_three_batches_in_flight_over_a_slow_link_loses_nothing() -> None:
+    items = live_requests(32, 240)
+    with behind_a_link(3.0, 2.0, "3") as (worker, scheduler):
+
+        async def load_with_a_crash() -> list[list[int]]:
+            calls = asyncio.ensure_future(generate_all(scheduler.address, items))
+            await asyncio.sleep(0.5)
+            assert not calls.done()
+            worker.restart()
+            return await calls
+
+        got = asyncio.run(load_with_a_crash())
+        assert got == [sim_reference(item)[0] for item in items]
+        asyncio.run(wait_all_free(scheduler.address))
+        assert "requests wait for a worker" in "".join(scheduler.output)
+        assert metric(scheduler, "stepahead_overlap_depth") == 3
+        assert metric(scheduler, "stepahead_overlap_depth_configured") == 3
+        rtt_sum = metric(scheduler, "stepahead_worker_link_rtt_seconds_sum")
+        rtt_count = metric(scheduler, "stepahead_worker_link_rtt_seconds_count")
+        assert rtt_count > 100 and rtt_sum / rtt_count >= 0.004  # 2 ms each way
 
 
 def test_auto_deepens_behind_a_5ms_link_through_the_services() -> None:
     items = live_requests(48, 150)
-    worker = spawn_worker([*LIVE_SIM, "--sim-step-ms", "10"])
-    try:
-        wait_serving(worker.address)
-        with link_delay.running(worker.address, 5.0) as proxied:
-            scheduler = spawn_scheduler(proxied, ["--overlap-depth", "auto"])
-            try:
-                wait_serving(scheduler.address)
-                got = asyncio.run(generate_all(scheduler.address, items))
-                assert got == [sim_reference(item)[0] for item in items]
-                assert metric(scheduler, "stepahead_overlap_depth_configured") == 0  # auto
-                assert metric(scheduler, "stepahead_overlap_depth") >= 2
-            finally:
-                scheduler.stop()
-    finally:
-        worker.stop()
+    with behind_a_link(10.0, 5.0, "auto") as (_, scheduler):
+        got = asyncio.run(generate_all(scheduler.address, items))
+        assert got == [sim_reference(item)[0] for item in items]
+        assert metric(scheduler, "stepahead_overlap_depth_configured") == 0  # auto
+        assert metric(scheduler, "stepahead_overlap_depth") >= 2
