@@ -87,8 +87,11 @@ def test_a_list_becomes_one_address_list_balanced_round_robin() -> None:
     assert options["grpc.default_authority"] == "127.0.0.1:7001"  # what TLS checks the names against
 
 
-@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 support")
-def test_an_ipv6_list_uses_the_ipv6_scheme() -> None:
+def test_an_ipv6_list_uses_the_ipv6_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    def v6_only(host: str, port: int, *args: object, **kw: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (host, port, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", v6_only)  # whatever this machine's resolver does
     assert channel_target(["[::1]:7001", "[::1]:7002"]).target == "ipv6:[::1]:7001,[::1]:7002"
 
 

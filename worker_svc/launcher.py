@@ -32,7 +32,6 @@ class _Group:
     """One start of the N ranks."""
 
     def __init__(self, argv: list[str], size: int, store_port: int, attempt: int) -> None:
-        self.attempt = attempt
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "worker_svc", *argv], env=_rank_env(r, size, store_port, attempt)

@@ -16,12 +16,14 @@ group; the scheduler sees the session end and recomputes, as for a worker crash.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import enum
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import NoReturn
 
 import torch
@@ -99,18 +101,16 @@ class TensorParallelRanks:
     def size(self) -> int:
         return self.place.size
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sums `tensor` over the ranks in place (the model's row-parallel layers)."""
-        try:
-            dist.all_reduce(tensor, group=self._model_group)
-        except RuntimeError as exc:
-            raise GroupBroken(f"all-reduce failed: {exc}") from exc
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """Reduces `tensor` over the ranks in place (a sum: the model's row-parallel layers)."""
+        with _collective("all-reduce"):
+            dist.all_reduce(tensor, op=op, group=self._model_group)
 
     def check_same_ids(self, ids: torch.Tensor) -> None:
         """--check-invariants: every rank sampled the same ids (synchronises the device)."""
         low, high = ids.clone(), ids.clone()
-        self._reduce(low, dist.ReduceOp.MIN)
-        self._reduce(high, dist.ReduceOp.MAX)
+        self.all_reduce(low, dist.ReduceOp.MIN)
+        self.all_reduce(high, dist.ReduceOp.MAX)
         if not torch.equal(low, high):
             raise GroupBroken(f"rank {self.place.rank}: the ranks sampled different ids")
 
@@ -176,10 +176,8 @@ class TensorParallelRanks:
         a step at TP 2 on two shared cores). Rank 0 goes on to its forward instead, whose first
         all-reduce meets the others anyway. The tensors stay referenced until sent.
         """
-        try:
+        with _collective("command broadcast"):
             work = dist.broadcast(tensor, src=0, group=self._bus, async_op=True)
-        except RuntimeError as exc:
-            raise GroupBroken(f"command broadcast failed: {exc}") from exc
         assert work is not None
         self._posted.append((work, tensor))
         while self._posted and self._posted[0][0].is_completed():
@@ -191,22 +189,21 @@ class TensorParallelRanks:
             self._check_sent(self._posted.popleft()[0])
 
     def _check_sent(self, work: dist.Work) -> None:
-        try:
+        with _collective("command broadcast"):
             work.wait()
-        except RuntimeError as exc:
-            raise GroupBroken(f"command broadcast failed: {exc}") from exc
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        try:
+        with _collective("command broadcast"):
             dist.broadcast(tensor, src=0, group=self._bus)
-        except RuntimeError as exc:
-            raise GroupBroken(f"command broadcast failed: {exc}") from exc
 
-    def _reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
-        try:
-            dist.all_reduce(tensor, op=op, group=self._model_group)
-        except RuntimeError as exc:
-            raise GroupBroken(f"all-reduce failed: {exc}") from exc
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A collective's failure (a peer is gone) as GroupBroken."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise GroupBroken(f"{what} failed: {exc}") from exc
 
 
 def join_group(place: RankPlace, device_type: str) -> TensorParallelRanks:

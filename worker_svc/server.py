@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -255,8 +254,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield worker_pb2.WorkerMessage(error=worker_pb2.StepError(step_id=step_id, message=str(exc)))
                 return
             session.unanswered -= 1
-            held = dataclasses.replace(result, held_s=time.monotonic() - read_at)
-            yield worker_pb2.WorkerMessage(result=result_to_proto(held))
+            message = result_to_proto(result)
+            message.held_s = time.monotonic() - read_at
+            yield worker_pb2.WorkerMessage(result=message)
 
 
 @dataclass(frozen=True)
