@@ -49,8 +49,12 @@ run: proto
 	MODEL=$(MODEL) MODE=$(MODE) TP=$(TP) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) HTTP_PORT=$(HTTP_PORT) PY=$(PY) \
 		scripts/serve-local.sh
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), a module to a process, so that a module's
+# shared services stay in one process; their ports and files cannot collide (tests/live.py).
+TEST_WORKERS ?= 3
+
 test: proto
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 bench: proto
 	$(PY) -m bench

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -103,19 +105,34 @@ async def _write_delayed(chunks: asyncio.Queue[tuple[float, bytes]], writer: asy
 def running(target: str, delay_ms: float) -> Iterator[str]:
     """This proxy in a process of its own in front of `target` (HOST:PORT), delaying each
     direction by `delay_ms`; yields the address to connect to instead (`target` itself at 0)."""
+    # Hang guards of the test processes (imported here: the proxy's own process needs no gRPC).
+    from stepahead.processes import START_TIMEOUT_S, STOP_TIMEOUT_S
+
     if not delay_ms:
         yield target
         return
     command = [sys.executable, "-m", "bench.link_delay", "--target", target, "--delay-ms", f"{delay_ms:g}"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
-        found = re.search(r"listening on ([\d.]+:\d+)", proc.stdout.readline())
+        stdout = proc.stdout
+        assert stdout is not None
+        first_line: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: first_line.put(stdout.readline()), daemon=True).start()
+        try:
+            line = first_line.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            raise RuntimeError(f"bench.link_delay did not start within {START_TIMEOUT_S:g}s") from None
+        found = re.search(r"listening on ([\d.]+:\d+)", line)
         assert found, "bench.link_delay did not start"
         yield found.group(1)
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
 
 
 def _address(value: str) -> tuple[str, int]:

@@ -25,7 +25,12 @@ def parse(text: str) -> dict[tuple[str, Labels], float]:
     }
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, Labels], float]:
+# A hang guard, not an expectation: a scheduler's /metrics waits up to 3 s for its frontend
+# processes' metrics (scheduler_svc/link.py METRICS_TIMEOUT_S); other scrapes take milliseconds.
+SCRAPE_TIMEOUT_S = 60.0
+
+
+def scrape(url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[tuple[str, Labels], float]:
     with urllib.request.urlopen(url, timeout=timeout_s) as reply:
         return parse(reply.read().decode())
 

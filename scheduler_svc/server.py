@@ -28,7 +28,7 @@ from stepahead.v1 import generation_pb2, generation_pb2_grpc
 log = logging.getLogger("stepahead.scheduler")
 
 SERVICE_NAME = "stepahead.v1.Generation"
-FRONTEND_METADATA = "stepahead-frontend"  # initial metadata of Generate: which frontend serves the call
+FRONTEND_METADATA = "stepahead-frontend"  # initial metadata of every call: which frontend serves it
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
@@ -155,7 +155,9 @@ async def build_server(
     frontend: Frontend, host: str, port: int, config: ApiConfig = ApiConfig()
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Health and reflection share the port, its TLS and its size limit, but not the API key."""
-    interceptors = [BearerTokenInterceptor(config.api_key, "API key")] if config.api_key else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [FrontendNameInterceptor(frontend.name)]
+    if config.api_key:
+        interceptors.append(BearerTokenInterceptor(config.api_key, "API key"))
     sharing = PORT_SHARING if config.share_port else NO_PORT_SHARING
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -165,6 +167,34 @@ async def build_server(
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
     bound = add_port(server, f"{host}:{port}", config.credentials)
     return server, bound, health_servicer
+
+
+class FrontendNameInterceptor(grpc.aio.ServerInterceptor):
+    """Every unary call (health checks included) answers with the frontend's name in its initial
+    metadata, as Generate does once it admits a request: with several frontends on one port, a
+    client (or a probe) can tell which one a connection reached."""
+
+    def __init__(self, name: str) -> None:
+        self._metadata = ((FRONTEND_METADATA, name),)
+
+    async def intercept_service(
+        self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        handler: Handler | None = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        behavior: Any = handler.unary_unary  # a coroutine function on grpc.aio servers
+        metadata = self._metadata
+
+        async def named(request: object, context: Context) -> object:
+            await context.send_initial_metadata(metadata)
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            named,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
 def health_follows_worker(frontend: Frontend, health_servicer: health.aio.HealthServicer) -> None:

@@ -22,7 +22,10 @@ from stepahead.serving import API_KEY_ENV
 LISTEN_RE = re.compile(r"listening on [\d.]+:(\d+)")
 METRICS_RE = re.compile(r"(\w+) metrics on http://[\d.]+:(\d+)/metrics")
 HTTP_RE = re.compile(r"HTTP on port (\d+)")
-START_TIMEOUT_S = 60.0
+# Hang guards, not expectations: a service starts in 1-5 s on a machine of this kind (torch's
+# import, a model's load) and stops in under a second; both are ten times that or more.
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Service:
         found = (METRICS_RE.search(line) for line in self.output)
         return {m.group(1): f"http://127.0.0.1:{m.group(2)}/metrics" for m in found if m}
 
-    def stop(self, timeout_s: float = 20.0) -> int:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, then the exit code (SIGKILL if it does not stop in time)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -110,26 +113,26 @@ def _spawn(
         text=True,
         env=env,
     )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if match := LISTEN_RE.search(line):
-            threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
-            return Service(proc, int(match.group(1)), lines, name or module.removesuffix("_svc"))
+    lines: list[str] = []
+    listening = threading.Event()
+    threading.Thread(target=_drain, args=(proc, lines, listening), daemon=True).start()
+    listening.wait(START_TIMEOUT_S)
+    if match := next((m for line in list(lines) if (m := LISTEN_RE.search(line))), None):
+        return Service(proc, int(match.group(1)), lines, name or module.removesuffix("_svc"))
     proc.kill()
-    raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
+    proc.wait()
+    raise RuntimeError(f"{module} did not start within {START_TIMEOUT_S:g}s:\n{''.join(lines)}")
 
 
-def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
-    """Keep reading the child's output so it never blocks on a full pipe."""
+def _drain(proc: subprocess.Popen[str], lines: list[str], listening: threading.Event) -> None:
+    """Keep reading the child's output, so it never blocks on a full pipe; `listening` is set
+    once it says where it listens, or once it exits."""
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
+        if LISTEN_RE.search(line):
+            listening.set()
+    listening.set()
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
@@ -139,23 +142,53 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
     return grpc.secure_channel(address, credentials)
 
 
+FRONTEND_METADATA = (
+    "stepahead-frontend"  # which of a scheduler's frontends answered (scheduler_svc/server.py)
+)
+
+
 def wait_serving(
-    address: str, timeout_s: float = START_TIMEOUT_S, credentials: grpc.ChannelCredentials | None = None
+    address: str,
+    timeout_s: float = START_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
+    frontends: int = 1,
 ) -> None:
+    """Until the service at `address` answers its health check SERVING; for a scheduler with
+    several frontend processes on the port, until each of `frontends` of them has (a new
+    connection lands on any one of them, and each learns of the worker on its own)."""
     deadline = time.monotonic() + timeout_s
-    with open_channel(address, credentials) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+    serving: set[str] = set()
+    while time.monotonic() < deadline:
+        # A connection of its own each time, so that probes reach every frontend.
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        channel = (
+            grpc.insecure_channel(address, options)
+            if credentials is None
+            else grpc.secure_channel(address, credentials, options)
+        )
+        with channel:
+            stub = health_pb2_grpc.HealthStub(channel)
             try:
-                status = stub.Check(  # type: ignore[attr-defined]
-                    health_pb2.HealthCheckRequest(service=""), timeout=2
-                ).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                reply, call = stub.Check.with_call(  # type: ignore[attr-defined]
+                    health_pb2.HealthCheckRequest(service=""), timeout=max(deadline - time.monotonic(), 0.1)
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    serving.add(str(dict(call.initial_metadata()).get(FRONTEND_METADATA, address)))
+                    if len(serving) >= frontends:
+                        return
+                    continue
             except grpc.RpcError:
                 pass
-            time.sleep(0.05)
-    raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+        time.sleep(0.05)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s}s (frontends serving: {sorted(serving)})")
+
+
+def frontend_count(scheduler_args: list[str]) -> int:
+    """How many frontend processes the scheduler's flags ask for (1 when not said; 0 serves
+    from the core's own process, which is one frontend too)."""
+    flags = list(scheduler_args)
+    count = int(flags[flags.index("--frontends") + 1]) if "--frontends" in flags else 1
+    return max(count, 1)
 
 
 @contextmanager
@@ -174,7 +207,11 @@ def serving_pair(
     try:
         wait_serving(worker.address, credentials=worker_credentials)
         scheduler = spawn_scheduler(worker.address, list(scheduler_args), api_key=api_key)
-        wait_serving(scheduler.address, credentials=scheduler_credentials)
+        wait_serving(
+            scheduler.address,
+            credentials=scheduler_credentials,
+            frontends=frontend_count(list(scheduler_args)),
+        )
         yield worker, scheduler
     finally:
         for service in (scheduler, worker):

@@ -6,11 +6,13 @@ import asyncio
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from scheduler_svc.core import CoreConfig, EngineCore
+from scheduler_svc.batch import ScheduledBatch
+from scheduler_svc.core import CoreConfig, EngineCore, StepHandle
 from scheduler_svc.depth import DepthConfig
 from scheduler_svc.frontend import Frontend, FrontendConfig
 from scheduler_svc.late_pick import LatePickConfig
@@ -21,6 +23,7 @@ from scheduler_svc.request import FinishReason, SamplingParams
 from scheduler_svc.streams import Completions, OutputChunk
 from scheduler_svc.transport import WorkerSession, WorkerTransport
 from stepahead.protocol import Launch, StepResult
+from tests.live import SETTLE_TIMEOUT_S
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.inprocess import InProcessTransport
@@ -38,6 +41,8 @@ class WorkItem:
     delay_s: float  # arrival after the previous item
     abort_after: int | None = None  # the client aborts once it holds this many tokens
     n: int = 1  # completions: views of completion i > 0 are keyed f"{rid}/{i}"
+    after: str | None = None  # sent once the client of this earlier call has seen it end
+    after_first_token: bool = False  # ... or, with this, once it has seen its first token
 
 
 @dataclass
@@ -67,10 +72,13 @@ def make_engine(
 
 @dataclass
 class Served:
-    """An engine core with one frontend in this process (--frontends 0)."""
+    """An engine core with one frontend in this process (--frontends 0). The clients of the
+    calls in `abort_at_launch` abort them right after the core launches their first prefill
+    chunk, before any token of theirs is processed (see abort_when_launched)."""
 
     core: EngineCore
     frontend: Frontend
+    abort_at_launch: set[str] = field(default_factory=set)
 
 
 class DelayedSession:
@@ -144,32 +152,89 @@ class DelayedTransport:
         await self._inner.close()
 
 
-async def start_core(transport: WorkerTransport, config: CoreConfig) -> tuple[Served, asyncio.Task[None]]:
+class SkewedSession:
+    """`inner` whose results' forward stamps read `skew_s` later than the worker's clock said
+    at the handshake: to the scheduler each in-flight forward seems to end that much later."""
+
+    def __init__(self, inner: WorkerSession, skew_s: float) -> None:
+        self.info = inner.info
+        self._inner, self._skew_s = inner, skew_s
+
+    async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
+        done = await self._inner.launch(launch)
+        skewed: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: _skew(f, skewed, self._skew_s))
+        return skewed
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def _skew(done: asyncio.Future[StepResult], skewed: asyncio.Future[StepResult], skew_s: float) -> None:
+    if skewed.done():
+        return
+    if done.cancelled() or done.exception() is not None:
+        skewed.set_exception(done.exception() or asyncio.CancelledError())
+        return
+    got = done.result()
+    if got.forward_end > 0:  # a launch that only released slots has no timing to shift
+        got = dataclasses.replace(
+            got, forward_start=got.forward_start + skew_s, forward_end=got.forward_end + skew_s
+        )
+    skewed.set_result(got)
+
+
+class SkewedTransport:
+    """`inner` with a worker clock that runs `skew_s` ahead after the handshake (SkewedSession):
+    late pick then holds every pick back (by a step at most), whatever the machine's speed."""
+
+    def __init__(self, inner: WorkerTransport, skew_s: float) -> None:
+        self._inner, self._skew_s = inner, skew_s
+
+    async def connect(self) -> SkewedSession:
+        return SkewedSession(await self._inner.connect(), self._skew_s)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+async def start_core(
+    transport: WorkerTransport, config: CoreConfig, instrument: Callable[[EngineCore], None] | None = None
+) -> tuple[Served, asyncio.Task[None]]:
     core = EngineCore(transport, config)
+    if instrument is not None:
+        instrument(core)
     frontend = Frontend(FrontendConfig(config.mode))
     LocalCore(core, frontend)
+    served = Served(core, frontend)
+    abort_when_launched(served)
     task = asyncio.create_task(core.run())
-    while not frontend.ready:
-        await asyncio.sleep(0.001)
-    return Served(core, frontend), task
+    async with asyncio.timeout(SETTLE_TIMEOUT_S):
+        while not frontend.ready:
+            await asyncio.sleep(0.001)
+    return served, task
 
 
-async def consume(frontend: Frontend, call: Completions, abort_after: int | None) -> list[ClientView]:
+async def consume(
+    served: Served, call: Completions, abort_after: int | None, first_token: asyncio.Event | None = None
+) -> list[ClientView]:
     """What each completion of the call received; with `abort_after`, the client aborts the call
-    once its first completion holds that many tokens (0: a few milliseconds after it is sent,
-    typically while its prompt is being prefilled)."""
+    once its first completion holds that many tokens (0: see abort_when_launched). `first_token`
+    is set once any token (or the end) has arrived."""
+    frontend = served.frontend
     views = [ClientView() for _ in call.clients]
-    if abort_after == 0:
-        await asyncio.sleep(0.003)
-        await frontend.abort(call.rid)
     while not call.done:
         await call.ready.wait()
         assert call.error is None, call.error
         for index, chunk in call.take():
             _add_chunk(views[index], chunk)
+        if first_token is not None and any(v.token_ids for v in views):
+            first_token.set()
         first = views[0]
         if abort_after is not None and len(first.token_ids) >= abort_after and first.finish_reason is None:
             await frontend.abort(call.rid)
+    if first_token is not None:
+        first_token.set()
     return views
 
 
@@ -182,12 +247,47 @@ def _add_chunk(view: ClientView, chunk: OutputChunk) -> None:
     view.finish_reason = chunk.finish_reason
 
 
-async def run_workload(frontend: Frontend, items: list[WorkItem]) -> dict[str, ClientView]:
+def abort_when_launched(served: Served) -> None:
+    """Wrap the core's launch: once a launch has sent the first prefill chunk of a call in
+    `served.abort_at_launch`, its client aborts it, before the core processes any result (in
+    both loops the result of a launch is processed after the launch returns), so the call ends
+    mid-prefill with no token, whatever the machine's speed."""
+    core, launch_step = served.core, served.core.launch_step
+
+    async def launching(batch: ScheduledBatch) -> StepHandle:
+        handle = await launch_step(batch)
+        for rid in list(served.abort_at_launch):
+            req = core.policy.requests.get((rid, 0))
+            if req is not None and req.req_slot is not None:  # admitted: its prefill is launched
+                assert not req.output_ids, rid
+                served.abort_at_launch.discard(rid)
+                await served.frontend.abort(rid)
+        return handle
+
+    core.launch_step = launching  # type: ignore[method-assign]
+
+
+async def run_workload(served: Served, items: list[WorkItem]) -> dict[str, ClientView]:
+    """Submit the items in order: each `delay_s` after the previous one (at once, without
+    yielding to the loop, when 0: a run of such items reaches the core together), and an item
+    with `after` only once its client saw that call's first token or end; read every call."""
+    frontend = served.frontend
     calls: dict[str, asyncio.Task[list[ClientView]]] = {}
+    first_tokens: dict[str, asyncio.Event] = {}
     for item in items:
-        await asyncio.sleep(item.delay_s)
+        if item.after is not None:
+            await (
+                first_tokens[item.after].wait()
+                if item.after_first_token
+                else asyncio.wait({calls[item.after]})
+            )
+        if item.delay_s:
+            await asyncio.sleep(item.delay_s)
         call = frontend.submit(item.rid, item.prompt_ids, item.params, item.n)
-        calls[item.rid] = asyncio.create_task(consume(frontend, call, item.abort_after))
+        if item.abort_after == 0:  # before the core can pick it
+            served.abort_at_launch.add(item.rid)
+        first_tokens[item.rid] = asyncio.Event()
+        calls[item.rid] = asyncio.create_task(consume(served, call, item.abort_after, first_tokens[item.rid]))
     views: dict[str, ClientView] = {}
     for rid, task in calls.items():
         for i, view in enumerate(await task):
@@ -210,10 +310,13 @@ async def serve_workload(
     prefix_cache: bool = True,
     depth: int = 1,
     link_delay_s: float = 0.0,
+    clock_skew_s: float = 0.0,
     transport: list[WorkerTransport] | None = None,
+    instrument: Callable[[EngineCore], None] | None = None,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport (behind a link of `link_delay_s` each
-    way when set; `transport` receives the one used), wait for the drain."""
+    way when set, with a worker clock `clock_skew_s` ahead when set; `transport` receives the
+    one used; `instrument` sees the core before it starts), wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device)
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
@@ -224,11 +327,13 @@ async def serve_workload(
     link: WorkerTransport = InProcessTransport(engine)
     if link_delay_s:
         link = DelayedTransport(link, link_delay_s)
+    if clock_skew_s:
+        link = SkewedTransport(link, clock_skew_s)
     if transport is not None:
         transport.append(link)
-    served, task = await start_core(link, config)
+    served, task = await start_core(link, config, instrument)
     try:
-        views = await run_workload(served.frontend, items)
+        views = await run_workload(served, items)
         await wait_drained(served.core)
     finally:
         await served.core.close()
@@ -239,11 +344,25 @@ async def serve_workload(
 
 async def wait_drained(core: EngineCore) -> None:
     """Until nothing is live, in flight, or waiting to be released on the worker."""
-    for _ in range(5000):
-        if core.idle and not core.policy.requests:
-            return
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not (core.idle and not core.policy.requests):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine core did not drain within {SETTLE_TIMEOUT_S:g}s")
         await asyncio.sleep(0.002)
-    raise AssertionError("the engine core did not drain")
+
+
+def record_depth(core: EngineCore) -> list[int]:
+    """The sizes of the core's result_queue after each launch (batches launched whose results
+    are not processed yet), appended as the core runs: an `instrument` for serve_workload."""
+    sizes: list[int] = []
+    queue_result = core.queue_result
+
+    def recording(batch: ScheduledBatch, handle: StepHandle) -> None:
+        queue_result(batch, handle)
+        sizes.append(len(core.result_queue))
+
+    core.queue_result = recording  # type: ignore[method-assign]
+    return sizes
 
 
 def params(max_new_tokens: int, **kw: object) -> SamplingParams:
@@ -285,3 +404,35 @@ def mixed_workload(n: int, seed: int, *, sampled: bool, vocab: int = 256) -> lis
         abort_after = rng.randint(1, 6) if kind >= 0.9 else None
         items.append(WorkItem(f"r{i}", prompt, p, rng.expovariate(1 / 0.003), abort_after))
     return items
+
+
+def preempting_call(rid: str, kv_slots: int, *, sampled: bool, n: int = 8, prompt_len: int = 16) -> WorkItem:
+    """One call of `n` completions that each fit the KV pool alone but together need more than
+    all of it, so that the policy must preempt whatever the timing: its completions are admitted
+    together (1..n-1 at the first pick after completion 0's prompt is cached; all at once without
+    the cache) and decode side by side, ignoring EOS, until the pool runs out. Put it first
+    (delay 0), before anything that could hold request slots."""
+    max_new = kv_slots // n + 8  # prompt + n x max_new > kv_slots >= prompt + max_new
+    assert prompt_len + n * max_new > kv_slots >= prompt_len + max_new
+    prompt = [33 + (7 * i) % 90 for i in range(prompt_len)]
+    temperature = 1.0 if sampled else 0.0
+    return WorkItem(rid, prompt, params(max_new, ignore_eos=True, temperature=temperature, seed=5), 0.0, n=n)
+
+
+def aborted_call(rid: str, after: int, delay_s: float = 0.0) -> WorkItem:
+    """A request its client aborts once it holds `after` tokens: it ignores EOS and asks for far
+    more tokens than the abort lets it reach, so it ends by the abort whatever the timing."""
+    return WorkItem(rid, [70, 71, 72, 73], params(1000, ignore_eos=True), delay_s, abort_after=after)
+
+
+def with_forced_scenarios(items: list[WorkItem], kv_slots: int, *, sampled: bool) -> list[WorkItem]:
+    """`items` after a call that forces preemption (preempting_call), with two client aborts
+    that land for sure (aborted_call: one before the first token, one after two tokens)."""
+    middle = len(items) // 2
+    aborts = [aborted_call("forced-abort-0", 0), aborted_call("forced-abort-2", 2)]
+    return [
+        preempting_call("forced-preempt", kv_slots, sampled=sampled),
+        *items[:middle],
+        *aborts,
+        *items[middle:],
+    ]

@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import fields, replace
 from datetime import UTC, datetime
@@ -39,6 +38,7 @@ from bench.run import CLOCK_TICKS, Endpoints, Measurement, children_cpu_s, cpu_u
 from bench.save import finite, save
 from loadgen import BenchmarkConfig, Summary
 from loadgen.stats import Distribution
+from tests.live import wait_until
 
 INF = math.inf
 BUCKETS = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (INF, 10.0)]  # 2 in (0, .1], 4 in (.1, .5], 2, 2 above 1
@@ -393,26 +393,13 @@ SMOKE = Plan(
     ),
     Sweep(SMOKE_DEVICE, (4,), 2, 16, 8, 0.0),
 )
-SMOKE_LIMIT_S = 30.0
 
 
-def run_smoke(out: Path) -> dict[str, object]:
-    """The smoke plan in a daemon thread, so a hang fails the test instead of stalling the suite."""
-    outcome: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            outcome["saved"] = save(run_plan(SMOKE, progress=lambda _: None), "test", out, out / "docs.png")
-        except BaseException as exc:  # re-raised in the test's thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(SMOKE_LIMIT_S)
-    assert not thread.is_alive(), f"the smoke run took over {SMOKE_LIMIT_S:.0f}s"
-    if "error" in outcome:
-        raise outcome["error"]  # type: ignore[misc]
-    return outcome
+def run_smoke(out: Path) -> None:
+    """The smoke plan, saved under `out`. No time limit of its own: it takes about 20 s on a
+    machine of this kind (longer on a slow or starved one), and pytest-timeout's per-test limit
+    (pyproject.toml, 1800 s: far above, a hang guard) stops it if it hangs."""
+    save(run_plan(SMOKE, progress=lambda _: None), "test", out, out / "docs.png")
 
 
 def check_sane(configuration: dict[str, object]) -> None:
@@ -427,7 +414,12 @@ def check_sane(configuration: dict[str, object]) -> None:
     assert f["mean_forward_ms"] >= 2 and f["step_ms"] > 0, name  # the sim sleeps 2 ms a step
     assert set(f["scheduler_phase_ms"]) == {"pick", "launch", "wait", "process"}, name
     assert 0 < f["ttft_p50_ms"] <= f["ttft_p99_ms"] and 0 < f["itl_p50_ms"] <= f["itl_p99_ms"], name
-    assert f["scheduler_cpu_ms_per_step"] > 0 and f["client_cpu_ms_per_step"] > 0, name
+    assert all(ms > 0 for ms in f["scheduler_phase_ms"].values()), name  # timed at microseconds
+    # The scheduler's CPU is its process_cpu_seconds_total: whole clock ticks (10 ms), of which a
+    # short run on a fast machine may take none; the load generator's is process_time's (ns).
+    ticks = f["scheduler_cpu_ms_per_step"] * f["steps"] / 1e3 * CLOCK_TICKS
+    assert ticks >= 0 and ticks == pytest.approx(round(ticks), abs=1e-6), name
+    assert f["client_cpu_ms_per_step"] > 0, name
     in_process = configuration["transport"] == "in-process"
     assert (f["worker_cpu_ms_per_step"] is None) == in_process, name
     assert 0 < f["tokens_per_step"] <= 4, name
@@ -567,8 +559,12 @@ def test_measure_drives_both_runs_over_the_given_connections_and_reads_the_child
     configs: list[BenchmarkConfig] = []
 
     def fake_loadgen(config: BenchmarkConfig) -> Summary:
+        """While the busy child runs: until it has been charged another clock tick, so that its
+        CPU time moves between the readings around the run, however the machine shares its CPUs."""
         configs.append(config)
-        time.sleep(0.2)
+        if child.poll() is None:
+            ran = children_cpu_s(os.getpid())[child.pid]
+            wait_until(lambda: children_cpu_s(os.getpid())[child.pid] > ran, "the busy child charged a tick")
         return summary(1000.0)
 
     monkeypatch.setattr(bench_run, "run_loadgen", fake_loadgen)

@@ -15,7 +15,7 @@ from scheduler_svc.validation import MAX_CHAT_MESSAGES
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import FRONTEND_COUNTS, frontend_flags, server_info, wait_all_free
+from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, server_info, wait_all_free
 from worker_svc.backends import sim_continuation
 
 pytestmark = pytest.mark.anyio
@@ -60,7 +60,7 @@ def chat(turns: list[tuple[str, str]], max_new_tokens: int = 8) -> pb.GenerateRe
 async def generate(address: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return [r async for r in stub.Generate(request, timeout=30)]
+        return [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
 
 
 async def status_of(address: str, request: pb.GenerateRequest) -> tuple[grpc.StatusCode, str]:
@@ -121,7 +121,7 @@ async def test_a_model_without_a_chat_template_answers_failed_precondition(plain
 
 def run_client(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "scheduler_svc.client", "--server", address, *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
 
 
 def test_the_cli_client_chats(chat_pair: Service) -> None:

@@ -3,11 +3,12 @@ against transformers' tokenizer of the same GGUF, and the sandbox's and error pa
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from scheduler_svc.tokenizer import HFTokenizer
-from tests.smollm2 import Transformers
 from worker_svc.gguf import GGUFModel
 
 SYSTEM = ChatMessage("system", "You are a terse assistant.")
@@ -41,21 +42,21 @@ def to_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def smollm2_template(smollm2: GGUFModel, reference: Transformers) -> ChatTemplate:
+def smollm2_template(smollm2: GGUFModel, reference: Any) -> ChatTemplate:
     assert smollm2.chat_template is not None
-    return ChatTemplate(smollm2.chat_template, reference.tokenizer.special_tokens_map)
+    return ChatTemplate(smollm2.chat_template, reference.special_tokens_map)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("messages", CONVERSATIONS.values(), ids=CONVERSATIONS.keys())
 def test_smollm2_template_renders_and_encodes_as_transformers(
     smollm2: GGUFModel,
-    smollm2_transformers: Transformers,
+    smollm2_tokenizer: Any,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
 ) -> None:
-    reference = smollm2_transformers.tokenizer
-    rendered = smollm2_template(smollm2, smollm2_transformers).render(messages, add_generation_prompt)
+    reference = smollm2_tokenizer
+    rendered = smollm2_template(smollm2, smollm2_tokenizer).render(messages, add_generation_prompt)
     expected = reference.apply_chat_template(
         to_dicts(messages), tokenize=False, add_generation_prompt=add_generation_prompt
     )
@@ -67,9 +68,9 @@ def test_smollm2_template_renders_and_encodes_as_transformers(
 
 
 def test_smollm2_template_injects_its_default_system_prompt(
-    smollm2: GGUFModel, smollm2_transformers: Transformers
+    smollm2: GGUFModel, smollm2_tokenizer: Any
 ) -> None:
-    rendered = smollm2_template(smollm2, smollm2_transformers).render([USER])
+    rendered = smollm2_template(smollm2, smollm2_tokenizer).render([USER])
     assert rendered == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         f"<|im_start|>user\n{USER.content}<|im_end|>\n<|im_start|>assistant\n"
@@ -91,9 +92,9 @@ FEATURES = """
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_environment_extras_render_as_transformers(
-    smollm2_transformers: Transformers, add_generation_prompt: bool
+    smollm2_tokenizer: Any, add_generation_prompt: bool
 ) -> None:
-    reference = smollm2_transformers.tokenizer
+    reference = smollm2_tokenizer
     messages = [
         ChatMessage("user", 'é "quoted" <b>&</b> 😀\n'),
         ChatMessage("skip", "hidden"),
@@ -181,10 +182,8 @@ def test_a_template_failing_on_the_messages_raises_chat_template_error(source: s
 
 
 def test_an_unsafe_attribute_alone_renders_empty_as_in_transformers(
-    smollm2_transformers: Transformers,
+    smollm2_tokenizer: Any,
 ) -> None:
     source = "[{{ ''.__class__ }}{{ messages[0].__class__ }}]"
-    expected = smollm2_transformers.tokenizer.apply_chat_template(
-        to_dicts([USER]), chat_template=source, tokenize=False
-    )
+    expected = smollm2_tokenizer.apply_chat_template(to_dicts([USER]), chat_template=source, tokenize=False)
     assert ChatTemplate(source, {}).render([USER]) == expected == "[]"

@@ -17,7 +17,7 @@ from stepahead.processes import serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from tests.harness import WorkItem, params, serve_workload
-from tests.live import server_info
+from tests.live import CALL_TIMEOUT_S, server_info
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 64, 2, 4, 2, 128
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo wörld 你好"] * 20
@@ -85,7 +85,7 @@ async def generate(address: str, text: str, n: int) -> list[pb.GenerateResponse]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
-        return [r async for r in stub.Generate(request, timeout=60)]
+        return [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
 
 
 def test_checkpoint_is_loaded_and_served(tmp_path: pathlib.Path) -> None:

@@ -15,7 +15,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import yaml
 from stepahead.processes import Service, serving_pair, spawn_scheduler
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from tests.live import CALL_TIMEOUT_S, generate, paused, unused_port, wait_all_free, wait_info
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -49,7 +49,8 @@ HEALTHCHECK = DEPLOY / "healthcheck.py"
 PAIRS = {"worker": "scheduler", "worker-b": "scheduler-b"}
 REPLICAS_PROFILE = "replicas"
 
-# What Grafana substitutes before a query reaches Prometheus, as the live test does.
+# What Grafana substitutes before a query reaches Prometheus, as the live test does (which gives
+# $__rate_interval a window that spans its load: see LiveStack).
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 PROMQL_WORDS = {
@@ -67,7 +68,9 @@ PROMQL_WORDS = {
     "inf",
     "nan",
 }
-PROCESS_TIMEOUT_S = 30.0
+# A hang guard, not an expectation (ten times or more above what a slow machine needs): a tool runs,
+# Prometheus starts or stops, and the scrapes the live tests wait for come, in seconds.
+PROCESS_TIMEOUT_S = 300.0
 
 Json = dict[str, Any]
 
@@ -204,8 +207,11 @@ def metric_names(expr: str) -> set[str]:
     }
 
 
-def substitute(expr: str, mode: str) -> str:
-    for variable, value in GRAFANA_VARIABLES.items():
+def substitute(expr: str, mode: str, rate_interval: str | None = None) -> str:
+    variables = dict(GRAFANA_VARIABLES)
+    if rate_interval is not None:
+        variables["$__rate_interval"] = rate_interval
+    for variable, value in variables.items():
         expr = expr.replace(variable, value)
     expr = expr.replace("$mode", mode)
     assert "$" not in expr, f"unknown dashboard variable in {expr}"
@@ -222,7 +228,7 @@ def test_compose_file_follows_the_compose_specification() -> None:
         [str(tool), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PROCESS_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -392,7 +398,10 @@ def promtool() -> str:
 
 def test_prometheus_config_passes_promtool() -> None:
     out = subprocess.run(
-        [promtool(), "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
+        [promtool(), "check", "config", str(PROMETHEUS_CONFIG)],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -472,9 +481,13 @@ def test_metric_name_extraction() -> None:
 KV_SLOTS = 256
 SIM_WORKER = ["--model", "sim", "--sim-step-ms", "5", "--kv-slots", str(KV_SLOTS), "--check-invariants"]
 LOAD_REQUESTS = 40
-BURST = 4  # the first requests arrive together and need more KV than the pool has: preemptions
+BURST = 4  # the first requests arrive together and need more KV than the pool has
 ARRIVAL_GAP_S = 0.12
 SCRAPES_AFTER_LOAD = 3
+# Prometheus scrapes every 5 s, as deployed, and lets a scrape take that long: the scheduler's
+# /metrics waits up to 3 s for its frontend process's (scheduler_svc/link.py METRICS_TIMEOUT_S).
+SCRAPE_INTERVAL_S = 5
+HEALTHCHECK_DEADLINE_S = 30.0  # deploy/healthcheck.py --timeout, a hang guard: it answers in milliseconds
 
 
 @dataclass
@@ -482,14 +495,11 @@ class LiveStack:
     prometheus_url: str
     worker: Service
     scheduler: Service
-    finish_reasons: list[int]
+    finish_reasons: list[int]  # of every completion the clients saw end
+    # A time at which Prometheus holds scrapes of both services taken after the load, with every
+    # completion counted; and a rate window reaching back from it to before the load.
     evaluated_at: float
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    rate_interval: str
 
 
 def live_scrape_config(live_targets: dict[str, str], interval: str) -> Json:
@@ -509,7 +519,7 @@ def api(url: str, path: str, **params: str) -> Any:
     """The `data` of a Prometheus HTTP API answer; a rejected query fails with Prometheus's reason."""
     query = f"?{urllib.parse.urlencode(params)}" if params else ""
     try:
-        with urllib.request.urlopen(f"{url}{path}{query}", timeout=10) as reply:
+        with urllib.request.urlopen(f"{url}{path}{query}", timeout=PROCESS_TIMEOUT_S) as reply:
             body = json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         body = json.loads(exc.read())
@@ -545,7 +555,7 @@ class Prometheus:
     def ready(self) -> bool:
         if self.proc.poll() is not None:
             raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log.read_text()}")
-        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
+        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=PROCESS_TIMEOUT_S) as reply:
             return int(reply.status) == 200
 
     def stop(self) -> None:
@@ -622,28 +632,85 @@ async def send(address: str, load: LoadRequest) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         last = None
-        async for reply in stub.Generate(load.request, timeout=60):
+        async for reply in stub.Generate(load.request, timeout=CALL_TIMEOUT_S):
             last = reply
             if abort:
-                abort = not (await stub.Abort(pb.AbortRequest(request_id=load.request.request_id))).aborted
+                stop = pb.AbortRequest(request_id=load.request.request_id)
+                abort = not (await stub.Abort(stop, timeout=CALL_TIMEOUT_S)).aborted
         assert last is not None
         return int(last.finish_reason)
 
 
-async def drive_load(address: str) -> list[int]:
-    return list(await asyncio.gather(*(send(address, load_request(i)) for i in range(LOAD_REQUESTS))))
+# Preemptions, forced: one call of two completions (ignore_eos, no stops) of a PREEMPT_PROMPT-token
+# prompt. The second is admitted as soon as the first's prompt is in the prefix cache
+# (scheduler_svc/policy.py `_waits_for_first_completion`), a step or two behind it, so they run
+# together; by their last tokens they hold P + 2 x max_new - 1 slots, far more than the pool has,
+# while one alone (P + max_new) fits: the pool runs out under them and the policy preempts (and
+# recomputes), whatever the timing. The sim's tokens do not depend on the sampling parameters.
+PREEMPT_PROMPT, PREEMPT_MAX_NEW = 16, 150
+assert PREEMPT_PROMPT + PREEMPT_MAX_NEW <= KV_SLOTS < PREEMPT_PROMPT + 2 * PREEMPT_MAX_NEW - 50
 
 
-def scraped_since(url: str, since: float) -> bool:
-    """Whether Prometheus's latest scrape of both services is after `since` (unix time)."""
-    return min(last_scrape(url, job) for job in ("worker", "scheduler")) > since
+async def preempting_call(address: str) -> list[int]:
+    """The two completions' finish reasons."""
+    sampling = pb.SamplingParams(max_new_tokens=PREEMPT_MAX_NEW, ignore_eos=True, n=2)
+    ids = pb.TokenIds(ids=[ord("p")] * PREEMPT_PROMPT)
+    replies = await generate(
+        address, pb.GenerateRequest(request_id="preempt", input_ids=ids, sampling=sampling)
+    )
+    last = {r.index: r.finish_reason for r in replies if r.finish_reason}
+    assert sorted(last) == [0, 1], last
+    return [int(reason) for reason in last.values()]
+
+
+async def aborted_call(address: str, worker: Service) -> int:
+    """An abort, forced: a request aborted while the worker is stopped (SIGSTOP), from before the
+    request is sent until the abort has landed, so it cannot have ended any other way. Returns its
+    finish reason."""
+    request = pb.GenerateRequest(
+        request_id="aborted", text="abort me", sampling=pb.SamplingParams(max_new_tokens=8, ignore_eos=True)
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        with paused(worker.proc):
+            call = stub.Generate(request, timeout=CALL_TIMEOUT_S)
+            await wait_info(
+                address, lambda info: info.requests_running + info.requests_waiting > 0, "admitted"
+            )
+            aborted = await stub.Abort(pb.AbortRequest(request_id="aborted"), timeout=CALL_TIMEOUT_S)
+        replies = [reply async for reply in call]
+    assert aborted.aborted and replies, replies
+    return int(replies[-1].finish_reason)
+
+
+async def drive_load(scheduler: str, worker: Service) -> list[int]:
+    """The load, then each forcing call alone: every completion's finish reason."""
+    reasons = list(await asyncio.gather(*(send(scheduler, load_request(i)) for i in range(LOAD_REQUESTS))))
+    await wait_all_free(scheduler)
+    reasons += await preempting_call(scheduler)
+    await wait_all_free(scheduler)
+    reasons.append(await aborted_call(scheduler, worker))
+    return reasons
+
+
+def settled_at(url: str, since: float, completions: int) -> float | None:
+    """A time at which Prometheus holds a scrape of each service taken after `since`, with every
+    completion counted; None while it holds none. It is the older of the two services' last
+    scrapes: a scrape still on its way (the scheduler's may wait seconds for its frontend) has a
+    later time, so nothing changes at or before it anymore. A scrape that left the frontend's
+    metrics out (a late frontend) does not count them."""
+    at = min(last_scrape(url, job) for job in ("worker", "scheduler"))
+    if at <= since:
+        return None
+    finished = sum(float(s["value"][1]) for s in instant(url, "stepahead_requests_finished_total", at))
+    return at if finished == completions else None
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
-    """A sim pair and a Prometheus scraping it every second (the deploy config, retargeted) after a load."""
+    """A sim pair and a Prometheus scraping it (the deploy config, retargeted), after a load."""
     binary, tmp = prometheus_binary(), tmp_path_factory.mktemp("prometheus")
-    worker_metrics, scheduler_metrics, prometheus_port = free_port(), free_port(), free_port()
+    worker_metrics, scheduler_metrics, prometheus_port = unused_port(), unused_port(), unused_port()
     with serving_pair(
         [*SIM_WORKER, "--metrics-port", str(worker_metrics)],
         ["--mode", "overlap", "--metrics-port", str(scheduler_metrics)],
@@ -653,26 +720,34 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
             f"scheduler:{cli_args('scheduler').metrics_port}": f"127.0.0.1:{scheduler_metrics}",
             "localhost:9090": f"127.0.0.1:{prometheus_port}",
         }
-        prometheus = start_prometheus(binary, tmp, live_scrape_config(live_targets, "1s"), prometheus_port)
+        config = live_scrape_config(live_targets, f"{SCRAPE_INTERVAL_S}s")
+        prometheus = start_prometheus(binary, tmp, config, prometheus_port)
         url = prometheus.url
         try:
             wait_for("Prometheus ready", prometheus.ready)
             wait_for(
                 "every target scraped", lambda: len(instant(url, "up == 1", time.time())) == len(live_targets)
             )
-            reasons = asyncio.run(drive_load(scheduler.address))
-            load_end = time.time()
-            wait_for(
-                f"{SCRAPES_AFTER_LOAD} scrapes after the load",
-                lambda: scraped_since(url, load_end + SCRAPES_AFTER_LOAD - 0.5),
-            )
-            yield LiveStack(url, worker, scheduler, reasons, time.time())
+            load_start = time.time()
+            reasons = asyncio.run(drive_load(scheduler.address, worker))
+            since = time.time() + (SCRAPES_AFTER_LOAD - 0.5) * SCRAPE_INTERVAL_S
+            found: list[float] = []
+
+            def settled() -> bool:
+                at = settled_at(url, since, len(reasons))
+                found.extend([] if at is None else [at])
+                return at is not None
+
+            wait_for(f"{SCRAPES_AFTER_LOAD} scrapes after the load, with every completion counted", settled)
+            window = f"{math.ceil(found[0] - load_start) + 2 * SCRAPE_INTERVAL_S}s"
+            yield LiveStack(url, worker, scheduler, reasons, found[0], window)
         finally:
             prometheus.stop()
 
 
 def test_load_ended_requests_every_way_a_client_can(live: LiveStack) -> None:
-    # The sim's tokens depend only on the prompt and position, so which requests stop on EOS is fixed.
+    # The sim's tokens depend only on the prompt and position, so which requests stop on EOS is
+    # fixed; aborted_call forces an abort.
     expected = {pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP, pb.FINISH_REASON_ABORT}
     assert expected <= set(live.finish_reasons)
 
@@ -681,7 +756,7 @@ def test_every_dashboard_query_returns_data(live: LiveStack) -> None:
     empty, nan = [], []
     for mode in (".*", "overlap"):
         for expr in exprs():
-            query = substitute(expr, mode)
+            query = substitute(expr, mode, live.rate_interval)
             result = instant(live.prometheus_url, query, live.evaluated_at)
             if not result:
                 empty.append(query)
@@ -705,13 +780,16 @@ def test_load_reached_the_counters_the_dashboard_shows(live: LiveStack) -> None:
     assert total('stepahead_requests_finished_total{reason="abort"}') == live.finish_reasons.count(
         pb.FINISH_REASON_ABORT
     )
-    assert total("stepahead_requests_finished_total") == LOAD_REQUESTS
-    assert total("stepahead_preemptions_total") > 0
+    assert total("stepahead_requests_finished_total") == len(live.finish_reasons)
+    assert total("stepahead_preemptions_total") > 0  # forced by preempting_call
 
 
 def healthcheck(address: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(HEALTHCHECK), address], capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S
+        [sys.executable, str(HEALTHCHECK), address, "--timeout", f"{HEALTHCHECK_DEADLINE_S:g}"],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
     )
 
 
@@ -722,11 +800,11 @@ def test_healthcheck_script_exits_0_for_serving_services(live: LiveStack) -> Non
 
 
 def test_healthcheck_script_exits_1_for_not_serving_or_unreachable() -> None:
-    scheduler = spawn_scheduler(f"127.0.0.1:{free_port()}", [])  # no worker there: NOT_SERVING
+    scheduler = spawn_scheduler(f"127.0.0.1:{unused_port()}", [])  # no worker there: NOT_SERVING
     try:
         done = healthcheck(scheduler.address)
         assert (done.returncode, done.stdout.strip()) == (1, f"{scheduler.address}: NOT_SERVING")
     finally:
         scheduler.stop()
-    done = healthcheck(f"127.0.0.1:{free_port()}")
+    done = healthcheck(f"127.0.0.1:{unused_port()}")
     assert done.returncode == 1 and "UNAVAILABLE" in done.stdout

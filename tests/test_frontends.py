@@ -10,16 +10,35 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
 
 from bench.promtext import Samples, scrape, total
-from stepahead.processes import Service, serving_pair, spawn_worker, wait_serving
+from stepahead.processes import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    Service,
+    serving_pair,
+    spawn_scheduler,
+    spawn_worker,
+    wait_serving,
+)
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import channels_by_frontend, frontend_flags, server_info, unused_port, wait_all_free
+from tests.live import (
+    CALL_TIMEOUT_S,
+    channels_by_frontend,
+    frontend_flags,
+    paused,
+    server_info,
+    started_call,
+    unused_port,
+    wait_all_free,
+    wait_frontends_serving,
+    wait_info,
+    wait_until,
+)
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-invariants"]
@@ -43,7 +62,7 @@ def request(text: str, n: int, rid: str = "") -> pb.GenerateRequest:
 
 async def tokens_of(channel: grpc.aio.Channel, req: pb.GenerateRequest) -> list[int]:
     stub = generation_pb2_grpc.GenerationStub(channel)
-    return [t async for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+    return [t async for r in stub.Generate(req, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
 
 
 def alive(pid: int) -> bool:
@@ -54,43 +73,39 @@ def alive(pid: int) -> bool:
     return True
 
 
-def wait_until(condition: object, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if callable(condition) and condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 def test_a_killed_frontend_fails_only_its_clients_frees_their_slots_and_is_replaced() -> None:
-    with serving_pair(SIM, frontend_flags(2)) as (_, scheduler):
+    """Frontend 1 dies while its clients' requests and frontend 0's are seen running (the worker
+    stopped meanwhile: none can end by itself)."""
+    with serving_pair(SIM, frontend_flags(2)) as (worker, scheduler):
+        asyncio.run(wait_frontends_serving(scheduler.address, 2))
 
         async def scenario() -> tuple[list[list[int] | BaseException], list[list[int]]]:
             groups = await channels_by_frontend(scheduler.address, 2, per_frontend=2)
             victim = [
-                asyncio.create_task(tokens_of(c, request(f"doomed {i}", 2000)))
+                await started_call(generation_pb2_grpc.GenerationStub(c), request(f"doomed {i}", 2000))
                 for i, c in enumerate(groups["1"])
             ]
             kept = [
-                asyncio.create_task(tokens_of(c, request(f"kept {i}", 300)))
+                await started_call(generation_pb2_grpc.GenerationStub(c), request(f"kept {i}", 1000))
                 for i, c in enumerate(groups["0"])
             ]
-            await asyncio.sleep(0.5)
-            os.kill(frontend_pids(scheduler)[1][0], signal.SIGKILL)
+            with paused(worker.proc):
+                assert (await server_info(scheduler.address)).requests_running == 4
+                os.kill(frontend_pids(scheduler)[1][0], signal.SIGKILL)
             lost = await asyncio.gather(*victim, return_exceptions=True)
             return lost, await asyncio.gather(*kept)
 
         lost, kept = asyncio.run(scenario())
         assert all(
             isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE for e in lost
-        )
-        assert kept == [sim_expected(f"kept {i}".encode(), 300) for i in range(2)]
+        ), lost
+        assert kept == [sim_expected(f"kept {i}".encode(), 1000) for i in range(2)]
         asyncio.run(wait_all_free(scheduler.address))  # the dead frontend's requests freed their slots
-        wait_until(lambda: len(frontend_pids(scheduler).get(1, [])) == 2)  # a new frontend 1 attached
+        wait_until(lambda: len(frontend_pids(scheduler).get(1, [])) == 2, "a new frontend 1 attached")
         assert total(scrape(scheduler.metrics_url), "stepahead_frontend_restarts_total") == 1
 
         async def served_by_the_new_one() -> list[int]:
+            await wait_frontends_serving(scheduler.address, 2)
             groups = await channels_by_frontend(scheduler.address, 2, per_frontend=1)
             return await tokens_of(groups["1"][0], request("after", 5))
 
@@ -102,28 +117,30 @@ def test_when_the_core_dies_the_frontends_exit() -> None:
         pids = [p[0] for p in frontend_pids(scheduler).values()]
         assert len(pids) == 2 and all(alive(pid) for pid in pids)
         scheduler.proc.kill()
-        scheduler.proc.wait(10)
-        wait_until(lambda: not any(alive(pid) for pid in pids))
+        scheduler.proc.wait(STOP_TIMEOUT_S)
+        wait_until(lambda: not any(alive(pid) for pid in pids), "the frontends gone")
 
 
 def test_duplicate_ids_and_aborts_work_across_frontends() -> None:
-    with serving_pair(SIM, frontend_flags(2)) as (_, scheduler):
+    with serving_pair(SIM, frontend_flags(2)) as (worker, scheduler):
+        asyncio.run(wait_frontends_serving(scheduler.address, 2))
 
         async def scenario() -> tuple[grpc.StatusCode, bool, int, bool]:
             groups = await channels_by_frontend(scheduler.address, 2, per_frontend=1)
             a, b = groups["0"][0], groups["1"][0]
             call = generation_pb2_grpc.GenerationStub(a).Generate(
-                request("shared id", 5000, "dup"), timeout=60
+                request("shared id", 5000, "dup"), timeout=CALL_TIMEOUT_S
             )
-            await call.read()  # live on frontend 0
-            with pytest.raises(grpc.aio.AioRpcError) as duplicate:
-                await tokens_of(b, request("again", 3, "dup"))
+            await call.read()  # live on frontend 0 ...
             stub_b = generation_pb2_grpc.GenerationStub(b)
-            aborted = await stub_b.Abort(pb.AbortRequest(request_id="dup"), timeout=10)
+            with paused(worker.proc):  # ... and still live for both calls below
+                with pytest.raises(grpc.aio.AioRpcError) as duplicate:
+                    await tokens_of(b, request("again", 3, "dup"))
+                aborted = await stub_b.Abort(pb.AbortRequest(request_id="dup"), timeout=CALL_TIMEOUT_S)
             last = pb.GenerateResponse()
             while isinstance(response := await call.read(), pb.GenerateResponse):
                 last = response
-            again = await stub_b.Abort(pb.AbortRequest(request_id="dup"), timeout=10)
+            again = await stub_b.Abort(pb.AbortRequest(request_id="dup"), timeout=CALL_TIMEOUT_S)
             await wait_all_free(scheduler.address)
             return duplicate.value.code(), aborted.aborted, last.finish_reason, again.aborted
 
@@ -132,47 +149,58 @@ def test_duplicate_ids_and_aborts_work_across_frontends() -> None:
         assert aborted and finish == pb.FINISH_REASON_ABORT and not again
 
 
+LONG = 8000  # tokens: 24 s of the sim at 3 ms a step, whatever the machine
+
+
 def test_max_waiting_counts_every_frontend() -> None:
+    """2 running (long requests, one from each frontend, that cannot end before the test aborts
+    them) and 2 waiting (one from each): a new request is refused on both frontends. Once the
+    long ones are aborted, the waiting ones are served in full."""
     flags = ["--max-running", "2", "--max-waiting", "2", *frontend_flags(2)]
-    with serving_pair([*SIM, "--request-slots", "2"], flags) as (_, scheduler):
+    with serving_pair([*SIM, "--request-slots", "2", "--kv-slots", "65536"], flags) as (_, scheduler):
+        asyncio.run(wait_frontends_serving(scheduler.address, 2))
 
-        async def scenario() -> tuple[list[list[int] | BaseException], list[list[int] | BaseException]]:
+        async def scenario() -> tuple[list[list[int] | BaseException], list[list[int]], list[list[int]]]:
             groups = await channels_by_frontend(scheduler.address, 2, per_frontend=2)
-            channels = [c for group in groups.values() for c in group]
-            admitted = []
-            for i, c in enumerate(channels):  # one at a time: 2 run, then 2 wait (from both frontends)
-                admitted.append(asyncio.create_task(tokens_of(c, request(f"a{i}", 200))))
-                await live_count(scheduler.address, i + 1)
-            late = [tokens_of(c, request(f"b{i}", 5)) for i, c in enumerate(channels)]
+            (a0, a1), (b0, b1) = groups["0"], groups["1"]
+            running = [
+                await started_call(generation_pb2_grpc.GenerationStub(c), request(f"r{i}", LONG, f"r{i}"))
+                for i, c in enumerate((a0, b0))
+            ]
+            await wait_info(scheduler.address, lambda i: i.requests_running == 2, "2 running")
+            waiting = [
+                asyncio.create_task(tokens_of(c, request(f"w{i}", 200))) for i, c in enumerate((a1, b1))
+            ]
+            await wait_info(scheduler.address, lambda i: i.requests_waiting == 2, "2 waiting")
+            late = [tokens_of(c, request(f"late{i}", 5)) for i, c in enumerate((a0, a1, b0, b1))]
             refused = await asyncio.gather(*late, return_exceptions=True)
-            return refused, await asyncio.gather(*admitted, return_exceptions=True)
+            info = await server_info(scheduler.address)
+            assert (info.requests_running, info.requests_waiting) == (2, 2), info  # held throughout
+            stub = generation_pb2_grpc.GenerationStub(a0)
+            for i in range(2):
+                assert (await stub.Abort(pb.AbortRequest(request_id=f"r{i}"), timeout=CALL_TIMEOUT_S)).aborted
+            return refused, await asyncio.gather(*running), await asyncio.gather(*waiting)
 
-        refused, admitted = asyncio.run(scenario())
+        refused, running, waiting = asyncio.run(scenario())
         assert all(isinstance(e, grpc.aio.AioRpcError) for e in refused), refused  # on both frontends
         assert {e.code() for e in refused if isinstance(e, grpc.aio.AioRpcError)} == {
             grpc.StatusCode.RESOURCE_EXHAUSTED
         }
-        assert admitted == [sim_expected(f"a{i}".encode(), 200) for i in range(4)]
+        for i, tokens in enumerate(running):
+            assert 0 < len(tokens) < LONG and tokens == sim_expected(f"r{i}".encode(), len(tokens))
+        assert waiting == [sim_expected(f"w{i}".encode(), 200) for i in range(2)]
         asyncio.run(wait_all_free(scheduler.address))
-
-
-async def live_count(address: str, n: int) -> None:
-    for _ in range(500):
-        info = await server_info(address)
-        if info.requests_running + info.requests_waiting == n:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{n} requests never became live")
 
 
 @pytest.mark.parametrize("frontends", [0, 2])
 def test_stream_interval_batches_tokens_without_changing_them(frontends: int) -> None:
     with serving_pair(SIM, ["--stream-interval", "4", *frontend_flags(frontends)]) as (_, scheduler):
+        asyncio.run(wait_frontends_serving(scheduler.address, frontends))
 
         async def scenario() -> list[pb.GenerateResponse]:
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
-                return [r async for r in stub.Generate(request("interval", 30), timeout=60)]
+                return [r async for r in stub.Generate(request("interval", 30), timeout=CALL_TIMEOUT_S)]
 
         responses = asyncio.run(scenario())
         assert [t for r in responses for t in r.token_ids] == sim_expected(b"interval", 30)
@@ -180,12 +208,32 @@ def test_stream_interval_batches_tokens_without_changing_them(frontends: int) ->
         assert len(responses) <= 30 // 4 + 1
 
 
+FINISHED = "stepahead_requests_finished_total"  # by the frontends, every reason
+SCHEDULED = "stepahead_request_queue_time_seconds_count"  # by the core, once a request
+
+
+def scrape_with_every_frontend(scheduler: Service) -> Samples:
+    """The scheduler's metrics, taken while no request is live, once they hold every frontend's:
+    each request the core has scheduled is then counted finished by the frontend that served
+    it. (/metrics asks each frontend over its link and leaves out one that does not answer in
+    a few seconds, so a scrape may miss one.)"""
+    found: list[Samples] = []
+
+    def complete() -> bool:
+        found.append(scrape(scheduler.metrics_url))
+        return total(found[-1], FINISHED) == total(found[-1], SCHEDULED)
+
+    wait_until(complete, "a scrape with every frontend's metrics")
+    return found[-1]
+
+
 def test_metrics_of_every_frontend_add_up_to_what_clients_received() -> None:
     with serving_pair(SIM, frontend_flags(2)) as (_, scheduler):
+        asyncio.run(wait_frontends_serving(scheduler.address, 2))
 
         async def scenario() -> tuple[Samples, int]:
             groups = await channels_by_frontend(scheduler.address, 2, per_frontend=2)
-            before = scrape(scheduler.metrics_url)
+            before = await asyncio.to_thread(scrape_with_every_frontend, scheduler)
             channels = [c for group in groups.values() for c in group]
             got = await asyncio.gather(
                 *(tokens_of(c, request(f"m{i}", 20 + i)) for i, c in enumerate(channels))
@@ -193,7 +241,7 @@ def test_metrics_of_every_frontend_add_up_to_what_clients_received() -> None:
             return before, sum(map(len, got))
 
         before, received = asyncio.run(scenario())
-        after = scrape(scheduler.metrics_url)
+        after = scrape_with_every_frontend(scheduler)
 
         def grew(name: str, **labels: str) -> float:
             return total(after, name, **labels) - total(before, name, **labels)
@@ -212,7 +260,7 @@ def test_the_core_imports_neither_torch_nor_the_worker() -> None:
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('worker_svc')]; "
         "assert not bad, bad"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=CALL_TIMEOUT_S)
 
 
 def busy_port() -> socket.socket:
@@ -242,7 +290,7 @@ def test_a_port_in_use_names_the_flag_to_change(module: str, flag: str, extra: l
             args["--http-port"] = str(unused_port())
         args[flag] = port
         argv = [sys.executable, "-m", module, *extra, *(x for kv in args.items() for x in kv)]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert out.returncode != 0
     assert flag in out.stderr and "Traceback" not in out.stderr, out.stderr
 
@@ -252,19 +300,21 @@ def test_requests_arriving_during_a_worker_outage_wait_for_the_next_worker() -> 
     worker = spawn_worker(SIM, port=port)
     scheduler = None
     try:
-        from stepahead.processes import spawn_scheduler
-
-        scheduler = spawn_scheduler(worker.address, frontend_flags(2))
+        # A hang guard: the next worker comes in seconds.
+        scheduler = spawn_scheduler(worker.address, ["--worker-retry-timeout", "600", *frontend_flags(2)])
         wait_serving(scheduler.address)
+        asyncio.run(wait_frontends_serving(scheduler.address, 2))  # each knows the model
         worker.proc.kill()
-        worker.proc.wait(10)
+        worker.proc.wait(STOP_TIMEOUT_S)
 
         async def during_outage() -> list[list[int]]:
+            nonlocal worker
+            await wait_info(scheduler.address, lambda i: not i.worker_connected, "the worker lost")
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 calls = [asyncio.create_task(tokens_of(channel, request(f"o{i}", 10))) for i in range(5)]
-                await asyncio.sleep(1.0)  # they arrive while no worker is connected
-                nonlocal worker
-                worker = spawn_worker(SIM, port=port)
+                # They arrived while no worker is connected (none can come before the next line):
+                await wait_info(scheduler.address, lambda i: i.requests_waiting == 5, "5 waiting")
+                worker = await asyncio.to_thread(spawn_worker, SIM, port)
                 return await asyncio.gather(*calls)
 
         assert asyncio.run(during_outage()) == [sim_expected(f"o{i}".encode(), 10) for i in range(5)]

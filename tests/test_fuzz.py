@@ -3,7 +3,6 @@ never an internal one, and the server is whole afterwards."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import TypeVar
@@ -17,18 +16,18 @@ from hypothesis import strategies as st
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from tests.live import CALL_TIMEOUT_S, all_free, wait_until
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "1", "--sim-token-us", "0", "--kv-slots", "4096"]
 VOCAB = 258
-CALL_TIMEOUT_S = 20  # a valid request here is at most a few thousand prompt tokens and 8 new ones
 ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS}
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
 T = TypeVar("T")
 
 # Each field is drawn valid most of the time and hostile otherwise, so that a fair share of the
 # requests pass validation and run. Accepted requests stay small (max_new_tokens <= 8, prompts of a
-# few thousand tokens at most): every valid example ends well inside its deadline.
+# few thousand tokens at most): each takes milliseconds, far inside CALL_TIMEOUT_S (a hang guard).
 HOSTILE_ONE_IN = 8
 
 
@@ -110,18 +109,10 @@ def generate_status(stub: generation_pb2_grpc.GenerationStub, request: pb.Genera
     return grpc.StatusCode.OK
 
 
-def wait_all_free(stub: generation_pb2_grpc.GenerationStub) -> pb.GetServerInfoResponse:
-    for _ in range(250):  # the last request's release may trail its final message
-        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=CALL_TIMEOUT_S)
-        if (
-            info.kv_slots_free == info.kv_slots
-            and info.request_slots_free == info.request_slots
-            and not info.requests_running
-            and not info.requests_waiting
-        ):
-            return info
-        time.sleep(0.02)
-    raise AssertionError(f"slots still in use: {info}")
+def wait_all_free(stub: generation_pb2_grpc.GenerationStub) -> None:
+    """The last request's release may trail its final message."""
+    info = pb.GetServerInfoRequest()
+    wait_until(lambda: all_free(stub.GetServerInfo(info, timeout=CALL_TIMEOUT_S)), "all slots free")
 
 
 def test_random_requests_never_get_an_internal_error(sim_pair: tuple[Service, Service]) -> None:

@@ -3,7 +3,6 @@ the server goes on serving with nothing leaked."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ from scheduler_svc.validation import DEFAULT_MAX_TEXT_BYTES
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import FRONTEND_COUNTS, frontend_flags
+from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, wait_all_free, wait_until
 from worker_svc.backends import sim_continuation as sim_expected
 
 pytestmark = pytest.mark.anyio
@@ -33,11 +32,14 @@ LIMITS = [
     str(MAX_PROMPT_TOKENS),
 ]
 VOCAB = 258  # sim: 256 bytes + BOS + EOS
-CALL_TIMEOUT_S = 30
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.fixture(scope="module", params=FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+def frontends_id(count: int) -> str:
+    return f"frontends={count}"
+
+
+@pytest.fixture(scope="module", params=FRONTEND_COUNTS, ids=frontends_id)
 def sim_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Service, Service]]:
     with serving_pair(SIM, [*LIMITS, *frontend_flags(request.param)]) as pair:
         yield pair
@@ -192,30 +194,6 @@ async def generate(address: str, req: pb.GenerateRequest) -> list[int]:
         return [t async for r in stub.Generate(req, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
 
 
-async def server_info(address: str) -> pb.GetServerInfoResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        return await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=CALL_TIMEOUT_S)
-
-
-def all_free(info: pb.GetServerInfoResponse) -> bool:
-    return (
-        info.kv_slots_free == info.kv_slots
-        and info.request_slots_free == info.request_slots
-        and not info.requests_running
-        and not info.requests_waiting
-    )
-
-
-async def wait_all_free(address: str) -> None:
-    for _ in range(250):  # the last request's release may trail its final message
-        info = await server_info(address)
-        if all_free(info):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"slots still in use: {info}")
-
-
 async def serves_a_normal_request(address: str) -> None:
     tokens = await generate(address, request("a normal one", 5, ignore_eos=True))
     assert tokens == sim_expected(b"a normal one", 5)
@@ -226,13 +204,16 @@ def test_at_least_twenty_hostile_inputs() -> None:
     assert len({bad.name for bad in BAD_INPUTS}) == len(BAD_INPUTS)
 
 
+def wire(bad: Bad) -> bytes:
+    return bad.payload if isinstance(bad.payload, bytes) else bad.payload.SerializeToString()
+
+
 @pytest.mark.parametrize("bad", BAD_INPUTS, ids=[bad.name for bad in BAD_INPUTS])
 async def test_hostile_input_gets_a_precise_status_then_the_server_serves(
     sim_pair: tuple[Service, Service], bad: Bad
 ) -> None:
     _, scheduler = sim_pair
-    payload = bad.payload if isinstance(bad.payload, bytes) else bad.payload.SerializeToString()
-    code, details = await call_raw(scheduler.address, "Generate", payload)
+    code, details = await call_raw(scheduler.address, "Generate", wire(bad))
     assert code == bad.code, details
     if bad.field is not None:
         assert details.startswith(bad.field + ": "), details
@@ -240,13 +221,17 @@ async def test_hostile_input_gets_a_precise_status_then_the_server_serves(
     await wait_all_free(scheduler.address)
 
 
+BAD_ABORT = pb.AbortRequest(request_id="RID").SerializeToString().replace(b"RID", b"R\xff\xff")
+BAD_INFO = b"\xff\xff\xff"
+BAD_TEXT = corrupted(request("ab"), b"ab", b"\xff!")
+
+
 async def test_malformed_utf8_is_invalid_argument_on_every_method(sim_pair: tuple[Service, Service]) -> None:
     _, scheduler = sim_pair
-    abort = pb.AbortRequest(request_id="RID").SerializeToString().replace(b"RID", b"R\xff\xff")
-    assert await call_raw(scheduler.address, "Abort", abort) == (INVALID, "request_id: not valid UTF-8")
-    code, details = await call_raw(scheduler.address, "GetServerInfo", b"\xff\xff\xff")
+    assert await call_raw(scheduler.address, "Abort", BAD_ABORT) == (INVALID, "request_id: not valid UTF-8")
+    code, details = await call_raw(scheduler.address, "GetServerInfo", BAD_INFO)
     assert code == INVALID and details.startswith("request: cannot be parsed")
-    code, details = await call_raw(scheduler.address, "Generate", corrupted(request("ab"), b"ab", b"\xff!"))
+    code, details = await call_raw(scheduler.address, "Generate", BAD_TEXT)
     assert (code, details) == (INVALID, "input.text: not valid UTF-8")
 
 
@@ -264,12 +249,21 @@ async def test_limits_allow_what_they_promise(sim_pair: tuple[Service, Service])
     await wait_all_free(scheduler.address)
 
 
-async def test_nothing_reached_grpc_as_an_unexpected_error(sim_pair: tuple[Service, Service]) -> None:
-    """Bad payloads used to raise DecodeError inside gRPC: UNKNOWN and a logged traceback."""
-    worker, scheduler = sim_pair
-    await serves_a_normal_request(scheduler.address)
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS, ids=frontends_id)
+async def test_nothing_reached_grpc_as_an_unexpected_error(frontends: int) -> None:
+    """Bad payloads used to raise DecodeError inside gRPC: UNKNOWN and a logged traceback. Every
+    one goes to a pair of its own, whose output is scanned once the scheduler printed, on being
+    stopped, its "stopping:" line: what it printed for them came before, so it has been read."""
+    with serving_pair(SIM, [*LIMITS, *frontend_flags(frontends)]) as (worker, scheduler):
+        for bad in BAD_INPUTS:
+            await call_raw(scheduler.address, "Generate", wire(bad))
+        for method, payload in (("Abort", BAD_ABORT), ("GetServerInfo", BAD_INFO), ("Generate", BAD_TEXT)):
+            await call_raw(scheduler.address, method, payload)
+        await serves_a_normal_request(scheduler.address)
+        assert worker.proc.poll() is None and scheduler.proc.poll() is None
+        scheduler.stop()
+        wait_until(lambda: any("stopping:" in line for line in scheduler.output), "its stopping line read")
     assert not any("Traceback" in line or "Unexpected" in line for line in scheduler.output)
-    assert worker.proc.poll() is None and scheduler.proc.poll() is None
 
 
 def test_default_limits_are_documented_ones() -> None:

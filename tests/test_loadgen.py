@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import datetime
-from itertools import islice
+from itertools import count, islice
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeAlias
 
 import grpc
@@ -24,6 +26,7 @@ from loadgen import (
     JsonlDataset,
     RandomDataset,
     Slos,
+    benchmark,
     client,
     run_benchmark,
 )
@@ -63,6 +66,7 @@ from loadgen.workload import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from tests.live import CALL_TIMEOUT_S, POLL_S, SETTLE_TIMEOUT_S
 from tests.test_loadgen_openai import ScriptedOpenAI
 from tests.test_loadgen_openai import serve as serve_openai
 
@@ -821,6 +825,15 @@ class StopAfter:
             self.stop.set()
 
 
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Polls `condition` on this loop (SETTLE_TIMEOUT_S at most: a hang guard)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {SETTLE_TIMEOUT_S:g}s")
+        await asyncio.sleep(POLL_S)
+
+
 def jsonl(tmp_path: Path, lines: list[str]) -> JsonlDataset:
     return JsonlDataset(write_lines(tmp_path, *lines), default_output_len=4)
 
@@ -857,11 +870,22 @@ async def test_max_concurrency_bounds_requests_in_flight() -> None:
     assert result.summary.completed == 12 and result.summary.peak_concurrency == 3
 
 
-async def test_duration_stops_issuing_and_lets_in_flight_requests_finish() -> None:
-    config = BenchmarkConfig(dataset=RandomDataset(4, 5), num_prompts=None, duration_s=0.2, max_concurrency=2)
-    result = await bench_against(ScriptedGeneration(step_s=0.01), config)
+async def test_duration_stops_issuing_and_lets_in_flight_requests_finish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The benchmark's clock is the test's: it stands still while the first two requests are
+    issued (the server holds them), then passes the duration; only then are they answered."""
+    now = [0.0]
+    monkeypatch.setattr(benchmark, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    servicer = ScriptedGeneration(hold_until=10**9)  # held until the test lets them go
+    config = BenchmarkConfig(dataset=RandomDataset(4, 5), num_prompts=None, duration_s=1.0, max_concurrency=2)
+    run = asyncio.create_task(bench_against(servicer, config))
+    await until(lambda: servicer.received == 2, "two requests in flight")
+    now[0] = 2.0
+    servicer.all_in.set()
+    result = await asyncio.wait_for(run, CALL_TIMEOUT_S)
     s = result.summary
-    assert s.completed >= 2 and s.failed == 0 and not result.interrupted
+    assert s.completed == 2 == servicer.received and s.failed == 0 and not result.interrupted
     assert s.total_output_tokens == 5 * s.completed
     assert s.duration_s >= max(r.end_time for r in result.records)
 
@@ -876,10 +900,8 @@ async def test_stop_cancels_in_flight_requests_and_keeps_the_completed(tmp_path:
     server, address = await serve(servicer)
     try:
         result = await run_benchmark(_at(config, address), stop, StopAfter(stop, after=1))
-        for _ in range(200):  # the server hears of the cancellations asynchronously
-            if servicer.cancelled == 3:
-                break
-            await asyncio.sleep(0.01)
+        # The server hears of the cancellations asynchronously.
+        await until(lambda: servicer.cancelled == 3, "three requests cancelled")
     finally:
         await server.stop(None)
     assert result.interrupted and servicer.cancelled == 3
@@ -1023,16 +1045,42 @@ def test_cli_reports_a_server_name_that_does_not_resolve(capsys: pytest.CaptureF
     assert "error: --server: cannot resolve no-such-host.invalid" in capsys.readouterr().err
 
 
-async def test_each_connection_sends_its_requests_round_robin_over_the_replicas() -> None:
+def connected_to_every_replica(
+    replicas: list[ScriptedGeneration],
+) -> Callable[[grpc.aio.Channel], Awaitable[None]]:
+    """loadgen's `connect`, then probes over the channel until each replica got one: round robin
+    sends calls only to the replicas whose connection is up, so all of them are up then."""
+    connect = client.connect
+
+    async def connected(channel: grpc.aio.Channel) -> None:
+        await connect(channel)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        tag = f"probe over {id(channel)}"
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        probes = count()
+        while not all(any(text.startswith(tag) for text in r.peers) for r in replicas):
+            assert time.monotonic() < deadline, f"a replica never reached after {SETTLE_TIMEOUT_S:g}s"
+            text = f"{tag} #{next(probes)}"
+            probe = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_new_tokens=1))
+            [_ async for _ in stub.Generate(probe, timeout=CALL_TIMEOUT_S)]
+            await asyncio.sleep(POLL_S)
+
+    return connected
+
+
+async def test_each_connection_sends_its_requests_round_robin_over_the_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     replicas = [ScriptedGeneration(), ScriptedGeneration()]
     served = [await serve(servicer) for servicer in replicas]
+    monkeypatch.setattr(client, "connect", connected_to_every_replica(replicas))
     config = BenchmarkConfig(
         server=",".join(address for _, address in served),
         dataset=RandomDataset(16, 2, as_text=True),  # the warmup's prompts differ from the measured
         num_prompts=24,
         max_concurrency=4,
         connections=2,
-        warmup=8,  # its requests reach every replica once it has connected
+        warmup=8,
     )
     try:
         result = await run_benchmark(config)
@@ -1043,7 +1091,7 @@ async def test_each_connection_sends_its_requests_round_robin_over_the_replicas(
     assert result.summary.completed == 24
     measured = [sum(text in servicer.peers for text in texts) for servicer in replicas]
     assert measured == [12, 12], measured  # every connection alternates: request i, i + 2, ...
-    connections = [set(servicer.peers.values()) for servicer in replicas]
+    connections = [{servicer.peers[t] for t in texts if t in servicer.peers} for servicer in replicas]
     assert [len(c) for c in connections] == [2, 2]  # both connections reach both replicas
 
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
@@ -19,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadgen import BenchmarkConfig, JsonlDataset, RandomDataset, run_benchmark
 from loadgen.workload import RandomWorkload
 from stepahead.processes import Service, serving_pair
+from tests.live import CALL_TIMEOUT_S, unused_port, wait_all_free, wait_info, wait_until
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,15 +31,9 @@ def scheduler() -> Iterator[Service]:
         yield scheduler
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(port: int) -> dict[tuple[str, str], float]:
+def scrape(url: str) -> dict[tuple[str, str], float]:
     """Samples by (name, reason label); the service's constant labels are left out."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(url, timeout=CALL_TIMEOUT_S) as reply:
         text = reply.read().decode()
     return {
         (sample.name, sample.labels.get("reason", "")): sample.value
@@ -49,13 +42,15 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
     }
 
 
-def scrape_when_finished(port: int, requests: int) -> dict[tuple[str, str], float]:
+def scrape_when_finished(service: Service, requests: int) -> dict[tuple[str, str], float]:
     """The scheduler counts a request right after its last message; wait for the count to land."""
-    for _ in range(100):
-        samples = scrape(port)
-        if samples.get(("stepahead_requests_finished_total", "length")) == requests:
-            return samples
-        time.sleep(0.05)
+    samples: dict[tuple[str, str], float] = {}
+
+    def finished() -> bool:
+        samples.update(scrape(service.metrics_url))
+        return samples.get(("stepahead_requests_finished_total", "length")) == requests
+
+    wait_until(finished, f"{requests} requests counted as finished")
     return samples
 
 
@@ -65,10 +60,9 @@ async def test_tokens_received_match_the_scheduler_metrics() -> None:
         dataset=dataset, num_prompts=24, request_rate=200.0, max_concurrency=8, seed=3, ignore_eos=True
     )
     requested = [RandomWorkload(dataset, config.seed).prompt(i) for i in range(config.num_prompts or 0)]
-    metrics_port = free_port()
-    with serving_pair(SIM, ["--metrics-port", str(metrics_port)]) as (_, scheduler):
+    with serving_pair(SIM) as (_, scheduler):
         result = await run_benchmark(replace(config, server=scheduler.address))
-        samples = scrape_when_finished(metrics_port, len(requested))
+        samples = scrape_when_finished(scheduler, len(requested))
     s = result.summary
     assert (s.completed, s.failed, s.errors) == (24, 0, {})
     assert s.total_output_tokens == sum(spec.output_len for spec in requested)
@@ -127,7 +121,7 @@ def test_cli_prints_the_table_and_saves_the_result(scheduler: Service, tmp_path:
             "--warmup",
             "2",
             "--goodput",
-            "e2el:60000",
+            "e2el:60000",  # every request is good: they take milliseconds (a hang guard's SLO)
             "--save-result",
             str(saved),
             "--save-detailed",
@@ -135,7 +129,7 @@ def test_cli_prints_the_table_and_saves_the_result(scheduler: Service, tmp_path:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=CALL_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stderr
     assert "Successful requests:                    6" in out.stdout.splitlines()
@@ -148,7 +142,9 @@ def test_cli_prints_the_table_and_saves_the_result(scheduler: Service, tmp_path:
     assert data["request_errors"] == [""] * 6
 
 
-def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Service) -> None:
+async def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Service) -> None:
+    """Ctrl-C once the server runs its requests (16 s each on the sim at least: only Ctrl-C
+    ends them); they are cancelled there too."""
     proc = subprocess.Popen(
         loadgen_cli(
             "--server",
@@ -158,7 +154,7 @@ def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Serv
             "--random-input-len",
             "8",
             "--random-output-len",
-            "4000",
+            "8000",
             "--ignore-eos",
         ),
         cwd=ROOT,
@@ -169,8 +165,9 @@ def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Serv
     try:
         assert proc.stderr is not None
         assert proc.stderr.readline().startswith("Starting benchmark")  # Ctrl-C is handled from here
+        await wait_info(scheduler.address, lambda i: i.requests_running > 0, "requests running")
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=CALL_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -178,6 +175,7 @@ def test_cli_ctrl_c_cancels_in_flight_requests_and_still_reports(scheduler: Serv
     lines = stdout.splitlines()
     assert "Successful requests:                    0" in lines
     assert any(line.startswith("Interrupted:") for line in lines)
+    await wait_all_free(scheduler.address)
 
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
@@ -193,18 +191,10 @@ async def test_the_http_backends_against_the_real_api_match_its_metrics(backend:
         ignore_eos=True,
         backend=backend,  # type: ignore[arg-type]
     )
-    metrics_port, http_port = free_port(), free_port()
-    flags = [
-        "--metrics-port",
-        str(metrics_port),
-        "--http-port",
-        str(http_port),
-        "--chat-template",
-        str(template),
-    ]
+    flags = ["--http-port", str(unused_port()), "--chat-template", str(template)]
     with serving_pair(SIM, flags) as (_, scheduler):
         result = await run_benchmark(replace(config, base_url=scheduler.http_url))
-        samples = scrape_when_finished(metrics_port, 16)
+        samples = scrape_when_finished(scheduler, 16)
     s = result.summary
     assert (s.completed, s.failed, s.errors) == (16, 0, {})
     assert s.total_output_tokens == 16 * 12 == samples[("stepahead_generation_tokens_total", "")]

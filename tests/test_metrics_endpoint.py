@@ -20,13 +20,15 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from stepahead.metrics import DEFAULT_LIMITS, EndpointLimits, serve_metrics
-from stepahead.processes import Service, serving_pair, spawn_worker
+from stepahead.metrics import EndpointLimits, serve_metrics
+from stepahead.processes import START_TIMEOUT_S, Service, serving_pair, spawn_worker
+from tests.live import CALL_TIMEOUT_S, SETTLE_TIMEOUT_S
 
 SIM = ["--model", "sim"]
 IDLE_CONNECTIONS = 300
 EXTRA_THREADS = 5  # what 300 idle connections may add to a live process, at most
-CLOSE_WAIT_S = DEFAULT_LIMITS.read_timeout_s * 6  # the server must have hung up by then
+# The server hangs up on an idle connection after its read timeout (5 s); a hang guard well past it.
+CLOSE_WAIT_S = SETTLE_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,10 @@ def family_names(text: str) -> set[str]:
 
 
 def open_idle(stack: ExitStack, host: str, port: int, n: int) -> list[socket.socket]:
-    """`n` connections that never send a byte."""
-    return [stack.enter_context(socket.create_connection((host, port), timeout=15)) for _ in range(n)]
+    """`n` connections that never send a byte (past the listen backlog, a connect waits for a
+    SYN retry: seconds)."""
+    connect = socket.create_connection
+    return [stack.enter_context(connect((host, port), timeout=SETTLE_TIMEOUT_S)) for _ in range(n)]
 
 
 def hung_up(sock: socket.socket, timeout_s: float) -> bool:
@@ -135,7 +139,7 @@ def test_a_taken_metrics_port_names_the_flag(worker: Service) -> None:
     _, port = address(worker.metrics_url)
     flags = ["--port", "0", *SIM, "--metrics-port", str(port)]
     done = subprocess.run(
-        [sys.executable, "-m", "worker_svc", *flags], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "worker_svc", *flags], capture_output=True, text=True, timeout=START_TIMEOUT_S
     )
     assert done.returncode == 1
     assert "--metrics-port" in done.stderr
@@ -162,7 +166,7 @@ class LoopBound(Collector):
 async def get(port: int, path: str = "/metrics") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    answer = await asyncio.wait_for(reader.read(), 15)
+    answer = await asyncio.wait_for(reader.read(), CALL_TIMEOUT_S)
     writer.close()
     return answer
 
@@ -180,7 +184,10 @@ def test_collectors_may_wait_on_the_serving_loop() -> None:
 
 
 def test_beyond_the_cap_the_oldest_idle_connection_makes_room() -> None:
-    limits = EndpointLimits(read_timeout_s=0.5, max_connections=4)
+    """No read timeout within the test (a hang guard's): only the cap closes connections. They
+    are admitted in the order they connect: idle connections 5 to 10 drop 1 to 6, the scrape
+    drops the 7th, and the last three are left (the read timeout's test is the next one)."""
+    limits = EndpointLimits(read_timeout_s=CALL_TIMEOUT_S, max_connections=4)
 
     async def scenario() -> tuple[bytes, list[bytes]]:
         registry = CollectorRegistry()
@@ -188,11 +195,26 @@ def test_beyond_the_cap_the_oldest_idle_connection_makes_room() -> None:
         port = serve_metrics(registry, "127.0.0.1", 0, limits)
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]
         answer = await get(port)
-        closed = [await asyncio.wait_for(reader.read(), 15) for reader, _ in idle]
+        closed = [await asyncio.wait_for(reader.read(), CALL_TIMEOUT_S) for reader, _ in idle[:7]]
         for _, writer in idle:
             writer.close()
         return answer, closed
 
     answer, closed = asyncio.run(scenario())
     assert answer.startswith(b"HTTP/1.1 200 ") and b"scrapes_total 1.0" in answer
-    assert closed == [b""] * 10
+    assert closed == [b""] * 7
+
+
+def test_an_idle_connection_is_closed_at_the_read_timeout() -> None:
+    limits = EndpointLimits(read_timeout_s=0.5, max_connections=4)
+
+    async def scenario() -> tuple[bytes, float]:
+        port = serve_metrics(CollectorRegistry(), "127.0.0.1", 0, limits)
+        start = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # it never sends a byte
+        closed = await asyncio.wait_for(reader.read(), CALL_TIMEOUT_S)
+        writer.close()
+        return closed, time.monotonic() - start
+
+    closed, waited = asyncio.run(scenario())
+    assert closed == b"" and waited >= limits.read_timeout_s

@@ -6,9 +6,9 @@ and clients that go away."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +19,19 @@ import openai
 import pytest
 from openai.types import Completion
 
-from stepahead.processes import Service, serving_pair
+from stepahead.processes import STOP_TIMEOUT_S, Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import FRONTEND_COUNTS, frontend_flags, server_info, unused_port, wait_all_free
+from tests.live import (
+    CALL_TIMEOUT_S,
+    FRONTEND_COUNTS,
+    frontend_flags,
+    server_info,
+    unused_port,
+    wait_all_free,
+    wait_info,
+    wait_until,
+)
 from tests.test_security import Pki, server_auth, write_pki
 from worker_svc.backends import sim_continuation
 
@@ -30,7 +39,7 @@ pytestmark = pytest.mark.anyio
 
 TINY = ["--model", "tiny"]
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--kv-slots", "4096"]
-SLOW_SIM = ["--model", "sim", "--sim-step-ms", "20", "--kv-slots", "4096"]
+SLOW_SIM = ["--model", "sim", "--sim-step-ms", "20", "--kv-slots", "8192"]
 # No newline anywhere, so that the rendered text is plain to write down (see `rendered`).
 CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m.role }}] {{ m.content }}|{% endfor %}"
@@ -45,9 +54,9 @@ API_KEY = "openai-api-test-key"
 SERVED_NAME = "stepahead/sim-demo"
 IGNORE_EOS = {"ignore_eos": True}
 PROMPT = "Once upon a time"
-LONG = 2000  # tokens: 40 s on the slow sim, so only an abort ends such a request in a test
-TIMEOUT_S = 30.0
-POLL_S = 0.02
+# Tokens: 160 s or more on the slow sim (its steps take 20 ms at least), a hundred times what a
+# test takes to abort such a request: only that abort ends it.
+LONG = 8000
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -122,19 +131,30 @@ class LostWorker:
     live_stream: openai.Stream[Completion]  # its first chunk read before the worker was killed
 
 
+def held_port(port: int) -> socket.socket:
+    """The dead worker's port bound (not listening), so that no service started meanwhile can
+    take it and become the worker the scheduler keeps reconnecting to."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its connections' TIME_WAIT
+    holder.bind(("127.0.0.1", port))
+    return holder
+
+
 @pytest.fixture(scope="module")
 def lost_worker() -> Iterator[LostWorker]:
+    """A LONG request on the slow sim, so it is still live when its worker is killed."""
     flags = http_flags("--worker-retry-timeout", "1", "--grace", "2", *frontend_flags(0))
-    with serving_pair(SIM, flags) as (worker, scheduler), sync_api(scheduler.http_url) as client:
+    with serving_pair(SLOW_SIM, flags) as (worker, scheduler), sync_api(scheduler.http_url) as client:
         stream = client.completions.create(
             model="sim", prompt="cut short", max_tokens=LONG, stream=True, extra_body=IGNORE_EOS
         )
         next(stream)
         worker.proc.kill()
-        worker.proc.wait(TIMEOUT_S)
-        wait_for_health(scheduler.http_url, 503)
-        yield LostWorker(scheduler, stream)
-        stream.close()
+        worker.proc.wait(STOP_TIMEOUT_S)
+        with held_port(worker.port):
+            wait_until(lambda: health(scheduler.http_url) == 503, "/health 503")
+            yield LostWorker(scheduler, stream)
+            stream.close()
 
 
 # ---- clients -------------------------------------------------------------------------------------
@@ -143,12 +163,14 @@ def lost_worker() -> Iterator[LostWorker]:
 def api(base_url: str, key: str = "unchecked", **options: Any) -> openai.AsyncOpenAI:
     """max_retries=0: the client would otherwise retry 429 and 5xx on its own."""
     return openai.AsyncOpenAI(
-        base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S, **options
+        base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=CALL_TIMEOUT_S, **options
     )
 
 
 def sync_api(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unchecked", max_retries=0, timeout=TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=f"{base_url}/v1", api_key="unchecked", max_retries=0, timeout=CALL_TIMEOUT_S
+    )
 
 
 @pytest.fixture
@@ -185,7 +207,7 @@ def joined(chunks: list[Completion]) -> str:
 async def grpc_text(address: str, request: pb.GenerateRequest) -> str:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return "".join([r.text async for r in stub.Generate(request, timeout=TIMEOUT_S)])
+        return "".join([r.text async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)])
 
 
 def greedy_sampling(max_new_tokens: int) -> pb.SamplingParams:
@@ -201,22 +223,9 @@ def sim_text(prompt: str, max_tokens: int) -> str:
     return bytes(t for t in sim_continuation(prompt.encode(), max_tokens) if t < 256).decode()
 
 
-async def wait_for_info(address: str, ready: Callable[[pb.GetServerInfoResponse], bool]) -> None:
-    for _ in range(int(10 / POLL_S)):
-        info = await server_info(address)
-        if ready(info):
-            return
-        await asyncio.sleep(POLL_S)
-    raise AssertionError(f"the scheduler never got there: {info}")
-
-
-def wait_for_health(base_url: str, status: int) -> None:
-    with httpx2.Client(timeout=TIMEOUT_S) as http:
-        for _ in range(int(10 / POLL_S)):
-            if http.get(f"{base_url}/health").status_code == status:
-                return
-            time.sleep(POLL_S)
-    raise AssertionError(f"/health never answered {status}")
+def health(base_url: str) -> int:
+    with httpx2.Client(timeout=CALL_TIMEOUT_S) as http:
+        return http.get(f"{base_url}/health").status_code
 
 
 def error_of(response: httpx2.Response, status: int) -> dict[str, Any]:
@@ -257,14 +266,14 @@ async def test_a_model_is_retrieved_by_its_id_and_another_is_404(
 
 
 async def test_an_unknown_route_is_404_in_openai_s_error_body(tiny: Service) -> None:
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         response = await http.post(f"{tiny.http_url}/v1/embeddings", json={"input": "x"})
     assert response.status_code == 404
     assert "/v1/embeddings" in response.json()["error"]["message"]
 
 
 async def test_health_is_200_while_serving(tiny: Service) -> None:
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         assert (await http.get(f"{tiny.http_url}/health")).status_code == 200
 
 
@@ -501,7 +510,7 @@ async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
 
 @IN_PROCESS_ONLY
 async def test_malformed_json_is_400(tiny: Service, client: openai.AsyncOpenAI) -> None:
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         response = await http.post(
             f"{tiny.http_url}/v1/completions",
             content=b'{"prompt": "hi", ',
@@ -526,7 +535,7 @@ async def test_body_over_max_request_bytes_is_413(
     tiny: Service, client: openai.AsyncOpenAI, framing: str
 ) -> None:
     url = f"{tiny.http_url}/v1/completions"
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         if framing == "chunked":
             response = await http.post(url, content=oversized_body())
         else:
@@ -549,7 +558,7 @@ async def test_chat_without_a_template_is_failed_precondition_on_grpc(keyed: Ser
             call = generation_pb2_grpc.GenerationStub(channel).Generate(
                 pb.GenerateRequest(messages=messages, sampling=greedy_sampling(4)),
                 metadata=(("authorization", f"Bearer {API_KEY}"),),
-                timeout=TIMEOUT_S,
+                timeout=CALL_TIMEOUT_S,
             )
             [r async for r in call]
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -560,7 +569,7 @@ async def test_chat_without_a_template_is_failed_precondition_on_grpc(keyed: Ser
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/completions"])
 async def test_no_key_is_401(keyed: Service, path: str) -> None:
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         if path == "/v1/models":
             response = await http.get(f"{keyed.http_url}{path}")
         else:
@@ -590,7 +599,7 @@ async def test_right_key_is_served(keyed: Service) -> None:
 
 
 async def test_health_needs_no_key(keyed: Service) -> None:
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         assert (await http.get(f"{keyed.http_url}/health")).status_code == 200
 
 
@@ -637,7 +646,7 @@ def test_live_stream_ends_with_an_error_event_when_the_worker_is_lost(lost_worke
 
 
 async def test_health_is_503_without_a_worker(lost_worker: LostWorker) -> None:
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         assert (await http.get(f"{lost_worker.scheduler.http_url}/health")).status_code == 503
 
 
@@ -651,6 +660,12 @@ async def test_completion_is_503_without_a_worker(lost_worker: LostWorker, strea
 
 
 # ---- overload: 429 -------------------------------------------------------------------------------
+# On `slow`, a LONG request runs until the test aborts it; a stream's first chunk comes once its
+# request runs (an earlier one cannot take its place then).
+
+
+def running_and_waiting(info: pb.GetServerInfoResponse) -> bool:
+    return info.requests_running == 1 and info.requests_waiting == 1
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -659,12 +674,12 @@ async def test_request_beyond_the_waiting_queue_is_429(slow: Service, stream: bo
         running = await client.completions.create(
             model="sim", prompt="runs", max_tokens=LONG, stream=True, extra_body=IGNORE_EOS
         )
+        await anext(running)
         waiting = asyncio.create_task(
             client.completions.create(model="sim", prompt="waits", max_tokens=LONG, extra_body=IGNORE_EOS)
         )
         try:
-            await anext(running)  # a stream starts once its request runs
-            await wait_for_info(slow.address, lambda i: i.requests_running == 1 and i.requests_waiting == 1)
+            await wait_info(slow.address, running_and_waiting, "one running, one waiting")
             with pytest.raises(openai.RateLimitError) as refused:
                 await client.completions.create(model="sim", prompt="refused", max_tokens=2, stream=stream)
         finally:
@@ -677,15 +692,20 @@ async def test_request_beyond_the_waiting_queue_is_429(slow: Service, stream: bo
 
 async def test_waiting_request_is_served_once_the_running_one_ends(slow: Service) -> None:
     async with api(slow.http_url) as client:
-        running = await client.completions.create(  # 0.8 s: time to see the other one wait
-            model="sim", prompt="first", max_tokens=40, stream=True, extra_body=IGNORE_EOS
+        running = await client.completions.create(
+            model="sim", prompt="first", max_tokens=LONG, stream=True, extra_body=IGNORE_EOS
         )
+        first = [await anext(running), await anext(running)]
         waiting = asyncio.create_task(
             client.completions.create(model="sim", prompt="second", max_tokens=5, extra_body=IGNORE_EOS)
         )
-        await wait_for_info(slow.address, lambda i: i.requests_waiting == 1)
-        assert joined([chunk async for chunk in running]) == sim_text("first", 40)
+        try:
+            await wait_info(slow.address, running_and_waiting, "second waiting behind first")
+            assert sim_text("first", LONG).startswith(joined(first))
+        finally:
+            await running.close()  # first ends (aborted): second runs
         assert (await waiting).choices[0].text == sim_text("second", 5)
+    await wait_all_free(slow.address)
 
 
 # ---- clients that go away ------------------------------------------------------------------------
@@ -706,16 +726,21 @@ async def test_stream_closed_after_its_first_chunk_is_aborted(slow: Service) -> 
     assert done.choices[0].text == sim_text("next", 3)
 
 
+async def expire_once_running(address: str, timeout: asyncio.Timeout) -> None:
+    await wait_info(address, lambda i: i.requests_running == 1, "running")
+    timeout.reschedule(asyncio.get_running_loop().time())
+
+
 async def test_whole_completion_whose_client_timed_out_is_aborted(slow: Service) -> None:
     async with api(slow.http_url) as client:
-        impatient = asyncio.create_task(
-            client.completions.create(
-                model="sim", prompt="too slow", max_tokens=LONG, extra_body=IGNORE_EOS, timeout=1.0
-            )
-        )
-        await wait_for_info(slow.address, lambda i: i.requests_running == 1)
-        with pytest.raises(openai.APITimeoutError):
-            await impatient
+        with pytest.raises(TimeoutError):
+            # The client's own timeout, set off once its request runs: it drops the connection.
+            async with asyncio.timeout(None) as timeout:
+                expiry = asyncio.create_task(expire_once_running(slow.address, timeout))
+                await client.completions.create(
+                    model="sim", prompt="too slow", max_tokens=LONG, extra_body=IGNORE_EOS
+                )
+        await expiry
         await wait_all_free(slow.address)
         done = await client.completions.create(
             model="sim", prompt="next", max_tokens=3, extra_body=IGNORE_EOS
@@ -728,13 +753,14 @@ async def test_waiting_request_whose_client_left_is_dropped(slow: Service) -> No
         running = await client.completions.create(
             model="sim", prompt="runs", max_tokens=LONG, stream=True, extra_body=IGNORE_EOS
         )
+        await anext(running)
         waiting = asyncio.create_task(
             client.completions.create(model="sim", prompt="waits", max_tokens=LONG, extra_body=IGNORE_EOS)
         )
         try:
-            await wait_for_info(slow.address, lambda i: i.requests_waiting == 1)
+            await wait_info(slow.address, running_and_waiting, "one running, one waiting")
             waiting.cancel()
-            await wait_for_info(slow.address, lambda i: i.requests_waiting == 0)
+            await wait_info(slow.address, lambda i: i.requests_waiting == 0, "the waiting one dropped")
             assert (await server_info(slow.address)).requests_running == 1
         finally:
             waiting.cancel()

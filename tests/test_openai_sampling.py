@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,15 @@ from stepahead.processes import Service, serving_pair
 from stepahead.protocol import TokenizerSpec, WorkerInfo
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import FRONTEND_COUNTS, frontend_flags, server_info, unused_port, wait_all_free
+from tests.live import (
+    CALL_TIMEOUT_S,
+    FRONTEND_COUNTS,
+    SETTLE_TIMEOUT_S,
+    frontend_flags,
+    server_info,
+    unused_port,
+    wait_all_free,
+)
 from tests.test_openai_api import assert_names, assert_still_serves, error_of
 
 pytestmark = pytest.mark.anyio
@@ -40,9 +49,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 SCRIPTED_TOKENIZER = TokenizerSpec("byte", chat_template=CHAT_TEMPLATE)
 SCRIPTED_INFO = WorkerInfo("scripted", 258, 512, (EOS,), 256, 4096, 64, "host", SCRIPTED_TOKENIZER)
 TOP = 2  # alternatives per scripted token
-MAX_TICKS = 10_000  # event-loop turns a scripted step may take to be read
 E_ACUTE = (0xC3, 0xA9)  # "é": its first byte alone has no text yet
-TIMEOUT_S = 30.0
 
 # ---- a scripted core -----------------------------------------------------------------------------
 
@@ -100,11 +107,13 @@ class Scripted:
 
 
 async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(MAX_TICKS):
-        if condition():
-            return
-        await asyncio.sleep(0)  # one turn of the loop the app runs on
-    raise AssertionError("the scripted call never got there")
+    """Checked after each turn of the loop the app runs on, until it holds (a hang guard of
+    SETTLE_TIMEOUT_S: it takes a few turns)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the scripted call never got there in {SETTLE_TIMEOUT_S:g}s")
+        await asyncio.sleep(0)
 
 
 def scripted_logprob(token: int, spec: CoreRequestSpec) -> TokenLogprob | None:
@@ -305,7 +314,9 @@ PROMPT = "Once upon a time"
 MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
 IGNORE_EOS = {"ignore_eos": True}
 SEED = 1234
-LONG = 2000  # tokens: 40 s on the slow sim, so only an abort ends such a request in a test
+# Tokens: 160 s or more on the slow sim (its steps take 20 ms at least), a hundred times what a
+# test takes to abort such a request: only that abort ends it.
+LONG = 8000
 Q = ord("Q")
 VLLM_FIELDS = ("repetition_penalty", "min_tokens", "stop_token_ids")  # the extra fields
 IN_PROCESS_ONLY = pytest.mark.parametrize("tiny", [0], indirect=True, ids=["frontends=0"])
@@ -329,7 +340,7 @@ def slow(request: pytest.FixtureRequest) -> Iterator[Service]:
 
 def api(service: Service) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
-        base_url=f"{service.http_url}/v1", api_key="unchecked", max_retries=0, timeout=TIMEOUT_S
+        base_url=f"{service.http_url}/v1", api_key="unchecked", max_retries=0, timeout=CALL_TIMEOUT_S
     )
 
 
@@ -359,7 +370,7 @@ async def greedy_ids(address: str, max_new_tokens: int) -> list[int]:
     sampling = pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sampling), timeout=TIMEOUT_S)
+        call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sampling), timeout=CALL_TIMEOUT_S)
         return [t async for response in call for t in response.token_ids]
 
 
@@ -525,7 +536,7 @@ def grpc_entry(lp: pb.TokenLogprob) -> Entry:
 
 async def grpc_logprobs(address: str, request: pb.GenerateRequest) -> list[pb.TokenLogprob]:
     async with grpc.aio.insecure_channel(address) as channel:
-        call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=TIMEOUT_S)
+        call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=CALL_TIMEOUT_S)
         return [lp async for response in call for lp in response.logprobs]
 
 
@@ -571,7 +582,7 @@ async def test_bad_sampling_field_is_400_naming_it(
     tiny: Service, client: openai.AsyncOpenAI, endpoint: str, bad: dict[str, Any], param: str
 ) -> None:
     path, base = BASES[endpoint]
-    async with httpx2.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         response = await http.post(
             f"{tiny.http_url}{path}",
             content=json.dumps({**base, **bad}),  # NaN and Infinity as Python writes them

@@ -18,20 +18,58 @@ from scheduler_svc.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.request import FinishReason
 from scheduler_svc.telemetry import SchedulerTelemetry
 from stepahead.protocol import TokenizerSpec, WorkerInfo
-from tests.harness import ClientView, WorkItem, params, serve_workload
+from tests.harness import ClientView, WorkItem, aborted_call, params, preempting_call, serve_workload
 from tests.test_equivalence import check_drained
 from tests.test_sampling_equivalence import assert_same_outputs
 
 pytestmark = pytest.mark.anyio
 
 
-def shared_prefix_workload(count: int, seed: int) -> list[WorkItem]:
-    """System prompts shared by many requests, chats that resend a growing history, a few
-    requests with n > 1 or penalties, and client aborts."""
+SHARED_COMPLETIONS = 16
+
+
+def forced_cache_scenarios(systems: list[list[int]], kv_slots: int) -> list[WorkItem]:
+    """What the cache must see whatever the timing, each call sent once the one before it has
+    ended, before any other load:
+    - reuse: two rounds over the system prompts of calls of SHARED_COMPLETIONS completions
+      (completions 1..n-1 reuse completion 0's prompt, a second round's completion 0 the first
+      round's system prompt): at least forced_reuse(systems) cached prompt tokens;
+    - eviction: two prompts of 2/3 of the pool each, the second after the first has ended and
+      left its KV to the tree, so the tree must give up slots;
+    - preemption (preempting_call) and an abort before the first token (aborted_call), which
+      the random load follows at once."""
+    items: list[WorkItem] = []
+    for i, system in enumerate(systems * 2):
+        p = params(3, ignore_eos=True, temperature=1.0, seed=i)
+        after = items[-1].rid if items else None
+        items.append(WorkItem(f"share{i}", [*system, 65 + i], p, 0.0, n=SHARED_COMPLETIONS, after=after))
+    rng = random.Random(len(systems))
+    for name in ("evict-a", "evict-b"):
+        prompt = [rng.randrange(32, 127) for _ in range(kv_slots * 2 // 3)]
+        items.append(WorkItem(name, prompt, params(1, ignore_eos=True), 0.0, after=items[-1].rid))
+    preempt = preempting_call("forced-preempt", kv_slots, sampled=False)
+    items.append(replace(preempt, after=items[-1].rid))
+    return [*items, aborted_call("forced-abort-0", 0)]
+
+
+def forced_reuse(systems: list[list[int]]) -> int:
+    """The cached prompt tokens forced_cache_scenarios guarantees: every completion but the
+    first of each call reuses its prompt less the last token."""
+    return 2 * sum((SHARED_COMPLETIONS - 1) * len(system) for system in systems)
+
+
+def system_prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    systems = [[rng.randrange(32, 127) for _ in range(rng.randint(60, 180))] for _ in range(3)]
+    return [[rng.randrange(32, 127) for _ in range(rng.randint(60, 180))] for _ in range(3)]
+
+
+def shared_prefix_workload(count: int, seed: int, kv_slots: int) -> list[WorkItem]:
+    """The forced scenarios, then system prompts shared by many requests, chats that resend a
+    growing history, a few requests with n > 1 or penalties, and client aborts."""
+    systems = system_prompts(seed)
+    rng = random.Random(seed + 1)
     history: list[int] = []
-    items = []
+    items = forced_cache_scenarios(systems, kv_slots)
     for i in range(count):
         kind = rng.random()
         if kind < 0.3:  # the next turn of one conversation: its whole history again, and more
@@ -50,24 +88,30 @@ def shared_prefix_workload(count: int, seed: int) -> list[WorkItem]:
     return items
 
 
+POOL = 900  # KV slots: far fewer than the workload's working set
+
+
 async def serve(mode: str, items: list[WorkItem], cache: bool) -> tuple[dict[str, ClientView], EngineCore]:
     # float64 keeps a row's results independent of its batch to ~1e-15, so KV computed in another
     # request's batch cannot flip a token; the pool is far smaller than the working set.
     views, core, engine = await serve_workload(
-        "tiny", mode, items, kv_slots=900, request_slots=32, dtype=torch.float64, prefix_cache=cache
+        "tiny", mode, items, kv_slots=POOL, request_slots=32, dtype=torch.float64, prefix_cache=cache
     )
     check_drained(core, engine)
     return views, core
 
 
 async def test_outputs_are_the_same_with_the_cache_on_and_off_in_both_loops() -> None:
-    items = shared_prefix_workload(160, seed=5)
+    items = shared_prefix_workload(120, seed=5, kv_slots=POOL)
+    assert forced_reuse(system_prompts(5)) > 10_000
     reference, _ = await serve("serial", items, cache=False)
     for mode in ("serial", "overlap"):
         views, core = await serve(mode, items, cache=True)
         assert_same_outputs(items, reference, views)
         cache = core.policy.cache
-        assert cache.cached_prompt_tokens > 10_000, "the workload must reuse cached prefixes"
+        assert cache.cached_prompt_tokens >= forced_reuse(system_prompts(5)), (
+            "the workload must reuse prefixes"
+        )
         assert cache.evicted > 0, "the workload must put the cache under eviction pressure"
         assert core.stats.preemptions > 0, "the workload must preempt"
     overlap_off, _ = await serve("overlap", items, cache=False)
@@ -82,8 +126,18 @@ async def test_a_prompt_cached_by_the_batch_before_reads_the_same_kv_as_without_
     rng = random.Random(3)
     prompt = [rng.randrange(32, 127) for _ in range(90)]
     first = WorkItem("first", prompt, params(12, ignore_eos=True), 0.0)
+    # Sent as the client of "first" sees its first token: the core kept its prompt in the tree
+    # as it processed that token, and picks the followers with the next batch.
     follow = [
-        WorkItem(f"f{i}", prompt + [65 + i] * i, params(12, ignore_eos=True), 0.0005 * i) for i in range(6)
+        WorkItem(
+            f"f{i}",
+            prompt + [65 + i] * i,
+            params(12, ignore_eos=True),
+            0.0,
+            after="first",
+            after_first_token=True,
+        )
+        for i in range(6)
     ]
     items = [first, *follow]
     uncached, _ = await serve("overlap", items, cache=False)
@@ -98,8 +152,8 @@ def test_the_cache_is_on_by_default_and_no_prefix_cache_turns_it_off() -> None:
 
 
 async def test_with_the_cache_off_nothing_is_matched_or_kept() -> None:
-    items = shared_prefix_workload(30, seed=9)
-    _, core, _ = await serve_workload("sim", "overlap", items, kv_slots=900, prefix_cache=False)
+    items = shared_prefix_workload(30, seed=9, kv_slots=POOL)
+    _, core, _ = await serve_workload("sim", "overlap", items, kv_slots=POOL, prefix_cache=False)
     assert core.policy.cache.cached_prompt_tokens == 0 and core.policy.cache.tree.size == 0
     assert core.policy.kv.num_free == core.policy.kv.capacity
 

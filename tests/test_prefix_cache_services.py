@@ -13,11 +13,15 @@ import pytest
 
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
-from tests.live import FRONTEND_COUNTS, frontend_flags, generate, server_info, unused_port, wait_all_free
+from tests.live import FRONTEND_COUNTS, frontend_flags, generate, unused_port, wait_all_free
 
 pytestmark = pytest.mark.anyio
 TINY = ["--model", "tiny", "--check-invariants", "--kv-slots", "4096"]
-PROMPT = [random.Random(1).randrange(32, 127) for _ in range(100)]
+# The pair (and its prefix cache) is the module's: each test has prompts of its own, which share no
+# prefix with another test's (distinct first tokens), so what a test finds cached is what it
+# cached itself, in any order.
+PROMPT = [33, *(random.Random(1).randrange(32, 127) for _ in range(99))]
+USAGE_PROMPT = [34, *(random.Random(2).randrange(32, 127) for _ in range(49)), *[66] * 30]
 
 
 @pytest.fixture(scope="module", params=[*FRONTEND_COUNTS, "off"], ids=lambda p: f"frontends={p}")
@@ -40,7 +44,7 @@ def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
 
 async def test_responses_say_how_much_of_the_prompt_was_cached(pair: tuple[Service, bool]) -> None:
     scheduler, cache = pair
-    before = await server_info(scheduler.address)
+    before = await wait_all_free(scheduler.address)
     first = await generate(scheduler.address, ids_request(PROMPT, 6))
     again = await generate(scheduler.address, ids_request([*PROMPT, 65], 6))
     assert {r.cached_tokens for r in first} == {0}
@@ -57,7 +61,7 @@ async def test_responses_say_how_much_of_the_prompt_was_cached(pair: tuple[Servi
 async def test_openai_usage_reports_the_cached_prompt_tokens(pair: tuple[Service, bool]) -> None:
     scheduler, cache = pair
     async with openai.AsyncOpenAI(base_url=f"{scheduler.http_url}/v1", api_key="x", max_retries=0) as client:
-        prompt = [*PROMPT[:50], *[66] * 30]
+        prompt = USAGE_PROMPT
         await client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
         whole = await client.completions.create(
             model="tiny", prompt=[*prompt, 67], max_tokens=4, temperature=0

@@ -1,7 +1,11 @@
 """Replicas: two worker + scheduler pairs serving one model on 127.0.0.1, and clients that
 balance over them on one gRPC channel with the round_robin policy
 (`stepahead.targets.channel_target`): the split, a worker lost on one replica, and the CLI
-client and loadgen given both."""
+client and loadgen given both.
+
+A round_robin channel picks among the replicas it has found ready, in turn: a test first has
+a call served by each (or, with a replica's worker lost, sees its calls skip that one) before
+it counts where calls go."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from bench.replicas import (
 from loadgen.__main__ import run as run_loadgen
 from scheduler_svc.client import parse_args, stream_reply
 from stepahead.processes import (
+    STOP_TIMEOUT_S,
     Service,
     spawn_scheduler,
     spawn_scheduler_in_process,
@@ -52,16 +57,26 @@ from stepahead.targets import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import unused_port, wait_all_free
+from tests.live import (
+    CALL_TIMEOUT_S,
+    POLL_S,
+    SETTLE_TIMEOUT_S,
+    paused,
+    server_info,
+    unused_port,
+    wait_all_free,
+    wait_until,
+)
 from tests.test_bench import summary
 from tests.test_security import server_auth, write_pki
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-invariants"]
 FINISHED = "stepahead_requests_finished_total"
-LOST_RE = re.compile(r"worker lost .*; (\d+) requests wait for a worker")
-COUNT_TIMEOUT_S = 10.0
+SCHEDULED = "stepahead_request_queue_time_seconds_count"  # requests the core has scheduled once
+LOST_RE = re.compile(r"worker lost .*?; (\d+) requests wait for a worker", re.S)  # its reason may span lines
 API_KEY = "replicas-key-for-tests"
+LONG = 8000  # tokens: 24 s of the sim at 3 ms a step, whatever the machine
 
 
 # ---- targets: no process needed --------------------------------------------------------------
@@ -152,7 +167,9 @@ def start_replica() -> Replica:
     worker = spawn_worker(SIM)
     try:
         wait_serving(worker.address)
-        scheduler = spawn_scheduler(worker.address, ["--max-batch-tokens", "256"])
+        # --worker-retry-timeout: a hang guard; a restarted worker is back in seconds.
+        flags = ["--max-batch-tokens", "256", "--worker-retry-timeout", "600"]
+        scheduler = spawn_scheduler(worker.address, flags)
     except BaseException:
         worker.stop()
         raise
@@ -181,20 +198,36 @@ def addresses(replicas: Sequence[Replica]) -> list[str]:
     return [r.address for r in replicas]
 
 
+def scheduler_scrape(scheduler: Service) -> Samples:
+    """The scheduler's metrics, once they hold its frontend process's: /metrics asks the frontend
+    over its link and leaves it out if it does not answer in a few seconds (its CPU time is
+    then 0)."""
+    found: list[Samples] = []
+
+    def complete() -> bool:
+        found.append(scrape(scheduler.metrics_url))
+        return total(found[-1], "stepahead_frontend_cpu_seconds_total") > 0
+
+    wait_until(complete, f"{scheduler.address}'s frontend in its metrics")
+    return found[-1]
+
+
 def finished(replicas: Sequence[Replica]) -> list[float]:
     """Requests each scheduler has ended so far."""
-    return [total(scrape(r.scheduler.metrics_url), FINISHED) for r in replicas]
+    return [total(scheduler_scrape(r.scheduler), FINISHED) for r in replicas]
 
 
 def finished_once(replicas: Sequence[Replica], start: Sequence[float], added: int) -> list[float]:
     """The schedulers' counts once `added` more requests than `start` have been counted (a
     request is counted just after its last message)."""
-    deadline = time.monotonic() + COUNT_TIMEOUT_S
-    while True:
-        now = finished(replicas)
-        if sum(now) - sum(start) >= added or time.monotonic() > deadline:
-            return now
-        time.sleep(0.05)
+    counts: list[list[float]] = []
+
+    def counted() -> bool:
+        counts.append(finished(replicas))
+        return sum(counts[-1]) - sum(start) >= added
+
+    wait_until(counted, f"{added} more requests counted")
+    return counts[-1]
 
 
 def served_since(replicas: Sequence[Replica], before: Sequence[float], expected: int) -> list[int]:
@@ -211,7 +244,7 @@ async def stream_tokens(stub: generation_pb2_grpc.GenerationAsyncStub, i: int, n
     request = pb.GenerateRequest(
         text=prompt(i), sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
     )
-    return [t async for r in stub.Generate(request, timeout=120) for t in r.token_ids]
+    return [t async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
 
 
 async def reach_every_replica(
@@ -222,11 +255,15 @@ async def reach_every_replica(
     picks only among the connected ones, so calls sent at once right after opening it may all
     go to the first."""
     start = finished(replicas)
-    for calls in range(1, 201):
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    calls = 0
+    while True:
+        calls += 1
         await stream_tokens(stub, calls, 1)
-        if all(n > s for n, s in zip(finished(replicas), start, strict=True)):
-            return finished_once(replicas, start, calls)
-    raise AssertionError(f"calls reached only some replicas: {finished(replicas)} from {start}")
+        now = await asyncio.to_thread(finished, replicas)
+        if all(n > s for n, s in zip(now, start, strict=True)):
+            return await asyncio.to_thread(finished_once, replicas, start, calls)
+        assert time.monotonic() < deadline, f"calls reached only some replicas: {now} from {start}"
 
 
 def check_tokens(outputs: Sequence[list[int]], lengths: Sequence[int]) -> None:
@@ -249,35 +286,112 @@ def test_round_robin_spreads_the_load_over_both_replicas(replicas: list[Replica]
     assert sum(served) == len(lengths) and min(served) > 0.25 * len(lengths), served
 
 
+async def started_on(replica: Replica, rid: str, text: str, n: int) -> asyncio.Task[list[int]]:
+    """A call sent to `replica` alone, once its first response is in (it is running there)."""
+    channel = grpc.aio.insecure_channel(replica.address)
+    req = pb.GenerateRequest(
+        request_id=rid, text=text, sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    )
+    call = generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=CALL_TIMEOUT_S)
+    first = await call.read()
+    assert isinstance(first, pb.GenerateResponse), first
+
+    async def rest() -> list[int]:
+        async with channel:
+            tokens = list(first.token_ids)
+            while isinstance(response := await call.read(), pb.GenerateResponse):
+                tokens += response.token_ids
+            return tokens
+
+    return asyncio.create_task(rest())
+
+
+async def aborted_on(replica: Replica, rid: str, call: asyncio.Task[list[int]]) -> list[int]:
+    """Abort call `rid`, still running on `replica`: its tokens so far."""
+    assert not call.done()
+    async with grpc.aio.insecure_channel(replica.address) as channel:
+        abort = pb.AbortRequest(request_id=rid)
+        assert (
+            await generation_pb2_grpc.GenerationStub(channel).Abort(abort, timeout=CALL_TIMEOUT_S)
+        ).aborted
+    return await call
+
+
+def scheduled(replica: Replica) -> float:
+    return total(scrape(replica.scheduler.metrics_url), SCHEDULED)
+
+
 def test_killing_one_replicas_worker_mid_load_loses_nothing_on_either(replicas: list[Replica]) -> None:
+    """The victim's worker is killed once the load has reached it, while a long call sent to the
+    victim alone is seen running there (the worker stopped while the test looks)."""
     rng = random.Random(11)
-    lengths = [rng.randint(100, 300) for _ in range(60)]  # 300 steps of 3 ms outlast the kill
+    lengths = [rng.randint(100, 300) for _ in range(60)]
     victim = replicas[0]
     lost_before = len(lost_sessions(victim.scheduler))
 
-    async def load_with_a_crash() -> tuple[list[float], list[list[int]]]:
+    async def load_with_a_crash() -> tuple[list[float], list[list[int]], list[int]]:
         async with open_target(addresses(replicas)) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             before = await reach_every_replica(stub, replicas)
+            anchor = await started_on(victim, "anchor", "anchor", LONG)  # runs until aborted
+            admitted = await asyncio.to_thread(scheduled, victim)
             clients = [asyncio.create_task(stream_tokens(stub, i, n)) for i, n in enumerate(lengths)]
-            await asyncio.sleep(0.3)
-            kill_and_restart_worker(victim)
-            return before, await asyncio.gather(*clients)
+            reached = lambda: scheduled(victim) > admitted  # noqa: E731
+            await asyncio.to_thread(wait_until, reached, "the load on the victim")
+            with paused(victim.worker.proc):
+                assert (await server_info(victim.address)).requests_running > 0
+                victim.worker.proc.kill()  # SIGKILL: no goodbye on the stream
+                victim.worker.proc.wait(STOP_TIMEOUT_S)
+            victim.worker = await asyncio.to_thread(spawn_worker, SIM, victim.worker.port)
+            outputs = await asyncio.gather(*clients)
+            return before, outputs, await aborted_on(victim, "anchor", anchor)
 
-    before, outputs = asyncio.run(load_with_a_crash())
+    before, outputs, anchor = asyncio.run(load_with_a_crash())
     check_tokens(outputs, lengths)
-    served = served_since(replicas, before, len(lengths))
+    assert 0 < len(anchor) < LONG and anchor == sim_expected(b"anchor", len(anchor))
+    served = served_since(replicas, [before[0] + 1, before[1]], len(lengths))  # + the anchor
     assert sum(served) == len(lengths) and min(served) > 0, served
+    wait_until(lambda: len(lost_sessions(victim.scheduler)) > lost_before, "the loss logged")
     waiting = lost_sessions(victim.scheduler)[lost_before:]
-    assert waiting and waiting[0] > 0, "".join(victim.scheduler.output)  # requests were in flight
+    assert waiting[0] > 0, "".join(victim.scheduler.output)  # requests were in flight
     assert not lost_sessions(replicas[1].scheduler)
     for replica in replicas:
         asyncio.run(wait_all_free(replica.address))
 
 
+async def lands_on_the_live_replica(
+    stub: generation_pb2_grpc.GenerationAsyncStub, victim: Replica, k: int
+) -> bool:
+    """Whether probe k, sent round robin, is served by the live replica: one the channel sends
+    to the victim waits there for a worker, and is aborted."""
+    rid = f"probe-{k}"
+    probe = pb.GenerateRequest(
+        request_id=rid, text="probe", sampling=pb.SamplingParams(max_new_tokens=1, ignore_eos=True)
+    )
+    call = asyncio.ensure_future(generate_on(stub, probe))
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    async with grpc.aio.insecure_channel(victim.address) as channel:
+        victim_stub = generation_pb2_grpc.GenerationStub(channel)
+        while not call.done():
+            assert time.monotonic() < deadline, f"probe {k} neither served nor waiting on the victim"
+            if (await server_info(victim.address)).requests_waiting:
+                await victim_stub.Abort(pb.AbortRequest(request_id=rid), timeout=CALL_TIMEOUT_S)
+            await asyncio.wait({call}, timeout=POLL_S)
+    return (await call) == pb.FINISH_REASON_LENGTH
+
+
+async def generate_on(stub: generation_pb2_grpc.GenerationAsyncStub, req: pb.GenerateRequest) -> int:
+    """The call's finish reason."""
+    return [r.finish_reason async for r in stub.Generate(req, timeout=CALL_TIMEOUT_S)][-1]
+
+
 def test_new_calls_skip_a_replica_whose_worker_is_lost(replicas: list[Replica]) -> None:
     """Its scheduler reports NOT_SERVING without a worker session; round_robin's health check
-    sends every new call to the other replica, and to both again once the worker is back."""
+    sends every new call to the other replica, and to both again once the worker is back.
+
+    The channel hears of NOT_SERVING on its own: probes are sent until two in a row go to the
+    live replica (with both in its rotation, consecutive calls alternate); from then on every
+    call does."""
     victim = replicas[0]
 
     async def load() -> tuple[list[int], list[int]]:
@@ -286,41 +400,44 @@ def test_new_calls_skip_a_replica_whose_worker_is_lost(replicas: list[Replica]) 
             await reach_every_replica(stub, replicas)
             port = victim.worker.port
             victim.worker.proc.kill()
-            victim.worker.proc.wait(10)
+            victim.worker.proc.wait(STOP_TIMEOUT_S)
             await wait_health(victim.address, health_pb2.HealthCheckResponse.NOT_SERVING)
-            before = finished(replicas)
+            streak, k = 0, 0
+            while streak < 2:
+                k += 1
+                streak = streak + 1 if await lands_on_the_live_replica(stub, victim, k) else 0
+            await wait_all_free(victim.address)  # the probes it got are gone
+            before = await asyncio.to_thread(finished, replicas)
             await asyncio.gather(*(stream_tokens(stub, i, 4) for i in range(10)))
-            while_lost = served_since(replicas, before, 10)
-            victim.worker = spawn_worker(SIM, port=port)
+            while_lost = await asyncio.to_thread(served_since, replicas, before, 10)
+            victim.worker = await asyncio.to_thread(spawn_worker, SIM, port)
             await wait_health(victim.address, health_pb2.HealthCheckResponse.SERVING)
-            return while_lost, served_since(replicas, await reach_every_replica(stub, replicas), 0)
+            again = await reach_every_replica(stub, replicas)
+            return while_lost, await asyncio.to_thread(served_since, replicas, again, 0)
 
     while_lost, _ = asyncio.run(load())
     assert while_lost == [0, 10], while_lost  # reach_every_replica shows both serve again
 
 
 async def wait_health(address: str, status: int) -> None:
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service=HEALTH_CHECKED_SERVICE)
-        for _ in range(400):
-            if (await stub.Check(request, timeout=5)).status == status:  # type: ignore[attr-defined]
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"{address} never reported {status}")
-
-
-def kill_and_restart_worker(replica: Replica) -> None:
-    """SIGKILL (no goodbye on the stream), then a new worker on the same port."""
-    port = replica.worker.port
-    replica.worker.proc.kill()
-    replica.worker.proc.wait(10)
-    replica.worker = spawn_worker(SIM, port=port)
+        while True:
+            try:
+                if (await stub.Check(request, timeout=CALL_TIMEOUT_S)).status == status:  # type: ignore[attr-defined]
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # tried again
+            assert time.monotonic() < deadline, f"{address} not {name} after {SETTLE_TIMEOUT_S:g}s"
+            await asyncio.sleep(POLL_S)
 
 
 def lost_sessions(scheduler: Service) -> list[int]:
     """For each worker loss the scheduler logged: how many requests waited for a worker."""
-    return [int(m.group(1)) for line in list(scheduler.output) if (m := LOST_RE.search(line))]
+    return [int(m.group(1)) for m in LOST_RE.finditer("".join(list(scheduler.output)))]
 
 
 def test_loadgen_with_both_replicas_loads_each(replicas: list[Replica], tmp_path: Path) -> None:
@@ -334,7 +451,9 @@ def test_loadgen_with_both_replicas_loads_each(replicas: list[Replica], tmp_path
 
 def run_client(servers: str, *flags: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "scheduler_svc.client", "Hi", "--max-new-tokens", "3", "--ignore-eos"]
-    return subprocess.run([*argv, "--server", servers, *flags], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [*argv, "--server", servers, *flags], capture_output=True, text=True, timeout=CALL_TIMEOUT_S
+    )
 
 
 def assert_served(out: subprocess.CompletedProcess[str]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from scheduler_svc.core import EngineCore
 from scheduler_svc.request import FinishReason, SamplingParams
-from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload
+from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload, with_forced_scenarios
 from tests.test_equivalence import check_drained
 from worker_svc.engine import WorkerEngine
 
@@ -45,12 +45,14 @@ def with_features(rng: random.Random, item: WorkItem) -> WorkItem:
     return replace(item, params=replace(p, **features), n=n)  # type: ignore[arg-type]
 
 
-def features_workload(count: int, seed: int, *, sampled: bool) -> list[WorkItem]:
+def features_workload(count: int, seed: int, *, sampled: bool, kv_slots: int) -> list[WorkItem]:
     """The mixed workload of the equivalence tests (stops of every kind, aborts, long and short
-    prompts) with random sampling features on five requests in six."""
+    prompts) with random sampling features on five requests in six, after a call that forces
+    preemption in a pool of `kv_slots` and with two aborts that land for sure."""
     rng = random.Random(seed)
     items = mixed_workload(count, seed, sampled=sampled)
-    return [item if rng.random() < 1 / 6 else with_features(rng, item) for item in items]
+    items = [item if rng.random() < 1 / 6 else with_features(rng, item) for item in items]
+    return with_forced_scenarios(items, kv_slots, sampled=sampled)
 
 
 def completions(items: list[WorkItem]) -> list[tuple[str, WorkItem]]:
@@ -116,25 +118,36 @@ def assert_same_outputs(items: list[WorkItem], a: dict[str, ClientView], b: dict
             )
 
 
+POOL = 1500  # KV slots
+
+
 async def serve(mode: str, items: list[WorkItem]) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     # float64 keeps row results independent of batch composition to ~1e-15, so a near-tie cannot
     # flip a token between the two loops' batchings; the KV pool is small enough to preempt.
-    return await serve_workload("tiny", mode, items, kv_slots=1500, request_slots=48, dtype=torch.float64)
+    return await serve_workload("tiny", mode, items, kv_slots=POOL, request_slots=48, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 async def test_every_feature_overlap_equals_serial(sampled: bool) -> None:
-    items = features_workload(200, seed=11 + sampled, sampled=sampled)
-    views = {}
+    """On a real model (tiny), greedy and seeded: requests with every feature and requests with
+    none (one in six, and the forced scenarios') give the same outputs in both loops."""
+    items = features_workload(200, seed=11 + sampled, sampled=sampled, kv_slots=POOL)
+    views, dropped = {}, {}
     for mode in ("serial", "overlap"):
         got, core, engine = await serve(mode, items)
         check_views(items, got)
         check_drained(core, engine)
         assert core.stats.preemptions > 0, "the workload must exercise preemption"
-        views[mode] = got
+        views[mode], dropped[mode] = got, core.stats.dropped_inflight_tokens
     assert_same_outputs(items, views["serial"], views["overlap"])
     overlap = views["overlap"]
     assert {v.finish_reason for v in overlap.values()} >= {FinishReason.STOP, FinishReason.LENGTH}
     assert any(v.finish_reason == FinishReason.ABORT for v in overlap.values())
     assert sum(item.n > 1 for item in items) >= 10
     assert sum(bool(v.logprobs) for v in overlap.values()) >= 40
+    plain = [item for item in items if not shapes_logits(item.params) and not item.params.logprobs]
+    assert len(plain) >= 30, "requests without features too"
+    # Serial drops only the in-flight token of a client abort (one for each completion of it);
+    # overlap also the extra token of each request that ended on EOS/stop with batch k+1 launched.
+    assert dropped["serial"] <= sum(item.n for item in items if item.abort_after is not None)
+    assert dropped["overlap"] > dropped["serial"]

@@ -16,7 +16,16 @@ from scheduler_svc.client import build_request, parse_args
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import FRONTEND_COUNTS, frontend_flags, generate, request, wait_all_free
+from tests.live import (
+    CALL_TIMEOUT_S,
+    FRONTEND_COUNTS,
+    frontend_flags,
+    generate,
+    paused,
+    request,
+    server_info,
+    wait_all_free,
+)
 
 pytestmark = pytest.mark.anyio
 TINY = ["--model", "tiny", "--check-invariants", "--kv-slots", "4096"]
@@ -61,20 +70,29 @@ async def test_n_completions_in_one_call(tiny_pair: tuple[Service, Service]) -> 
 
 
 async def test_abort_ends_every_completion(tiny_pair: tuple[Service, Service]) -> None:
-    _, scheduler = tiny_pair
+    """Long requests, seen running (a first message), are ended while the worker is stopped:
+    none can end by itself meanwhile."""
+    worker, scheduler = tiny_pair
     async with grpc.aio.insecure_channel(scheduler.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.Generate(request("abort us", 1500, rid="n-abort", n=4, ignore_eos=True))
+        long = request("abort us", 1500, rid="n-abort", n=4, ignore_eos=True)
+        call = stub.Generate(long, timeout=CALL_TIMEOUT_S)
         assert isinstance(await call.read(), pb.GenerateResponse)
-        assert (await stub.Abort(pb.AbortRequest(request_id="n-abort"))).aborted
+        with paused(worker.proc):
+            abort = pb.AbortRequest(request_id="n-abort")
+            assert (await stub.Abort(abort, timeout=CALL_TIMEOUT_S)).aborted
         finishes: dict[int, int] = {}
         while isinstance(r := await call.read(), pb.GenerateResponse):
             if r.finish_reason:
                 finishes[r.index] = r.finish_reason
         assert finishes == dict.fromkeys(range(4), pb.FINISH_REASON_ABORT)
-        cancelled = stub.Generate(request("cancel us", 1500, rid="n-cancel", n=3, ignore_eos=True))
+        long = request("cancel us", 1500, rid="n-cancel", n=3, ignore_eos=True)
+        cancelled = stub.Generate(long, timeout=CALL_TIMEOUT_S)
         await cancelled.read()
-        cancelled.cancel()
+        with paused(worker.proc):
+            info = await server_info(scheduler.address)
+            assert info.requests_running + info.requests_waiting == 3  # all live when cancelled
+            cancelled.cancel()
     await wait_all_free(scheduler.address)
 
 

@@ -13,7 +13,7 @@ from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FinishReason
 from scheduler_svc.streams import Completions
 from tests.fake_worker import FakeWorker
-from tests.harness import WorkItem, consume, params, run_workload, wait_drained
+from tests.harness import Served, WorkItem, consume, params, run_workload, wait_drained
 from worker_svc.backends import sim_continuation as expected
 
 pytestmark = pytest.mark.anyio
@@ -151,7 +151,7 @@ async def test_kv_exhaustion_preempts_and_recomputes_to_the_same_tokens(mode: st
         await asyncio.sleep(0.001)
     prompts = [[40 + i] * (20 + 7 * i) for i in range(6)]
     items = [WorkItem(f"p{i}", p, params(60, ignore_eos=True), 0.0) for i, p in enumerate(prompts)]
-    views = await run_workload(frontend, items)
+    views = await run_workload(Served(core, frontend), items)
     await wait_drained(core)
     await core.close()
     task.cancel()
@@ -183,6 +183,6 @@ async def test_streams_coalesce_tokens_for_a_lagging_client() -> None:
         batch = core.pick_batch()
         assert batch is not None
         await core.process_results(batch, await core.launch_step(batch))
-    [view] = await consume(frontend, client, None)  # the client reads only now
+    [view] = await consume(Served(core, frontend), client, None)  # the client reads only now
     assert view.messages == 1
     assert view.token_ids == expected([5, 6], 6) and view.finish_reason == FinishReason.LENGTH

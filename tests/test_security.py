@@ -7,7 +7,6 @@ import datetime
 import ipaddress
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +32,12 @@ from stepahead.processes import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.live import CALL_TIMEOUT_S, wait_until
 from worker_svc import __main__ as worker_main
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
 API_KEY = "s3cret-key-for-tests"
-CALL_TIMEOUT_S = 10
-LOG_TIMEOUT_S = 30.0
 Metadata = tuple[tuple[str, str], ...]
 
 
@@ -239,13 +237,14 @@ def health(address: str, credentials: grpc.ChannelCredentials | None) -> int:
 
 
 def wait_for_output(service: Service, text: str) -> str:
-    deadline = time.monotonic() + LOG_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for line in list(service.output):
-            if text in line:
-                return line
-        time.sleep(0.05)
-    raise AssertionError(f"{service.name} never printed {text!r}:\n{''.join(service.output)}")
+    def printed() -> list[str]:
+        return [line for line in list(service.output) if text in line]
+
+    try:
+        wait_until(lambda: bool(printed()), f"{text!r} printed by the {service.name}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{''.join(service.output)}") from None
+    return printed()[0]
 
 
 # ---- the client API ------------------------------------------------------------------------------
@@ -309,10 +308,12 @@ def test_cli_client_with_key_and_ca(secure_pair: tuple[Service, Service], pki: P
     _, scheduler = secure_pair
     base = [sys.executable, "-m", "scheduler_svc.client", "Hi", "--max-new-tokens", "3", "--ignore-eos"]
     base += ["--server", scheduler.address, "--tls-ca", str(pki.ca)]
-    served = subprocess.run([*base, "--api-key", API_KEY], capture_output=True, text=True, timeout=60)
+    served = subprocess.run(
+        [*base, "--api-key", API_KEY], capture_output=True, text=True, timeout=CALL_TIMEOUT_S
+    )
     assert served.returncode == 0, served.stderr
     assert "FINISH_REASON_LENGTH; 2 prompt + 3 completion tokens" in served.stderr
-    refused = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
 
@@ -361,7 +362,8 @@ def test_scheduler_without_a_valid_client_certificate_gets_no_session(
 ) -> None:
     worker, scheduler = secure_pair
     epoch = worker_stats(worker.address, mutual(pki, pki.client_cert, pki.client_key)).epoch
-    flags = ["--worker-tls-ca", str(pki.ca)]
+    # Its handshake fails on the certificate, never on the watchdog's clock (a hang guard here).
+    flags = ["--worker-tls-ca", str(pki.ca), "--worker-step-timeout", str(CALL_TIMEOUT_S)]
     if certificate == "from another CA":
         flags += [
             "--worker-tls-cert",

@@ -19,7 +19,7 @@ import pytest
 from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
-from tests.live import server_info, unused_port
+from tests.live import CALL_TIMEOUT_S, server_info, unused_port
 from tests.smollm2 import Transformers
 
 NEW_TOKENS = 32
@@ -52,7 +52,10 @@ def worker() -> Iterator[Service]:
 
 @pytest.fixture(scope="module", params=["overlap", "serial"])
 def scheduler(request: pytest.FixtureRequest, worker: Service) -> Iterator[Service]:
-    service = spawn_scheduler(worker.address, ["--mode", request.param, "--http-port", str(unused_port())])
+    # A step of the model on a slow CPU takes up to a second or so: the watchdog's limit is a hang
+    # guard's, so that no step is taken for a hung worker (and recomputed) there.
+    flags = ["--mode", request.param, "--http-port", str(unused_port())]
+    service = spawn_scheduler(worker.address, [*flags, "--worker-step-timeout", str(CALL_TIMEOUT_S)])
     try:
         wait_serving(service.address)
         yield service
@@ -89,7 +92,13 @@ def chat_request(messages: list[dict[str, str]]) -> pb.GenerateRequest:
 async def generate(address: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return [r async for r in stub.Generate(request, timeout=120)]
+        return [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+
+
+def api(scheduler: Service) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=scheduler.http_url + "/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT_S
+    )
 
 
 def test_chat_over_grpc_gives_transformers_greedy_tokens(
@@ -104,7 +113,7 @@ def test_chat_over_grpc_gives_transformers_greedy_tokens(
 def test_chat_over_http_gives_transformers_greedy_text(
     scheduler: Service, references: list[tuple[list[int], list[int]]], smollm2_transformers: Transformers
 ) -> None:
-    client = openai.OpenAI(base_url=scheduler.http_url + "/v1", api_key="unused", max_retries=0)
+    client = api(scheduler)
     for messages, (prompt, expected) in list(zip(CONVERSATIONS, references, strict=True))[:2]:
         reply = client.chat.completions.create(
             model="smollm2",
@@ -119,7 +128,7 @@ def test_chat_over_http_gives_transformers_greedy_text(
 
 
 def test_the_capital_of_france_is_paris_and_the_answer_ends_at_eos(scheduler: Service) -> None:
-    client = openai.OpenAI(base_url=scheduler.http_url + "/v1", api_key="unused", max_retries=0)
+    client = api(scheduler)
     chunks: list[Any] = list(
         client.chat.completions.create(
             model="smollm2",
@@ -136,7 +145,10 @@ def test_the_capital_of_france_is_paris_and_the_answer_ends_at_eos(scheduler: Se
 def test_the_cli_client_chats_with_smollm2(scheduler: Service) -> None:
     argv = [sys.executable, "-m", "scheduler_svc.client", "--server", scheduler.address]
     out = subprocess.run(
-        [*argv, "--chat", "What is the capital of France?"], capture_output=True, text=True, timeout=120
+        [*argv, "--chat", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=CALL_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "FINISH_REASON_STOP" in out.stderr

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
 import pytest
 
 from scheduler_svc.transport import GrpcTransport, WorkerUnavailable
 from stepahead.processes import spawn_worker, wait_serving
 from stepahead.protocol import Launch
+from tests.live import CALL_TIMEOUT_S
 
 pytestmark = pytest.mark.anyio
 
-SIM = ["--model", "sim", "--sim-step-ms", "1"]
+# No core here sends the idle heartbeats a scheduler does: the worker's timeout for a silent
+# session is a hang guard's, so the pauses between the test's steps never end one.
+SIM = ["--model", "sim", "--sim-step-ms", "1", "--scheduler-timeout", str(CALL_TIMEOUT_S)]
+T = TypeVar("T")
+
+
+async def within(step: Awaitable[T]) -> T:
+    """`step`, with a hang guard (milliseconds expected)."""
+    return await asyncio.wait_for(step, CALL_TIMEOUT_S)
 
 
 async def test_a_new_session_is_untouched_by_the_old_one() -> None:
@@ -18,16 +31,16 @@ async def test_a_new_session_is_untouched_by_the_old_one() -> None:
     try:
         wait_serving(worker.address)
         transport = GrpcTransport(worker.address)
-        old = await transport.connect()
-        new = await transport.connect()  # closes the old session first
+        old = await within(transport.connect())
+        new = await within(transport.connect())  # closes the old session first
         assert new.info.epoch > old.info.epoch
         with pytest.raises(WorkerUnavailable):
-            await old.launch(Launch(step_id=1))
-        result = await (await new.launch(Launch(step_id=1)))
+            await within(old.launch(Launch(step_id=1)))
+        result = await within(await within(new.launch(Launch(step_id=1))))
         assert (result.step_id, result.epoch) == (1, new.info.epoch)
-        await old.close()  # a late close of the old one must not end the new one
-        result = await (await new.launch(Launch(step_id=2)))
+        await within(old.close())  # a late close of the old one must not end the new one
+        result = await within(await within(new.launch(Launch(step_id=2))))
         assert result.step_id == 2
-        await transport.close()
+        await within(transport.close())
     finally:
         worker.stop()

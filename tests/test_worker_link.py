@@ -1,5 +1,10 @@
 """The worker link under faults that do not close a socket: a stopped worker, a stopped scheduler,
-and clients that are not the scheduler."""
+and clients that are not the scheduler.
+
+A stopped (SIGSTOP) process keeps its sockets open: the scheduler finds a stopped worker with its
+watchdog (--worker-step-timeout), the worker a silent scheduler with --scheduler-timeout. Each
+test stops a process while the state it needs holds (requests seen streaming, a session seen
+live) and polls for the outcome, with hang guards only."""
 
 from __future__ import annotations
 
@@ -19,12 +24,25 @@ from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_ser
 from stepahead.protocol import PROTOCOL_VERSION
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.live import unused_port
+from tests.live import (
+    CALL_TIMEOUT_S,
+    SETTLE_TIMEOUT_S,
+    paused,
+    server_info,
+    started_call,
+    unused_port,
+    wait_info,
+    wait_until,
+)
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0"]
-STEP_TIMEOUT_S = 1.5
-MARGIN_S = 3.0  # detection comes within the timeout plus one heartbeat and a reconnect attempt
+# A step takes milliseconds; far longer without a result, the worker is hung. gRPC's keepalive
+# would find a stopped worker only after its ping timeout (about a minute), so the watchdog does.
+STEP_TIMEOUT_S = 5.0
+RETRY = ["--worker-retry-timeout", "600"]  # a hang guard: the stopped worker resumes in seconds
+SCHEDULER_TIMEOUT_S = 10.0  # the worker's default: five of the scheduler's 2 s idle heartbeats
+LONG = 8000  # tokens: 24 s of the sim at 3 ms a step, whatever the machine
 TOKEN = "link-secret"
 
 
@@ -39,19 +57,20 @@ def running(*services: Service) -> Iterator[None]:
                 service.stop()
 
 
-def serving_status(address: str) -> int:
+def serving_status(address: str) -> int | None:
+    """The health status; None when the check fails (it is retried)."""
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)  # type: ignore[attr-defined]
+        try:
+            check = health_pb2.HealthCheckRequest(service="")
+            return int(stub.Check(check, timeout=CALL_TIMEOUT_S).status)  # type: ignore[attr-defined]
+        except grpc.RpcError:
+            return None
 
 
-def seconds_until_not_serving(address: str, limit_s: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < limit_s:
-        if serving_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING:
-            return time.monotonic() - started
-        time.sleep(0.05)
-    raise AssertionError(f"{address} still SERVING after {limit_s}s")
+def wait_status(address: str, status: int) -> None:
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    wait_until(lambda: serving_status(address) == status, f"{address} {name}")
 
 
 def request(i: int, n: int) -> pb.GenerateRequest:
@@ -60,33 +79,67 @@ def request(i: int, n: int) -> pb.GenerateRequest:
     )
 
 
+def expected(i: int, n: int) -> list[int]:
+    return sim_expected(f"link {i}".encode(), n)
+
+
 async def tokens(stub: generation_pb2_grpc.GenerationAsyncStub, i: int, n: int) -> list[int]:
-    return [t async for r in stub.Generate(request(i, n), timeout=120) for t in r.token_ids]
+    return [t async for r in stub.Generate(request(i, n), timeout=CALL_TIMEOUT_S) for t in r.token_ids]
+
+
+async def aborted(
+    stub: generation_pb2_grpc.GenerationAsyncStub, i: int, call: asyncio.Task[list[int]]
+) -> None:
+    """Abort call i, still running: it ends with a beginning of its tokens."""
+    assert not call.done()
+    assert (await stub.Abort(pb.AbortRequest(request_id=f"l{i}"), timeout=CALL_TIMEOUT_S)).aborted
+    got = await call
+    assert 0 < len(got) < LONG and got == expected(i, len(got))
+
+
+async def load_in_flight(
+    stub: generation_pb2_grpc.GenerationAsyncStub, scheduler: Service, worker: Service, lengths: list[int]
+) -> tuple[asyncio.Task[list[int]], list[asyncio.Task[list[int]]]]:
+    """A LONG call (the last index), running once it streams; then every call of `lengths`,
+    sent while the worker is stopped (a client on a starved machine sends slowly while it reads
+    streams), returned once the core has admitted them all. The long one runs until aborted."""
+    anchor = await started_call(stub, request(len(lengths), LONG))
+    with paused(worker.proc):
+        clients = [asyncio.create_task(tokens(stub, i, n)) for i, n in enumerate(lengths)]
+        live = len(lengths) + 1
+        await wait_info(scheduler.address, lambda i: i.requests_running + i.requests_waiting == live, "sent")
+    await wait_info(scheduler.address, lambda i: not i.requests_waiting, "all admitted")
+    return anchor, clients
+
+
+def handshake_timed_out(scheduler: Service) -> bool:
+    return any("no handshake within --worker-step-timeout" in line for line in list(scheduler.output))
 
 
 def test_a_stopped_worker_is_detected_and_the_load_completes_after_it_resumes() -> None:
     worker = spawn_worker(SIM)
-    scheduler = spawn_scheduler(worker.address, ["--worker-step-timeout", str(STEP_TIMEOUT_S)])
+    scheduler = spawn_scheduler(worker.address, ["--worker-step-timeout", str(STEP_TIMEOUT_S), *RETRY])
     with running(scheduler, worker):
         wait_serving(scheduler.address)
         lengths = [200 + 10 * i for i in range(20)]
 
-        async def load_with_a_stop() -> tuple[list[list[int]], float]:
+        async def load_with_a_stop() -> list[list[int]]:
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
-                clients = [asyncio.create_task(tokens(stub, i, n)) for i, n in enumerate(lengths)]
-                await asyncio.sleep(0.3)
-                os.kill(worker.proc.pid, signal.SIGSTOP)
-                detected = await asyncio.to_thread(
-                    seconds_until_not_serving, scheduler.address, STEP_TIMEOUT_S + MARGIN_S
-                )
-                await asyncio.sleep(STEP_TIMEOUT_S)
-                os.kill(worker.proc.pid, signal.SIGCONT)
-                return await asyncio.gather(*clients), detected
+                anchor, clients = await load_in_flight(stub, scheduler, worker, lengths)
+                with paused(worker.proc):  # stopped for longer than the watchdog allows, by design
+                    assert (await server_info(scheduler.address)).requests_running > 0
+                    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+                    await asyncio.to_thread(wait_status, scheduler.address, not_serving)
+                    # ... and no new session can start with it meanwhile:
+                    timed_out = lambda: handshake_timed_out(scheduler)  # noqa: E731
+                    await asyncio.to_thread(wait_until, timed_out, "a handshake timeout")
+                outputs = await asyncio.gather(*clients)
+                await aborted(stub, len(lengths), anchor)
+                return outputs
 
-        outputs, detected = asyncio.run(load_with_a_stop())
-        assert outputs == [sim_expected(f"link {i}".encode(), n) for i, n in enumerate(lengths)]
-        assert detected <= STEP_TIMEOUT_S + MARGIN_S
+        outputs = asyncio.run(load_with_a_stop())
+        assert outputs == [expected(i, n) for i, n in enumerate(lengths)]
         assert total(scrape(scheduler.metrics_url), "stepahead_worker_step_timeouts_total") >= 1
 
 
@@ -97,38 +150,47 @@ def test_a_worker_stopped_for_good_ends_every_request_with_unavailable_in_bounde
     with running(scheduler, worker):
         wait_serving(scheduler.address)
 
-        async def orphaned() -> tuple[list[list[int] | BaseException], float]:
+        async def orphaned() -> list[list[int] | BaseException]:
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
-                clients = [asyncio.create_task(tokens(stub, i, 5000)) for i in range(10)]
-                await asyncio.sleep(0.3)
-                os.kill(worker.proc.pid, signal.SIGSTOP)
-                started = time.monotonic()
-                outcomes = await asyncio.gather(*clients, return_exceptions=True)
-                return outcomes, time.monotonic() - started
+                clients = [
+                    await started_call(stub, request(i, 5000)) for i in range(10)
+                ]  # 15 s each at least
+                with paused(worker.proc):  # until every call has ended
+                    info = await server_info(scheduler.address)
+                    assert info.requests_running + info.requests_waiting == 10
+                    # Bounded: the watchdog, then --worker-retry-timeout (6 s); a hang guard 20 times that.
+                    ended = asyncio.gather(*clients, return_exceptions=True)
+                    return await asyncio.wait_for(ended, SETTLE_TIMEOUT_S)
 
-        outcomes, waited = asyncio.run(orphaned())
+        outcomes = asyncio.run(orphaned())
         codes = {o.code() for o in outcomes if isinstance(o, grpc.aio.AioRpcError)}
         assert codes == {grpc.StatusCode.UNAVAILABLE} and len(outcomes) == 10
         assert all(isinstance(o, grpc.aio.AioRpcError) for o in outcomes)
-        assert waited <= STEP_TIMEOUT_S + 1 + MARGIN_S + 2
+
+
+def refused_busy(worker: Service) -> float:
+    return total(scrape(worker.metrics_url), "stepahead_worker_sessions_refused_total", reason="busy")
 
 
 def test_a_stopped_scheduler_frees_the_worker_for_another_one() -> None:
-    worker = spawn_worker([*SIM, "--scheduler-timeout", "1"])
+    worker = spawn_worker([*SIM, "--scheduler-timeout", str(SCHEDULER_TIMEOUT_S)])
     first = spawn_scheduler(worker.address, ["--frontends", "0"])
     with running(first, worker):
         wait_serving(first.address)
-        os.kill(first.proc.pid, signal.SIGSTOP)
         second = spawn_scheduler(worker.address, ["--frontends", "0"])
         with running(second):
-            wait_serving(second.address, timeout_s=20)  # refused (busy) until the worker drops the first
+            # The first's session is live (it heartbeats while idle): the second is turned away.
+            wait_until(lambda: refused_busy(worker) >= 1, "the second scheduler refused")
+            assert serving_status(second.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            os.kill(first.proc.pid, signal.SIGSTOP)
+            wait_serving(second.address)  # once the worker has dropped the silent first
 
             async def one() -> list[int]:
                 async with grpc.aio.insecure_channel(second.address) as channel:
                     return await tokens(generation_pb2_grpc.GenerationStub(channel), 0, 8)
 
-            assert asyncio.run(one()) == sim_expected(b"link 0", 8)
+            assert asyncio.run(one()) == expected(0, 8)
             samples = scrape(worker.metrics_url)
             assert total(samples, "stepahead_worker_scheduler_timeouts_total") == 1
             assert total(samples, "stepahead_worker_sessions_refused_total", reason="busy") >= 1
@@ -146,7 +208,7 @@ async def foreign_hello(address: str, token: str | None, send_hello: bool = True
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id="foreign")
     async with grpc.aio.insecure_channel(address) as channel:
-        call = worker_pb2_grpc.WorkerStub(channel).Connect(metadata=metadata)
+        call = worker_pb2_grpc.WorkerStub(channel).Connect(metadata=metadata, timeout=CALL_TIMEOUT_S)
         try:
             if send_hello:
                 await call.write(worker_pb2.SchedulerMessage(hello=hello))
@@ -165,30 +227,41 @@ def test_a_foreign_client_cannot_take_over_or_disturb_the_live_session(token: st
     with running(scheduler, worker):
         wait_serving(scheduler.address)
 
-        async def scenario() -> tuple[list[list[int]], list[grpc.StatusCode], int, int]:
+        def says_hello(t: str | None) -> bool:
+            """Whether the worker reads this probe's Hello (it refuses a wrong token first)."""
+            return not token or t == token
+
+        async def scenario() -> tuple[list[list[int]], list[tuple[str | None, grpc.StatusCode]], int, int]:
             meta = (("authorization", f"Bearer {token}"),) if token else None
             async with grpc.aio.insecure_channel(worker.address) as wchannel:
                 stats = worker_pb2_grpc.WorkerStub(wchannel).GetStats
-                epoch = (await stats(worker_pb2.GetStatsRequest(), metadata=meta)).epoch
+                request_stats = worker_pb2.GetStatsRequest()
+                epoch = (await stats(request_stats, metadata=meta, timeout=CALL_TIMEOUT_S)).epoch
                 async with grpc.aio.insecure_channel(scheduler.address) as channel:
                     stub = generation_pb2_grpc.GenerationStub(channel)
+                    anchor = await started_call(stub, request(8, LONG))  # the session drives it throughout
                     clients = [asyncio.create_task(tokens(stub, i, 300)) for i in range(8)]
-                    refusals = [
-                        await foreign_hello(worker.address, t)
+                    probes = [
+                        (t, await foreign_hello(worker.address, t))
                         for _ in range(5)
                         for t in (None, "wrong", token)
                     ]
+                    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+                    while grpc.StatusCode.FAILED_PRECONDITION not in (c for t, c in probes if says_hello(t)):
+                        assert time.monotonic() < deadline, probes  # see foreign_hello: INTERNAL, by chance
+                        probes.append((token, await foreign_hello(worker.address, token)))
+                    await aborted(stub, 8, anchor)
                     outputs = await asyncio.gather(*clients)
-                after = (await stats(worker_pb2.GetStatsRequest(), metadata=meta)).epoch
-            return outputs, refusals, epoch, after
+                after = (await stats(request_stats, metadata=meta, timeout=CALL_TIMEOUT_S)).epoch
+            return outputs, probes, epoch, after
 
-        outputs, refusals, epoch, after = asyncio.run(scenario())
-        assert outputs == [sim_expected(f"link {i}".encode(), 300) for i in range(8)]
+        outputs, probes, epoch, after = asyncio.run(scenario())
+        assert outputs == [expected(i, 300) for i in range(8)]
         assert epoch == after  # the scheduler's session was never replaced
         busy = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL}  # see foreign_hello
-        with_hello = [code for i, code in enumerate(refusals) if not token or i % 3 == 2]
-        without = [code for i, code in enumerate(refusals) if token and i % 3 != 2]
-        assert set(with_hello) <= busy and grpc.StatusCode.FAILED_PRECONDITION in with_hello
+        with_hello = [code for t, code in probes if says_hello(t)]
+        without = [code for t, code in probes if not says_hello(t)]
+        assert set(with_hello) <= busy
         assert set(without) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL}
         samples = scrape(worker.metrics_url)
         refused = {
@@ -203,5 +276,5 @@ def test_stats_need_the_worker_token() -> None:
     with running(worker):
         wait_serving(worker.address)
         with grpc.insecure_channel(worker.address) as channel, pytest.raises(grpc.RpcError) as refused:
-            worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+            worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=CALL_TIMEOUT_S)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
