@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
@@ -20,10 +21,8 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.core import CoreConfig, EngineCore
 from scheduler_svc.depth import MAX_DEPTH, DepthConfig, parse_depth
 from scheduler_svc.frontend import Frontend, FrontendConfig
-from scheduler_svc.http_server import HttpServer, HttpTls
 from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.link import LocalCore
-from scheduler_svc.openai_api import HttpApiConfig, build_app
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES, ApiConfig, build_server, health_follows_worker
 from scheduler_svc.supervisor import FrontendSupervisor
@@ -46,6 +45,9 @@ from stepahead.serving import (
     stop_event_on_signals,
 )
 from stepahead.trace import Tracer
+
+if TYPE_CHECKING:
+    from scheduler_svc.http_server import HttpServer
 
 log = logging.getLogger("stepahead.scheduler")
 
@@ -339,9 +341,16 @@ def api_config(args: argparse.Namespace, share_port: bool = False) -> ApiConfig:
 
 
 def http_api(frontend: Frontend, args: argparse.Namespace, share_port: bool) -> HttpServer | None:
-    """The OpenAI-compatible API on --http-port (None when it is 0), bound at once."""
+    """The OpenAI-compatible API on --http-port (None when it is 0), bound at once.
+
+    The HTTP stack (FastAPI, pydantic, uvicorn) is imported only here: about half the start-up
+    CPU of a scheduler or frontend process that serves gRPC alone.
+    """
     if args.http_port == 0:
         return None
+    from scheduler_svc.http_server import HttpServer, HttpTls
+    from scheduler_svc.openai_api import HttpApiConfig, build_app
+
     app = build_app(frontend, HttpApiConfig(args.api_key, args.max_request_bytes, args.served_model_name))
     tls = None if args.tls_cert is None else HttpTls(args.tls_cert, args.tls_key, args.tls_ca)
     return HttpServer(app, args.host, args.http_port, tls, share_port)

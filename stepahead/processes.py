@@ -120,8 +120,9 @@ def _spawn(
     if match := next((m for line in list(lines) if (m := LISTEN_RE.search(line))), None):
         return Service(proc, int(match.group(1)), lines, name or module.removesuffix("_svc"))
     proc.kill()
-    proc.wait()
-    raise RuntimeError(f"{module} did not start within {START_TIMEOUT_S:g}s:\n{''.join(lines)}")
+    code = proc.wait()
+    why = f"exited with {code}" if listening.is_set() else f"did not start within {START_TIMEOUT_S:g}s"
+    raise RuntimeError(f"{module} {why}:\n{''.join(lines)}")
 
 
 def _drain(proc: subprocess.Popen[str], lines: list[str], listening: threading.Event) -> None:

@@ -26,7 +26,7 @@ from stepahead.serving import (
     stop_event_on_signals,
 )
 from stepahead.trace import Tracer
-from worker_svc.backends import load_backend
+from worker_svc.backends import check_shardable, load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.launcher import Launcher
 from worker_svc.ranks import RankPlace, TensorParallelRanks, join_group
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         place = _rank_place(args)
         if place is None and (args.tp or 1) > 1:  # start the ranks, each this same command
+            check_shardable(args.model, args.tp)  # what no restart can fix fails before any rank starts
             sys.exit(Launcher(argv, args.tp, args.max_restarts, args.grace).run())
         if place is not None:
             run_rank(args, place)

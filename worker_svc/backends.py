@@ -12,20 +12,22 @@ import torch
 
 from stepahead.protocol import TokenizerSpec
 from worker_svc.batch import ForwardBatch
-from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
+from worker_svc.gguf import SMOLLM2_NAME, gguf_config, load_gguf, smollm2_path
 from worker_svc.logits_processors import RowProcessing, Sampled, TokenLogprobs, process_logits, token_logprobs
 from worker_svc.model import (
     TINY_CONFIG,
     KVCache,
     LlamaForCausalLM,
+    ModelConfig,
     build_tiny,
+    config_from_hf_dict,
     load_hf_checkpoint,
     store_weights_input_major,
 )
 from worker_svc.ranks import TensorParallelRanks
 from worker_svc.sampler import sample
 from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
-from worker_svc.tensor_parallel import shard_model
+from worker_svc.tensor_parallel import check_divisible, shard_model
 
 BYTE_TOKENIZER = TokenizerSpec("byte")
 
@@ -208,6 +210,28 @@ def load_backend(
     if ranks is not None:
         llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
     return LlamaBackend(llama, tokenizer)
+
+
+def check_shardable(model: str, size: int) -> None:
+    """ValueError, before any rank starts, where `model` cannot run over `size` ranks: the sim
+    device, or head counts that do not divide. Reads the model's config only, not its weights."""
+    if model == "sim":
+        raise ValueError("--tp: the sim device has no weights to shard (run it with --tp 1)")
+    check_divisible(model_config(model), size)
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of `tiny`, `smollm2`, a `.gguf` file or a checkpoint directory, weights unread."""
+    if model == "tiny":
+        return TINY_CONFIG
+    path = smollm2_path() if model == SMOLLM2_NAME else Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_config(path, SMOLLM2_NAME if model == SMOLLM2_NAME else path.stem)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
+        )
+    return config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
 
 
 def _load_llama(

