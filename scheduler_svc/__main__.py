@@ -106,8 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--worker-step-timeout",
         type=float,
         default=CoreConfig.worker_step_timeout_s,
-        help="a launched step without a result, or a handshake that does not complete, for this long "
-        "means a hung worker: the session is dropped and its requests recomputed on the next one",
+        help="a worker that says nothing for this long while a step or the handshake is pending is hung "
+        "(it sends keepalives while a step computes, so a slow step is not): the session is dropped "
+        "and its requests recomputed on the next one",
     )
     p.add_argument(
         "--late-pick",
@@ -265,7 +266,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
 
 async def serve(args: argparse.Namespace, transport: WorkerTransport | None = None) -> None:
     """The engine core, with its frontends in their own processes or (--frontends 0) in this one."""
-    link = LinkConfig(args.worker_token, args.max_batch_tokens)
+    link = LinkConfig(args.worker_token, args.max_batch_tokens, args.worker_step_timeout)
     transport = transport or GrpcTransport(args.worker, worker_credentials(args), link)
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
     core = EngineCore(transport, core_config(args), telemetry)
@@ -297,7 +298,7 @@ async def _serve_frontend_here(core: EngineCore, args: argparse.Namespace, stop:
     print(f"scheduler listening on {where} (mode {args.mode}, worker {args.worker})", flush=True)
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", args.grace)
-    await stop_apis(server, health_servicer, http, args.grace)
+    await stop_apis(frontend, server, health_servicer, http, args.grace)
 
 
 async def _serve_frontend_processes(core: EngineCore, args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -360,17 +361,39 @@ def describe_http(http: HttpServer | None) -> str:
     return "" if http is None else f", HTTP on port {http.port}"
 
 
+# Requests still open this long before --grace ends are ended with UNAVAILABLE, so that their
+# error (a stream's error event and [DONE], a 503 body) is written before the servers cut them.
+END_BEFORE_GRACE_S = 0.5
+
+
 async def stop_apis(
+    frontend: Frontend,
     server: grpc.aio.Server,
     health_servicer: health_aio.HealthServicer,
     http: HttpServer | None,
     grace_s: float,
 ) -> None:
-    """Both APIs drain at once, each for up to `grace_s`."""
+    """Both APIs drain at once for up to `grace_s`; what is still open by then ends with
+    UNAVAILABLE (gRPC) or 503 and an OpenAI error (HTTP; an error event and [DONE] mid-stream)."""
+
+    async def end_the_rest() -> None:
+        await asyncio.sleep(max(grace_s - END_BEFORE_GRACE_S, grace_s / 2))
+        if frontend.clients:
+            log.warning(
+                "--grace %gs is over: %d open requests end with UNAVAILABLE", grace_s, len(frontend.clients)
+            )
+        frontend.fail_all(
+            grpc.StatusCode.UNAVAILABLE, f"the server is shutting down (--grace {grace_s:g}s is over)"
+        )
+
+    ender = asyncio.create_task(end_the_rest())
     drains = [graceful_stop(server, health_servicer, grace_s)]
     if http is not None:
         drains.append(http.stop(grace_s))
-    await asyncio.gather(*drains)
+    try:
+        await asyncio.gather(*drains)
+    finally:
+        ender.cancel()
 
 
 def worker_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:

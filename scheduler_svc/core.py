@@ -30,7 +30,12 @@ from scheduler_svc.outputs import Outbox, OutputSink
 from scheduler_svc.policy import PolicyConfig, Refused, SchedulerStats, SchedulingPolicy
 from scheduler_svc.request import Request
 from scheduler_svc.telemetry import SchedulerTelemetry
-from scheduler_svc.transport import WorkerSession, WorkerTransport, WorkerUnavailable
+from scheduler_svc.transport import (
+    DEFAULT_SILENCE_TIMEOUT_S,
+    WorkerSession,
+    WorkerTransport,
+    WorkerUnavailable,
+)
 from stepahead.protocol import StepResult, WorkerInfo, WorkerStepError
 
 log = logging.getLogger("stepahead.core")
@@ -45,9 +50,10 @@ class CoreConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
     worker_retry_timeout_s: float = 30.0  # live requests wait this long for a worker to come back
-    # A launched step with no result for this long, or a handshake that does not complete in it,
-    # ends the session as a crash would: a hung (e.g. stopped) worker.
-    worker_step_timeout_s: float = 10.0
+    # A worker that says nothing (no result, no Keepalive) for this long while a step of it is
+    # pending is hung (e.g. stopped): its session ends as a crash would. A slow step is not a
+    # hung one: the worker sends Keepalives while it computes.
+    worker_step_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
     idle_heartbeat_s: float = 2.0  # idle: a row-less launch this often, so a hung worker is found
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
     depth: DepthConfig = field(default_factory=DepthConfig)  # overlap: batches launched ahead
@@ -251,22 +257,34 @@ class EngineCore:
                 f"result of step {result.step_id} (session {result.epoch}) for step {batch.step_id} "
                 f"(session {batch.epoch}): never applied"
             )
+        if self._lost_at is not None:
+            self._recovered()
         self.late_pick.observe(batch.num_tokens, result)
         with self.telemetry.phase("process", batch.step_id):
             self.policy.update_from_result(batch, result.token_ids, result.logprobs)
             self.outbox.flush()
 
     async def _result_in_time(self, batch: ScheduledBatch, handle: StepHandle) -> StepResult:
-        """The watchdog: a step's result within --worker-step-timeout of its launch."""
+        """The watchdog: the step's result, unless the worker falls silent (no result and no
+        Keepalive) for --worker-step-timeout while it is pending. However long the step takes,
+        a worker that keeps saying it is alive keeps its session."""
         timeout = self.config.worker_step_timeout_s
-        left = batch.launched_at + timeout - time.monotonic()
-        try:
-            return await asyncio.wait_for(asyncio.shield(handle), max(left, 0.0))
-        except TimeoutError:
+        session = self.session
+        assert session is not None
+        while True:
+            heard = max(batch.launched_at, session.last_heard)
+            left = max(heard + timeout - time.monotonic(), 0.0)
+            try:
+                return await asyncio.wait_for(asyncio.shield(handle), left)
+            except TimeoutError:
+                await asyncio.sleep(0)  # a word that arrived meanwhile is read before judging
+                if handle.done() or session.last_heard > heard:
+                    continue
             self.telemetry.step_timeouts.inc()
             raise WorkerUnavailable(
-                f"step {batch.step_id}: no result within --worker-step-timeout {timeout:g}s (a hung worker?)"
-            ) from None
+                f"step {batch.step_id}: the worker said nothing for --worker-step-timeout {timeout:g}s "
+                "(a hung or stopped worker?)"
+            )
 
     # ---- the worker session ------------------------------------------------------------
 
@@ -286,11 +304,8 @@ class EngineCore:
             delay = min(delay * 2, max_delay)
 
     async def _handshake(self) -> WorkerSession:
-        timeout = self.config.worker_step_timeout_s
-        try:
-            return await asyncio.wait_for(self.transport.connect(), timeout)
-        except TimeoutError:
-            raise WorkerUnavailable(f"no handshake within --worker-step-timeout {timeout:g}s") from None
+        """The transport bounds it: no word from the worker for --worker-step-timeout fails it."""
+        return await self.transport.connect()
 
     def _start_session(self, session: WorkerSession) -> bool:
         """False if the session cannot be used (then the caller retries)."""
@@ -303,9 +318,9 @@ class EngineCore:
         except Exception:
             log.exception("worker session %d unusable; retrying", info.epoch)
             return False
-        self.session, self.info, self._lost_at = session, info, None
-        if self._expiry is not None:
-            self._expiry.cancel()
+        # NOTE: --worker-retry-timeout keeps counting until the session returns a result: a
+        # worker that accepts sessions and loses them again is still lost.
+        self.session, self.info = session, info
         self.late_pick = LatePick(self.config.late_pick)
         self.depth = OverlapDepth(self.config.depth)  # another link, maybe: measured afresh
         log.info(
@@ -349,11 +364,19 @@ class EngineCore:
         for frontend in list(self.frontends):
             frontend.worker_state(self.info, self.ready)
 
+    def _recovered(self) -> None:
+        """The first result since the worker was lost: it is back."""
+        self._lost_at = None
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
     def _expire_if_lost_too_long(self) -> None:
-        """Live requests end with UNAVAILABLE once the worker has been gone too long; requests
+        """Live requests end with UNAVAILABLE once the worker has been gone too long (counted
+        from the first loss of a run of lost sessions, until one returns a result); requests
         that arrive later wait for a full timeout of their own."""
         retry = self.config.worker_retry_timeout_s
-        if self.session is None and self._lost_at is not None:
+        if self._lost_at is not None:
             self.policy.fail_all(f"no worker for {retry:g}s (--worker-retry-timeout)")
             self.outbox.flush()
             self._lost_at = time.time()

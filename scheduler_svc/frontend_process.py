@@ -46,13 +46,13 @@ async def serve(args: argparse.Namespace) -> int:
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({attached, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
-        await stop_apis(server, health_servicer, http, args.grace)
+        await stop_apis(frontend, server, health_servicer, http, args.grace)
         await core.close()
         return 0
     log.error("the engine core is gone: ending every request here and exiting")
     await set_serving(health_servicer, SERVICE_NAME, False)
     frontend.fail_all(grpc.StatusCode.UNAVAILABLE, "the engine core is gone")
-    await stop_apis(server, health_servicer, http, 1.0)
+    await stop_apis(frontend, server, health_servicer, http, 1.0)
     return 1
 
 

@@ -62,8 +62,10 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
     504: "timeout_error",
@@ -152,8 +154,11 @@ class OpenAIApi:
             if body.stream:
                 return await self._stream(request, completions, choices, ids, body.include_usage)
             return await self._whole(request, completions, choices, ids)
+        except ClientGone:  # a quiet abort: the client is not there to read any response
+            self._frontend.cancel(completions)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
-            self._frontend.cancel(completions)  # a no-op once they finished: else the client went away
+            self._frontend.cancel(completions)  # a no-op once they finished
             raise
 
     def _admit(self, body: Body, rid: str) -> Completions:
@@ -224,7 +229,9 @@ class OpenAIApi:
             )
 
     def _model_name(self) -> str:
-        if self._frontend.info is None or not self._frontend.ready:
+        """503 until a worker has been seen; while one restarts, requests wait for it (up to
+        --worker-retry-timeout) as on the gRPC API."""
+        if self._frontend.info is None:
             raise HttpError(503, NO_WORKER)
         return self._config.served_model_name or self._frontend.info.model
 
@@ -237,17 +244,24 @@ class OpenAIApi:
         return served
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
+        _check_content_type(request)
         raw = await self._read_body(request)
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HttpError(400, f"the body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise HttpError(400, "the body is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # malformed, not UTF-8, or an integer of over 4300 digits
+            raise HttpError(400, f"the body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise HttpError(400, "the body must be a JSON object")
+        if (path := _lone_surrogate(data)) is not None:
+            raise HttpError(400, f"{path}: a lone UTF-16 surrogate is not text", path)
         try:
             return model.model_validate(data)
         except pydantic.ValidationError as exc:
             raise _validation_error(exc) from exc
+        except RecursionError:
+            raise HttpError(400, "the body is nested too deeply") from None
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self._config.max_request_bytes
@@ -261,6 +275,43 @@ class OpenAIApi:
                 raise HttpError(413, f"the body is larger than {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only: a web page can POST text/plain or a form to this port without asking
+    first (no CORS preflight), never application/json."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type or "none"
+        raise HttpError(415, f"Content-Type: the body must be application/json (got {shown})")
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path (`messages[0].content`) of the first key or string in `data` holding a lone
+    UTF-16 surrogate (`"\\ud800"` parses, but is no text); None when there is none."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                if _has_surrogate(key):
+                    return path or "body"
+                stack.append((item, child))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _model_card(model: str) -> dict[str, Any]:
@@ -302,17 +353,25 @@ def _stream_error(completions: Completions) -> HttpError:
     return _api_error(ApiError(code, message))
 
 
+class ClientGone(Exception):
+    """The client disconnected before its response began."""
+
+
+CLIENT_CLOSED_REQUEST = 499  # as nginx logs it; never reaches the client
+
+
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result; CancelledError if the client disconnects first."""
+    """`work`'s result; ClientGone if the client disconnects first."""
     job = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        job.cancel()  # a no-op once done
-    if job.cancelled():
-        raise asyncio.CancelledError("the client disconnected")
+        if not job.done():
+            job.cancel()
+    if not job.done() or job.cancelled():
+        raise ClientGone
     return job.result()
 
 

@@ -57,14 +57,21 @@ class FieldError(ValueError):
         self.field = field
 
 
+# NOTE: strict: a boolean is a JSON boolean and an integer a JSON integer (`"stream": "yes"` or
+# `"max_tokens": true` is a 400 naming the field, not coerced); a float field takes integers.
+STRICT = ConfigDict(strict=True, extra="ignore")
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """What both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     temperature: float | None = None
@@ -186,12 +193,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: str
     text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: str
     content: str | list[TextPart] | None = None

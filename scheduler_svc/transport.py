@@ -45,6 +45,12 @@ class WorkerUnavailable(ConnectionError):
 class WorkerSession(Protocol):
     info: WorkerInfo
 
+    @property
+    def last_heard(self) -> float:
+        """When the worker last said anything (time.monotonic()): a result, or a Keepalive
+        while a step computes. The core's watchdog ends a session only after a long silence."""
+        ...
+
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]: ...
 
     async def close(self) -> None: ...
@@ -66,13 +72,24 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
+DEFAULT_SILENCE_TIMEOUT_S = 10.0  # --worker-step-timeout
+
+
 @dataclass(frozen=True)
 class LinkConfig:
     """What the scheduler tells and shows the worker in each handshake."""
 
     token: str | None = None  # --worker-token, sent as `authorization: Bearer <token>`
     max_batch_tokens: int = 0  # the step budget the worker enforces (0: none announced)
+    # --worker-step-timeout: a worker silent this long (no Welcome, result or Keepalive) is hung.
+    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
     scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # one per scheduler process
+
+
+def keepalive_interval(silence_timeout_s: float) -> float:
+    """How often the worker is asked to speak while a step computes: five times within the
+    timeout, at most once a second."""
+    return min(1.0, silence_timeout_s / 5)
 
 
 class GrpcTransport:
@@ -122,6 +139,7 @@ class GrpcWorkerSession:
         self._reader: asyncio.Task[None] | None = None
         self._failure: WorkerUnavailable | None = None
         self.info: WorkerInfo
+        self.last_heard = time.monotonic()
 
     async def handshake(self) -> None:
         link = self._link
@@ -129,16 +147,33 @@ class GrpcWorkerSession:
             protocol_version=PROTOCOL_VERSION,
             scheduler_id=link.scheduler_id,
             max_batch_tokens=link.max_batch_tokens,
+            keepalive_interval_s=keepalive_interval(link.silence_timeout_s),
         )
+        timeout = link.silence_timeout_s
         try:
-            await self._call.write(worker_pb2.SchedulerMessage(hello=hello))
-            first = await self._call.read()
+            await asyncio.wait_for(self._call.write(worker_pb2.SchedulerMessage(hello=hello)), timeout)
+            first = await self._read_past_keepalives()
+        except TimeoutError:
+            raise WorkerUnavailable(f"{self._target}: no connection within {timeout:g}s") from None
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}") from exc
         if not isinstance(first, worker_pb2.WorkerMessage) or not first.HasField("welcome"):
             raise WorkerUnavailable(f"{self._target}: no Welcome in the handshake")
         self.info = info_from_proto(first.welcome)
         self._reader = asyncio.create_task(self._read_results())
+
+    async def _read_past_keepalives(self) -> object:
+        """The first message that is not a Keepalive (the worker may still be finishing a step
+        of the session before); WorkerUnavailable after silence_timeout_s without a word."""
+        timeout = self._link.silence_timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(self._call.read(), timeout)
+            except TimeoutError:
+                raise WorkerUnavailable(f"no handshake: the worker said nothing for {timeout:g}s") from None
+            self.last_heard = time.monotonic()
+            if not (isinstance(message, worker_pb2.WorkerMessage) and message.HasField("keepalive")):
+                return message
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
         if self._failure is not None:
@@ -162,12 +197,15 @@ class GrpcWorkerSession:
     async def _read_results(self) -> None:
         try:
             while (message := await self._call.read()) is not grpc.aio.EOF:
+                self.last_heard = time.monotonic()
                 self._deliver(cast(worker_pb2.WorkerMessage, message))
             self._fail_pending(WorkerUnavailable(f"{self._target}: the worker ended the session"))
         except grpc.aio.AioRpcError as exc:
             self._fail_pending(WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}"))
 
     def _deliver(self, message: worker_pb2.WorkerMessage) -> None:
+        if message.HasField("keepalive"):
+            return
         step_id, done, sent_at = self._pending.popleft()
         if message.HasField("error"):
             done.set_exception(WorkerStepError(message.error.step_id, message.error.message))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from stepahead.v1 import worker_pb2
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Keepalive messages while a step computes
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

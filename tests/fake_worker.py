@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 from stepahead.protocol import Launch, StepResult, TokenizerSpec, WorkerInfo
 from worker_svc.backends import sim_next_token
@@ -28,6 +29,11 @@ class FakeWorker:
             "fake", 258, 8192, (257,), 256, kv_slots, request_slots, "host", TokenizerSpec("byte")
         )
         self._held: collections.deque[tuple[asyncio.Future[StepResult], StepResult]] = collections.deque()
+
+    @property
+    def last_heard(self) -> float:
+        """A host worker in the test's process: never silent."""
+        return time.monotonic()
 
     async def connect(self) -> FakeWorker:
         """The worker is its own (only) session."""

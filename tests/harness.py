@@ -95,6 +95,10 @@ class DelayedSession:
         self.outstanding = 0
         self.max_outstanding = 0  # launches sent whose result had not come back, at most
 
+    @property
+    def last_heard(self) -> float:
+        return self._inner.last_heard
+
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
         done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((time.monotonic(), launch, done))
@@ -159,6 +163,10 @@ class SkewedSession:
     def __init__(self, inner: WorkerSession, skew_s: float) -> None:
         self.info = inner.info
         self._inner, self._skew_s = inner, skew_s
+
+    @property
+    def last_heard(self) -> float:
+        return self._inner.last_heard
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
         done = await self._inner.launch(launch)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import grpc
+import httpx2
 import pytest
 
 from bench.promtext import Samples, scrape, total
@@ -301,23 +302,39 @@ def test_requests_arriving_during_a_worker_outage_wait_for_the_next_worker() -> 
     scheduler = None
     try:
         # A hang guard: the next worker comes in seconds.
-        scheduler = spawn_scheduler(worker.address, ["--worker-retry-timeout", "600", *frontend_flags(2)])
+        flags = ["--worker-retry-timeout", "600", "--http-port", str(unused_port()), *frontend_flags(2)]
+        scheduler = spawn_scheduler(worker.address, flags)
         wait_serving(scheduler.address)
         asyncio.run(wait_frontends_serving(scheduler.address, 2))  # each knows the model
         worker.proc.kill()
         worker.proc.wait(STOP_TIMEOUT_S)
 
-        async def during_outage() -> list[list[int]]:
+        async def during_outage() -> tuple[list[list[int]], list[httpx2.Response]]:
             nonlocal worker
+            assert scheduler is not None
             await wait_info(scheduler.address, lambda i: not i.worker_connected, "the worker lost")
-            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+            url = f"{scheduler.http_url}/v1/completions"
+            bodies = [
+                {"prompt": f"h{i}", "max_tokens": 10, "ignore_eos": True, "stream": i == 1} for i in range(2)
+            ]
+            async with (
+                grpc.aio.insecure_channel(scheduler.address) as channel,
+                httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http,
+            ):
                 calls = [asyncio.create_task(tokens_of(channel, request(f"o{i}", 10))) for i in range(5)]
+                posts = [asyncio.create_task(http.post(url, json=body)) for body in bodies]
                 # They arrived while no worker is connected (none can come before the next line):
-                await wait_info(scheduler.address, lambda i: i.requests_waiting == 5, "5 waiting")
+                await wait_info(scheduler.address, lambda i: i.requests_waiting == 7, "7 waiting")
                 worker = await asyncio.to_thread(spawn_worker, SIM, port)
-                return await asyncio.gather(*calls)
+                return await asyncio.gather(*calls), await asyncio.gather(*posts)
 
-        assert asyncio.run(during_outage()) == [sim_expected(f"o{i}".encode(), 10) for i in range(5)]
+        grpc_tokens, http_responses = asyncio.run(during_outage())
+        assert grpc_tokens == [sim_expected(f"o{i}".encode(), 10) for i in range(5)]
+        # HTTP requests wait for the next worker as gRPC ones do (not a 503):
+        whole, streamed = http_responses
+        assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 10, whole.text
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n"), streamed.text
+        assert '"finish_reason": "length"' in streamed.text or '"finish_reason":"length"' in streamed.text
     finally:
         for service in (scheduler, worker):
             if service is not None and service.proc.poll() is None:

@@ -50,6 +50,7 @@ CONVERSATION: list[Any] = [
     {"role": "user", "content": "Grüß dich"},
 ]
 MAX_REQUEST_BYTES = 16384
+JSON_HEADERS = {"content-type": "application/json"}
 API_KEY = "openai-api-test-key"
 SERVED_NAME = "stepahead/sim-demo"
 IGNORE_EOS = {"ignore_eos": True}
@@ -537,7 +538,7 @@ async def test_body_over_max_request_bytes_is_413(
     url = f"{tiny.http_url}/v1/completions"
     async with httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
         if framing == "chunked":
-            response = await http.post(url, content=oversized_body())
+            response = await http.post(url, content=oversized_body(), headers=JSON_HEADERS)
         else:
             response = await http.post(url, json={"model": "tiny", "prompt": "x" * MAX_REQUEST_BYTES})
     assert str(MAX_REQUEST_BYTES) in error_of(response, 413)["message"]
@@ -651,7 +652,11 @@ async def test_health_is_503_without_a_worker(lost_worker: LostWorker) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_completion_is_503_without_a_worker(lost_worker: LostWorker, stream: bool) -> None:
+async def test_completion_is_503_once_no_worker_came_back_within_the_retry_timeout(
+    lost_worker: LostWorker, stream: bool
+) -> None:
+    """It waits for a worker as a gRPC request does (--worker-retry-timeout 1 s here), then ends
+    with 503 (tests/test_frontends.py: one that comes back in time serves it)."""
     async with api(lost_worker.scheduler.http_url) as client:
         with pytest.raises(openai.InternalServerError) as refused:
             await client.completions.create(model="sim", prompt="anyone?", max_tokens=2, stream=stream)

@@ -304,6 +304,34 @@ def test_killing_a_rank_mid_load_loses_no_request(
         worker.stop()
 
 
+def test_a_killed_launcher_takes_its_ranks_with_it_and_frees_the_port() -> None:
+    port = unused_port()
+    worker = spawn_worker(["--model", "tiny", "--tp", "2"], port)
+    try:
+        wait_serving(worker.address)
+        ranks = rank_pids(worker.proc)
+        assert len(ranks) == 2
+        worker.proc.kill()  # kill -9: the launcher cannot pass anything on
+        worker.proc.wait()
+        wait_until(lambda: not [pid for pid in ranks if _alive(pid)], "every rank gone")
+    finally:
+        worker.stop()
+    successor = spawn_worker(["--model", "sim"], port)  # the port is free again
+    try:
+        wait_serving(successor.address)
+    finally:
+        successor.stop()
+
+
+def _alive(pid: int) -> bool:
+    """A rank that has not exited (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
 def stopped(pid: int) -> Iterator[None]:
     """The process stopped (SIGSTOP) until the block ends (tests.live.paused, for a bare pid)."""

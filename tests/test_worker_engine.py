@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from stepahead.protocol import Launch, NewRequest
 from tests.harness import make_engine
 from worker_svc.backends import sim_next_token
-from worker_svc.engine import EngineStats, LaunchError, WorkerEngine
+from worker_svc.engine import EngineStats, LaunchError, SessionEnded, WorkerEngine
 from worker_svc.future_map import SENTINEL, FutureMap, FutureMapSentinelError
 
 CPU = torch.device("cpu")
@@ -139,13 +141,41 @@ def test_a_new_session_starts_its_counters_at_zero(engine: WorkerEngine) -> None
     assert engine.stats() == EngineStats(before.epoch + 1, 0, 0, 0, 0, 0)
 
 
-def test_launches_of_the_previous_session_do_not_count_in_the_next(engine: WorkerEngine) -> None:
-    # Queued before the new session begins, so run (and fail) before its reset.
-    stale = [engine.submit(Launch(9)), engine.submit(decode(1, [0], [0], [0]))]
-    engine.begin_session().result()
+@contextlib.contextmanager
+def forward_thread_busy(engine: WorkerEngine) -> Iterator[None]:
+    """The forward thread held (as by a long step of the session before) until the block ends:
+    what is submitted meanwhile is queued, whatever the machine's speed."""
+    gate = threading.Event()
+    engine._forward_thread.submit(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+def test_launches_queued_when_a_new_session_begins_are_dropped_unrun(engine: WorkerEngine) -> None:
+    with forward_thread_busy(engine):
+        stale = [engine.submit(Launch(9)), engine.submit(decode(1, [0], [0], [0]))]
+        begun = engine.begin_session()
+    begun.result()
     for future in stale:
-        with pytest.raises(LaunchError):
+        with pytest.raises(SessionEnded):
             future.result()
     engine.submit(Launch(1, new_requests=[new(0)])).result()
     stats = engine.stats()
     assert (stats.out_of_order_launches, stats.sentinel_reads, stats.steps_executed) == (0, 0, 1)
+
+
+def test_an_ended_session_s_queued_launches_are_dropped_and_its_ticket_ends_nothing_later(
+    engine: WorkerEngine,
+) -> None:
+    ticket = engine.session_ticket
+    with forward_thread_busy(engine):
+        queued = engine.submit(Launch(1, new_requests=[new(0)]), ticket)
+        engine.end_session(ticket)
+    with pytest.raises(SessionEnded):
+        queued.result()
+    engine.begin_session().result()
+    engine.end_session(ticket)  # the old session's end, heard late: the new one is not ended
+    engine.submit(Launch(1, new_requests=[new(0)]), engine.session_ticket).result()
+    assert engine.stats().steps_executed == 1

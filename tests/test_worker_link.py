@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -113,7 +114,7 @@ async def load_in_flight(
 
 
 def handshake_timed_out(scheduler: Service) -> bool:
-    return any("no handshake within --worker-step-timeout" in line for line in list(scheduler.output))
+    return any("no handshake: the worker said nothing" in line for line in list(scheduler.output))
 
 
 def test_a_stopped_worker_is_detected_and_the_load_completes_after_it_resumes() -> None:
@@ -141,6 +142,35 @@ def test_a_stopped_worker_is_detected_and_the_load_completes_after_it_resumes() 
         outputs = asyncio.run(load_with_a_stop())
         assert outputs == [expected(i, n) for i, n in enumerate(lengths)]
         assert total(scrape(scheduler.metrics_url), "stepahead_worker_step_timeouts_total") >= 1
+
+
+SLOW_TIMEOUT_S = 2.0  # --worker-step-timeout of the slow-worker cases: each step is slower
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "depth", "n"),
+    [(1000, "3", 8), (3 * SLOW_TIMEOUT_S * 1000, "1", 2)],
+    ids=["steps over timeout/(depth+1) at depth 3", "one step three timeouts long"],
+)
+def test_a_slow_worker_is_not_a_dead_one(step_ms: float, depth: str, n: int) -> None:
+    """Every step is slower than the watchdog would allow from launch to result (at depth 3,
+    four batches in flight at a second each; or one step of three timeouts): the worker's
+    keepalives keep the session, and the requests finish with the sim's tokens."""
+    worker = spawn_worker(["--model", "sim", "--sim-step-ms", str(step_ms), "--sim-token-us", "0"])
+    flags = ["--worker-step-timeout", str(SLOW_TIMEOUT_S), "--overlap-depth", depth, *RETRY]
+    scheduler = spawn_scheduler(worker.address, flags)
+    with running(scheduler, worker):
+        wait_serving(scheduler.address)
+
+        async def slow_load() -> list[list[int]]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                return await asyncio.gather(*(tokens(stub, i, n) for i in range(2)))
+
+        assert asyncio.run(slow_load()) == [expected(i, n) for i in range(2)]
+        assert total(scrape(scheduler.metrics_url), "stepahead_worker_step_timeouts_total") == 0
+        opened = [line for line in list(worker.output) if re.search(r"session \d+ opened", line)]
+        assert len(opened) == 1, opened  # one session throughout
 
 
 def test_a_worker_stopped_for_good_ends_every_request_with_unavailable_in_bounded_time() -> None:

@@ -138,9 +138,9 @@ def guard_engine(engine: WorkerEngine, monkeypatch: pytest.MonkeyPatch) -> Trans
     guard = TransferGuard()
     enqueue = engine._enqueue
 
-    def guarded_enqueue(launch: Launch) -> Any:
+    def guarded_enqueue(launch: Launch, ticket: int) -> Any:
         with guard.guarded():
-            return enqueue(launch)
+            return enqueue(launch, ticket)
 
     monkeypatch.setattr(engine, "_enqueue", guarded_enqueue)
     streams = engine.streams

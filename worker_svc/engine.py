@@ -277,6 +277,10 @@ def _enter_inference_mode() -> None:
     _FORWARD_THREAD.inference_mode = guard
 
 
+class SessionEnded(RuntimeError):
+    """A launch dropped unrun: its session ended while it waited its turn."""
+
+
 class WorkerEngine:
     def __init__(
         self,
@@ -313,6 +317,9 @@ class WorkerEngine:
         self._steps_executed = 0
         self._out_of_order = 0
         self._limits = self._session_limits(None)
+        # The live session's ticket: a launch submitted under another is dropped unrun when its
+        # turn comes (written on the caller's thread, read on the forward thread).
+        self._ticket = 0
 
     @property
     def info(self) -> WorkerInfo:
@@ -355,11 +362,25 @@ class WorkerEngine:
         (`launch_check.step_budget`). ValueError, at once, if it is below 1.
         """
         limits = self._session_limits(max_batch_tokens)
+        self._ticket += 1  # launches of the session before, still queued, are dropped
         return self._forward_thread.submit(self._lead_session, max_batch_tokens, limits)
 
-    def submit(self, launch: Launch) -> concurrent.futures.Future[StepResult]:
-        """Enqueue a launch; the future resolves, in launch order, with its tokens."""
-        pending = self._forward_thread.submit(self._enqueue, launch)
+    @property
+    def session_ticket(self) -> int:
+        """The ticket of the session begun last, for `submit` and `end_session`."""
+        return self._ticket
+
+    def end_session(self, ticket: int) -> None:
+        """The session of `ticket` is over: its launches still queued are dropped unrun (their
+        futures fail with SessionEnded), so the next session's steps wait behind none of them."""
+        if self._ticket == ticket:
+            self._ticket += 1
+
+    def submit(self, launch: Launch, ticket: int | None = None) -> concurrent.futures.Future[StepResult]:
+        """Enqueue a launch of the session of `ticket` (None: the live one); the future
+        resolves, in launch order, with its tokens."""
+        ticket = self._ticket if ticket is None else ticket
+        pending = self._forward_thread.submit(self._enqueue, launch, ticket)
         return self._copy_thread.submit(self._complete, launch, pending)
 
     def shutdown(self) -> None:
@@ -456,7 +477,9 @@ class WorkerEngine:
         )
         self.tracer.span("copy", f"copy {launch.step_id}", timing.forward_end, timing.copy_end)
 
-    def _enqueue(self, launch: Launch) -> _Enqueued:
+    def _enqueue(self, launch: Launch, ticket: int) -> _Enqueued:
+        if ticket != self._ticket:
+            raise SessionEnded(f"step {launch.step_id}: its session ended before it ran")
         self._check(launch)
         return self._lead(lambda: self._run_and_copy(launch))
 

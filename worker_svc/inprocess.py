@@ -7,6 +7,7 @@ process boundary costs (`python -m stepahead.colocated`).
 from __future__ import annotations
 
 import asyncio
+import time
 
 from stepahead.protocol import Launch, StepResult, WorkerInfo
 from worker_svc.engine import WorkerEngine
@@ -16,6 +17,11 @@ class InProcessSession:
     def __init__(self, engine: WorkerEngine, info: WorkerInfo) -> None:
         self._engine = engine
         self.info = info
+
+    @property
+    def last_heard(self) -> float:
+        """The engine shares this process: it is never silent while this one runs."""
+        return time.monotonic()
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
         return asyncio.wrap_future(self._engine.submit(launch))

@@ -5,17 +5,19 @@ set, as torchrun would set them; they rendezvous at a TCPStore this process host
 prefix per start of the group. When a rank exits the group cannot go on: the others are
 killed and, if the group had come up (rank 0 was serving) and restarts remain, a new group
 starts on the same ports. SIGTERM or SIGINT goes to rank 0, which drains and then stops the
-other ranks; this process exits with rank 0's code.
+other ranks; this process exits with rank 0's code. The ranks die with it, however it dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from torch._C._distributed_c10d import TCPStore
@@ -34,7 +36,9 @@ class _Group:
     def __init__(self, argv: list[str], size: int, store_port: int, attempt: int) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "worker_svc", *argv], env=_rank_env(r, size, store_port, attempt)
+                [sys.executable, "-m", "worker_svc", *argv],
+                env=_rank_env(r, size, store_port, attempt),
+                preexec_fn=_die_with_parent(os.getpid()),
             )
             for r in range(size)
         ]
@@ -63,6 +67,22 @@ class _Group:
                 proc.kill()
         for proc in self.procs:
             proc.wait()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """Run in each rank before it starts: the kernel SIGKILLs it when this launcher dies, however
+    (a `kill -9` included), so no rank outlives it holding the port; a launcher gone already
+    (between the fork and this) ends it at once."""
+
+    def arm() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def _rank_env(rank: int, size: int, store_port: int, attempt: int) -> dict[str, str]:

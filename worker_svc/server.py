@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health
@@ -24,7 +25,7 @@ from stepahead.protocol import (
 )
 from stepahead.serving import NO_PORT_SHARING, add_health_and_reflection, add_port
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc.engine import WorkerEngine
+from worker_svc.engine import SessionEnded, WorkerEngine
 
 log = logging.getLogger("stepahead.worker")
 
@@ -40,6 +41,7 @@ _InFlight = tuple[int, "asyncio.Future[StepResult]", float] | None  # step, resu
 
 
 DEFAULT_SCHEDULER_TIMEOUT_S = 10.0
+DEFAULT_KEEPALIVE_INTERVAL_S = 1.0  # when the Hello names none
 
 
 class _Session:
@@ -49,6 +51,8 @@ class _Session:
         self.scheduler_id = scheduler_id
         self.peer = peer
         self.epoch = 0
+        self.ticket = 0  # the engine's ticket for this session's launches
+        self.keepalive_interval_s = DEFAULT_KEEPALIVE_INTERVAL_S
         self.in_flight: asyncio.Queue[_InFlight] = asyncio.Queue()
         self.unanswered = 0  # launches taken whose result has not been sent
         self.superseded = False
@@ -123,21 +127,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         await self._refuse_if_busy(hello, context)
         session = self._replace_session(hello.scheduler_id, context.peer())
+        if hello.keepalive_interval_s > 0:
+            session.keepalive_interval_s = hello.keepalive_interval_s
         budget = hello.max_batch_tokens or None
-        info = await asyncio.wrap_future(self._engine.begin_session(max_batch_tokens=budget))
-        session.epoch = info.epoch
-        log.info("session %d opened by %s (scheduler %s)", info.epoch, session.peer, hello.scheduler_id)
-        yield worker_pb2.WorkerMessage(welcome=info_to_proto(info))
-        session.reader = asyncio.create_task(self._read_launches(request_iterator, session))
+        welcome = asyncio.wrap_future(self._engine.begin_session(max_batch_tokens=budget))
+        session.ticket = self._engine.session_ticket
         try:
+            # A step of the session before may still be computing: the forward thread is its.
+            async for keepalive in _keepalives_until(welcome, session.keepalive_interval_s, 0):
+                yield keepalive
+            info = welcome.result()
+            session.epoch = info.epoch
+            log.info("session %d opened by %s (scheduler %s)", info.epoch, session.peer, hello.scheduler_id)
+            yield worker_pb2.WorkerMessage(welcome=info_to_proto(info))
+            session.reader = asyncio.create_task(self._read_launches(request_iterator, session))
             async for message in self._results(session):
                 yield message
         finally:
-            session.reader.cancel()
+            if session.reader is not None:
+                session.reader.cancel()
+            # Launches of this session still queued are dropped unrun: the next session's steps
+            # wait behind none of them.
+            self._engine.end_session(session.ticket)
             if self._session is session:
                 self._session = None
             session.closed.set()
-            log.info("session %d closed", info.epoch)
+            log.info("session %d closed", session.epoch)
         if session.superseded:
             await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler session replaced this one")
 
@@ -216,7 +231,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     break
                 read_at = time.monotonic()
                 launch = launch_from_proto(message.launch)
-                done = asyncio.wrap_future(self._engine.submit(launch))
+                done = asyncio.wrap_future(self._engine.submit(launch, session.ticket))
+                done.add_done_callback(_retrieved)  # a session that ends leaves its results unread
                 session.unanswered += 1
                 session.in_flight.put_nowait((launch.step_id, done, read_at))
         finally:
@@ -247,8 +263,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _results(self, session: _Session) -> AsyncIterator[worker_pb2.WorkerMessage]:
         while (item := await session.in_flight.get()) is not None:
             step_id, done, read_at = item
+            async for keepalive in _keepalives_until(done, session.keepalive_interval_s, step_id):
+                yield keepalive
             try:
-                result = await done
+                result = done.result()
+            except SessionEnded:  # a newer session of this scheduler replaced this one
+                return
             except Exception as exc:  # the step failed: report it, end the session
                 log.exception("step %d failed", step_id)
                 yield worker_pb2.WorkerMessage(error=worker_pb2.StepError(step_id=step_id, message=str(exc)))
@@ -257,6 +277,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             message = result_to_proto(result)
             message.held_s = time.monotonic() - read_at
             yield worker_pb2.WorkerMessage(result=message)
+
+
+async def _keepalives_until(
+    pending: asyncio.Future[Any], interval_s: float, step_id: int
+) -> AsyncIterator[worker_pb2.WorkerMessage]:
+    """A Keepalive every `interval_s` until `pending` is done: the scheduler hears that this
+    process is alive however long the step takes (a stopped process sends nothing)."""
+    while not pending.done():
+        await asyncio.wait({pending}, timeout=interval_s)
+        if not pending.done():
+            yield worker_pb2.WorkerMessage(keepalive=worker_pb2.Keepalive(step_id=step_id))
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""The HTTP API against hostile bodies and clients: JSON that parses but cannot be served, bodies
+that are not JSON, loose types, and clients that leave before their response begins. Each gets
+a precise status in OpenAI's error shape (never a 500, never a traceback in the log), and the
+server keeps serving with every slot free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from stepahead.processes import STOP_TIMEOUT_S, Service, serving_pair
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc
+from tests.live import (
+    CALL_TIMEOUT_S,
+    FRONTEND_COUNTS,
+    frontend_flags,
+    paused,
+    server_info,
+    started_call,
+    unused_port,
+    wait_all_free,
+    wait_frontends_serving,
+    wait_info,
+)
+
+pytestmark = pytest.mark.anyio
+
+SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0"]
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Service, Service]]:
+    with serving_pair(SIM, ["--http-port", str(unused_port())]) as services:
+        yield services
+
+
+@pytest.fixture(scope="module")
+def sim(pair: tuple[Service, Service]) -> Service:
+    return pair[1]
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error: dict[str, Any] = body["error"]
+    return error
+
+
+async def post(
+    sim: Service, path: str, content: str | bytes, headers: dict[str, str] = JSON
+) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
+        return await http.post(f"{sim.http_url}{path}", content=content, headers=headers)
+
+
+async def still_serves(sim: Service) -> None:
+    body = {"prompt": "still there?", "max_tokens": 3}
+    response = await post(sim, "/v1/completions", json.dumps(body))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+    await wait_all_free(sim.address)
+
+
+def assert_no_traceback(sim: Service) -> None:
+    logged = "".join(list(sim.output))
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-3000:]
+
+
+# ---- bodies ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}],
+    ids=["text/plain", "form", "none"],
+)
+async def test_only_json_bodies_are_served(sim: Service, headers: dict[str, str]) -> None:
+    """A web page may POST text/plain or a form to 127.0.0.1 without a CORS preflight."""
+    response = await post(sim, "/v1/completions", json.dumps({"prompt": "hi"}), headers)
+    error = error_of(response, 415)
+    assert "application/json" in error["message"] and error["type"] == "invalid_request_error"
+    await still_serves(sim)
+
+
+CHAT = "/v1/chat/completions"
+SURROGATE = "\\ud800"  # as the JSON text holds it: parses to a lone surrogate
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", f'{{"prompt": "a{SURROGATE}b"}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": "a", "stop": ["x", "{SURROGATE}"]}}', "stop[1]"),
+        ("/v1/completions", f'{{"prompt": "a", "model": "{SURROGATE}"}}', "model"),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "{SURROGATE}"}}]}}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "{SURROGATE}", "content": "x"}}]}}',
+            "messages[0].role",
+        ),
+    ],
+    ids=["prompt", "stop", "model", "content", "role"],
+)
+async def test_a_lone_surrogate_is_400_naming_the_field(
+    sim: Service, path: str, body: str, param: str
+) -> None:
+    error = error_of(await post(sim, path, body), 400)
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert_no_traceback(sim)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ('{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        ('{"prompt": "a", "ignored": ' + "9" * 5000 + "}", "not valid JSON"),
+        ('{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}", "not valid JSON"),
+    ],
+    ids=["deep nesting", "huge integer, ignored field", "huge integer"],
+)
+async def test_json_that_parses_badly_is_400_not_500(sim: Service, body: str, says: str) -> None:
+    error = error_of(await post(sim, "/v1/completions", body), 400)
+    assert says in error["message"]
+    assert_no_traceback(sim)
+    await still_serves(sim)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", True), ("stream", "yes"), ("n", 1.5), ("echo", 1), ("seed", "7")],
+)
+async def test_booleans_and_integers_are_strict(sim: Service, field: str, value: object) -> None:
+    body = {"prompt": "a", "max_tokens": 2, field: value}
+    error = error_of(await post(sim, "/v1/completions", json.dumps(body)), 400)
+    assert error["param"] == field
+
+
+async def test_a_wrong_method_is_405_as_an_invalid_request(sim: Service) -> None:
+    async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
+        response = await http.get(f"{sim.http_url}/v1/completions")
+    assert error_of(response, 405)["type"] == "invalid_request_error"
+
+
+# ---- clients that leave ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream before its first chunk"])
+async def test_a_client_that_leaves_before_its_response_is_a_quiet_abort(
+    pair: tuple[Service, Service], stream: bool
+) -> None:
+    """The worker is stopped while the client sends and leaves, so no token can come first."""
+    worker, sim = pair
+    body = {"prompt": "leaving", "max_tokens": 500, "stream": stream}
+    with paused(worker.proc):
+        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
+            call = asyncio.create_task(http.post(f"{sim.http_url}/v1/completions", json=body))
+            await wait_info(sim.address, lambda i: i.requests_running + i.requests_waiting == 1, "admitted")
+            call.cancel()  # the connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        await wait_info(sim.address, lambda i: i.requests_running + i.requests_waiting == 0, "aborted")
+    await still_serves(sim)
+    assert_no_traceback(sim)
+    assert (await server_info(sim.address)).worker_connected
+
+
+# ---- shutdown past --grace ---------------------------------------------------------------
+
+GRACE_S = 2.0
+ENDLESS = 8000  # tokens: 24 s at least at the sim's 3 ms a step, far past --grace
+
+
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+async def test_requests_longer_than_the_grace_end_with_an_error_not_a_cut(frontends: int) -> None:
+    """SIGTERM with a stream, a whole request and a gRPC stream running, none of which can end
+    within --grace: the stream ends with an OpenAI error event and [DONE], the whole request
+    with a 503 in OpenAI's shape, the gRPC call with UNAVAILABLE."""
+    flags = ["--http-port", str(unused_port()), "--grace", str(GRACE_S), *frontend_flags(frontends)]
+    with serving_pair(SIM, flags) as (_, sim):
+        await wait_frontends_serving(sim.address, frontends)
+        body = {"prompt": "endless", "max_tokens": ENDLESS, "ignore_eos": True}
+        url = f"{sim.http_url}/v1/completions"
+        async with (
+            httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http,
+            grpc.aio.insecure_channel(sim.address) as channel,
+            http.stream("POST", url, json={**body, "stream": True}) as stream,
+        ):
+            lines = stream.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # streaming
+            whole = asyncio.create_task(http.post(url, json=body))
+            grpc_call = await started_call(
+                generation_pb2_grpc.GenerationStub(channel),
+                pb.GenerateRequest(
+                    request_id="g",
+                    text="endless",
+                    sampling=pb.SamplingParams(max_new_tokens=ENDLESS, ignore_eos=True),
+                ),
+            )
+            await wait_info(sim.address, lambda i: i.requests_running == 3, "three running")
+            sim.proc.send_signal(signal.SIGTERM)
+            events = [line async for line in lines if line]
+            refused = await whole
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await grpc_call
+        assert events[-1] == "data: [DONE]", events[-3:]
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert last["error"]["type"] == "service_unavailable_error" and "--grace" in last["error"]["message"]
+        assert "--grace" in error_of(refused, 503)["message"]
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert sim.proc.wait(STOP_TIMEOUT_S) == 0
+        assert_no_traceback(sim)
