@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.core import CoreConfig, EngineCore
 from scheduler_svc.depth import MAX_DEPTH, DepthConfig, parse_depth
 from scheduler_svc.frontend import Frontend, FrontendConfig
+from scheduler_svc.http_config import HttpLimits
 from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.link import LocalCore
 from scheduler_svc.policy import PolicyConfig
@@ -162,6 +163,18 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         type=_at_least(0),
         default=8000,
         help="port of the OpenAI-compatible HTTP API, on --host with the same TLS and API key (0: off)",
+    )
+    p.add_argument(
+        "--http-head-timeout",
+        type=float,
+        default=HttpLimits.head_timeout_s,
+        help="seconds an HTTP client has to send a whole request head (408 beyond: slowloris)",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=HttpLimits.body_pause_timeout_s,
+        help="seconds an HTTP request body may pause (408 beyond)",
     )
     p.add_argument(
         "--served-model-name",
@@ -352,9 +365,13 @@ def http_api(frontend: Frontend, args: argparse.Namespace, share_port: bool) -> 
     from scheduler_svc.http_server import HttpServer, HttpTls
     from scheduler_svc.openai_api import HttpApiConfig, build_app
 
-    app = build_app(frontend, HttpApiConfig(args.api_key, args.max_request_bytes, args.served_model_name))
+    limits = HttpLimits(head_timeout_s=args.http_head_timeout, body_pause_timeout_s=args.http_body_timeout)
+    config = HttpApiConfig(
+        args.api_key, args.max_request_bytes, args.served_model_name, limits.body_pause_timeout_s
+    )
+    app = build_app(frontend, config)
     tls = None if args.tls_cert is None else HttpTls(args.tls_cert, args.tls_key, args.tls_ca)
-    return HttpServer(app, args.host, args.http_port, tls, share_port)
+    return HttpServer(app, args.host, args.http_port, tls, share_port, limits)
 
 
 def describe_http(http: HttpServer | None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import resource
 import socket
 import ssl
 import tempfile
@@ -20,10 +21,13 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from scheduler_svc.http_config import HttpLimits
+from scheduler_svc.http_limits import limited_protocol
 from stepahead.serving import PortInUse, address_family
 
 HTTP_PORT_FLAG = "--http-port"
 START_TIMEOUT_S = 30.0
+DEFAULT_LIMITS = HttpLimits()
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,26 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls: HttpTls | None, share_port: bool) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        tls: HttpTls | None,
+        share_port: bool,
+        limits: HttpLimits = DEFAULT_LIMITS,
+    ) -> None:
         self._sock = bind_socket(host, port, share_port)
         self.port = int(self._sock.getsockname()[1])
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", log_level="warning")
+        config = uvicorn.Config(
+            app,
+            http=limited_protocol(limits),
+            limit_concurrency=connection_limit(),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            log_level="warning",
+        )
         config.load()
         config.ssl = None if tls is None else tls_context(tls)
         self._server = _EmbeddedServer(config)
@@ -65,6 +85,13 @@ class HttpServer:
         if self._task is not None:
             await self._task
         self._sock.close()
+
+
+def connection_limit() -> int:
+    """Open HTTP connections (and requests) a frontend serves at once: half its file
+    descriptors, so that gRPC, /metrics and the worker link keep theirs; over it, a 503."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, min(soft // 2, 8192))
 
 
 def bind_socket(host: str, port: int, share_port: bool) -> socket.socket:

@@ -27,6 +27,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler_svc.frontend import NO_WORKER, ApiError, Frontend
+from scheduler_svc.http_config import HttpLimits
 from scheduler_svc.openai_protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
@@ -63,6 +64,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
@@ -77,18 +79,27 @@ class HttpApiConfig:
     api_key: str | None = None  # None: no key asked
     max_request_bytes: int = 4 << 20
     served_model_name: str | None = None  # None: the worker's model name
+    body_pause_timeout_s: float = HttpLimits.body_pause_timeout_s
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        close: bool = False,
+    ) -> None:
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.close = status, param, code, close
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), ERROR_TYPES.get(self.status, "server_error"), self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"connection": "close"} if self.close else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def build_app(frontend: Frontend, config: HttpApiConfig = HttpApiConfig()) -> FastAPI:
@@ -269,7 +280,16 @@ class OpenAIApi:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, f"the body is larger than {limit} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
+        body, pause_s = aiter(request.stream()), self._config.body_pause_timeout_s
+        while True:
+            try:
+                async with asyncio.timeout(pause_s):
+                    chunk = await anext(body)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                message = f"the body paused for over {pause_s:g}s"
+                raise HttpError(408, message, close=True) from None
             size += len(chunk)
             if size > limit:
                 raise HttpError(413, f"the body is larger than {limit} bytes")

@@ -6,6 +6,7 @@ server keeps serving with every slot free."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import Iterator
@@ -223,3 +224,70 @@ async def test_requests_longer_than_the_grace_end_with_an_error_not_a_cut(fronte
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert sim.proc.wait(STOP_TIMEOUT_S) == 0
         assert_no_traceback(sim)
+
+
+# ---- the request head and body: size and time ------------------------------------------------
+
+PATIENCE_S = 2.0  # --http-head-timeout and --http-body-timeout of `limited`
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[Service]:
+    flags = ["--http-port", str(unused_port())]
+    flags += ["--http-head-timeout", str(PATIENCE_S), "--http-body-timeout", str(PATIENCE_S)]
+    with serving_pair(SIM, flags) as (_, scheduler):
+        yield scheduler
+
+
+async def exchange(service: Service, *parts: bytes) -> tuple[int, bytes]:
+    """Sends `parts` on one connection (until the server stops reading), then reads until the
+    server closes it: its status and body. The server must close it (a hang guard bounds it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_port(service))
+    try:
+        with contextlib.suppress(ConnectionError):  # a server that refuses may close mid-send
+            for part in parts:
+                writer.write(part)
+                await writer.drain()
+        response = await asyncio.wait_for(reader.read(), CALL_TIMEOUT_S)
+    finally:
+        writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+def http_port(service: Service) -> int:
+    return int(service.http_url.rsplit(":", 1)[1])
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+
+
+async def test_an_endless_header_is_431_once_it_passes_the_limit(limited: Service) -> None:
+    """An unauthenticated client sends a header that never ends: it is cut at 32 KiB."""
+    status, body = await exchange(limited, HEAD, b"x-endless: ", *[b"a" * 4096] * 64)  # 256 KiB
+    assert status == 431 and b"32768 bytes" in body
+    await still_serves(limited)
+
+
+async def test_too_many_header_fields_is_431(limited: Service) -> None:
+    fields = b"".join(b"x-h%d: v\r\n" % i for i in range(150))
+    status, body = await exchange(limited, HEAD + fields + b"content-length: 2\r\n\r\n{}")
+    assert status == 431 and b"100 header fields" in body
+    await still_serves(limited)
+
+
+async def test_half_sent_heads_are_closed_with_408_and_the_server_serves_meanwhile(limited: Service) -> None:
+    """Slowloris: 50 connections each stop mid-head; while they are open a request is served;
+    each is answered 408 and closed after --http-head-timeout."""
+    stalled = [asyncio.create_task(exchange(limited, HEAD + b"x-slow: 1\r\n")) for _ in range(50)]
+    await still_serves(limited)
+    outcomes = await asyncio.gather(*stalled)
+    assert {status for status, _ in outcomes} == {408}
+    await still_serves(limited)
+
+
+async def test_a_body_that_pauses_is_408(limited: Service) -> None:
+    status, body = await exchange(limited, HEAD + b"content-length: 100\r\n\r\n", b'{"prompt": ')
+    assert status == 408 and b"body paused" in body
+    await still_serves(limited)
+    assert_no_traceback(limited)
