@@ -292,7 +292,7 @@ class EngineCore:
         delay, max_delay = self.config.reconnect_backoff_s
         while not self._closing:
             try:
-                session = await self._handshake()
+                session = await self.transport.connect()  # bounded by the transport's silence timeout
             except WorkerUnavailable as exc:
                 level = logging.WARNING if delay >= max_delay else logging.INFO
                 log.log(level, "waiting for the worker (%s); retrying in %.1fs", exc, delay)
@@ -302,10 +302,6 @@ class EngineCore:
                 await session.close()
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
-
-    async def _handshake(self) -> WorkerSession:
-        """The transport bounds it: no word from the worker for --worker-step-timeout fails it."""
-        return await self.transport.connect()
 
     def _start_session(self, session: WorkerSession) -> bool:
         """False if the session cannot be used (then the caller retries)."""

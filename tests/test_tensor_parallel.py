@@ -263,7 +263,7 @@ def test_tp2_gives_tp1s_tokens_in_both_loops_and_sigterm_stops_every_rank(
             assert "stepahead_tensor_parallel_size{" in (text := response.read().decode())
         assert re.search(r"^stepahead_tensor_parallel_size\{.*\} 2\.0$", text, re.M), text
         assert worker.stop() == 0  # SIGTERM
-        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        assert not [pid for pid in ranks if _alive(pid)]
     finally:
         worker.stop()
 
