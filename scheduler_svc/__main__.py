@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.core import CoreConfig, EngineCore
 from scheduler_svc.depth import MAX_DEPTH, DepthConfig, parse_depth
 from scheduler_svc.frontend import Frontend, FrontendConfig
-from scheduler_svc.http_config import HttpLimits
+from scheduler_svc.http_config import HttpLimits, allowed_hosts
 from scheduler_svc.late_pick import LatePickConfig
 from scheduler_svc.link import LocalCore
 from scheduler_svc.policy import PolicyConfig
@@ -175,6 +175,14 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=HttpLimits.body_pause_timeout_s,
         help="seconds an HTTP request body may pause (408 beyond)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=allowed_hosts,
+        default=(),
+        help="comma-separated Host names the HTTP API answers to, e.g. 'localhost,127.0.0.1,"
+        "*.example.com' (any other: 400; /health answers any): a guard against DNS rebinding "
+        "(default: any host)",
     )
     p.add_argument(
         "--served-model-name",
@@ -367,7 +375,11 @@ def http_api(frontend: Frontend, args: argparse.Namespace, share_port: bool) -> 
 
     limits = HttpLimits(head_timeout_s=args.http_head_timeout, body_pause_timeout_s=args.http_body_timeout)
     config = HttpApiConfig(
-        args.api_key, args.max_request_bytes, args.served_model_name, limits.body_pause_timeout_s
+        args.api_key,
+        args.max_request_bytes,
+        args.served_model_name,
+        limits.body_pause_timeout_s,
+        allowed_hosts=args.allowed_hosts,
     )
     app = build_app(frontend, config)
     tls = None if args.tls_cert is None else HttpTls(args.tls_cert, args.tls_key, args.tls_ca)

@@ -11,7 +11,9 @@ generated after it are dropped here, never streamed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -30,11 +32,22 @@ from scheduler_svc.streams import ClientRequest, Completions, OutputStream
 from scheduler_svc.telemetry import FrontendTelemetry
 from scheduler_svc.text import RequestText
 from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
-from scheduler_svc.validation import InvalidRequest, NoChatTemplate, RequestLimits, validate_request
+from scheduler_svc.validation import (
+    InvalidRequest,
+    NoChatTemplate,
+    RequestLimits,
+    ValidRequest,
+    validate_request,
+)
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import generation_pb2
 
 log = logging.getLogger("stepahead.frontend")
+
+# Requests this large (serialized) are checked and tokenized on a thread: ~10 ms of a fast
+# tokenizer's time; smaller ones cost less than the hop to the thread and back.
+OFF_LOOP_INPUT_BYTES = 16 << 10
+TOKENIZER_THREADS = 2  # large inputs tokenized at once; more wait their turn
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,7 @@ class Frontend:
         self.chat: ChatTemplate | None = None
         self.connected = False
         self.on_ready: Callable[[bool], None] = lambda ready: None
+        self._tokenizer_threads: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
 
     @property
     def name(self) -> str:
@@ -125,25 +139,46 @@ class Frontend:
 
     # ---- requests from clients -----------------------------------------------------------
 
-    def admit(self, request: generation_pb2.GenerateRequest, open_ended: bool = False) -> Completions:
+    async def admit(
+        self,
+        request: generation_pb2.GenerateRequest,
+        open_ended: bool = False,
+        check: Callable[[ValidRequest], None] | None = None,
+    ) -> Completions:
         """Validate and tokenize, then hand the request's completions to the core; raises
         ApiError. With `open_ended`, max_new_tokens 0 asks for the rest of the context (the
-        HTTP API's default)."""
-        if self.info is None or self.tokenizer is None:
-            raise ApiError(
-                grpc.StatusCode.UNAVAILABLE,
-                NO_WORKER,
+        HTTP API's default); `check`, the caller's own, may refuse the valid request before it
+        is submitted (it raises). A large input is tokenized on a thread (the tokenizer lets go of
+        the GIL), so that the streams this frontend serves keep flowing meanwhile."""
+        while True:
+            info, tokenizer, chat = self.info, self.tokenizer, self.chat
+            if info is None or tokenizer is None:
+                raise ApiError(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
+            limits = self.config.limits
+            validate = functools.partial(
+                validate_request, request, tokenizer, info, random_seed(), limits, chat, open_ended
             )
-        limits = self.config.limits
-        try:
-            valid = validate_request(
-                request, self.tokenizer, self.info, random_seed(), limits, self.chat, open_ended
+            try:
+                if request.ByteSize() < OFF_LOOP_INPUT_BYTES:
+                    valid = validate()
+                else:
+                    valid = await asyncio.get_running_loop().run_in_executor(self._tokenizing(), validate)
+            except InvalidRequest as exc:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+            except NoChatTemplate as exc:
+                raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "input.messages") from exc
+            if self.info is info:  # else the worker changed meanwhile: check against the new one
+                if check is not None:
+                    check(valid)
+                rid = request.request_id or uuid.uuid4().hex
+                return self.submit(rid, valid.prompt_ids, valid.params, valid.n)
+
+    def _tokenizing(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._tokenizer_threads is None:
+            self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(
+                TOKENIZER_THREADS, thread_name_prefix="tokenize"
             )
-        except InvalidRequest as exc:
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
-        except NoChatTemplate as exc:
-            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "input.messages") from exc
-        return self.submit(request.request_id or uuid.uuid4().hex, valid.prompt_ids, valid.params, valid.n)
+        return self._tokenizer_threads
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> Completions:
         """A validated request: `n` completions, fanned out into one core request each (with

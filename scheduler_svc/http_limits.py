@@ -1,10 +1,14 @@
-"""What one HTTP connection may cost a frontend before its request is even read: the size and
-count of its request head, and how long the head may take to arrive (slowloris).
+"""What HTTP connections may cost a frontend before their requests are even read: the size and
+count of a request head, how long the head may take to arrive (slowloris), and how many
+connections are open at once.
 
 uvicorn's httptools protocol sets none of these: a client could send an endless header (held in
-memory, appended to as it grows) or keep hundreds of connections half-sent forever. The limits
-are nginx's kind; a client over one gets 431 or 408 in OpenAI's error body and the connection
-is closed. How long a body may pause is checked where the API reads it (`openai_api`).
+memory, appended to as it grows) or keep thousands of connections half-sent until the process
+has no file descriptor left for gRPC, /metrics or its worker. The limits are nginx's kind; a
+client over one gets 431 or 408 in OpenAI's error body and the connection is closed. At the cap
+on open connections, the oldest one that is waiting for a request head (idle, or half-sent)
+makes room for the new one; when every one is serving a request, the new one gets a 503. How
+long a body may pause is checked where the API reads it (`openai_api`).
 """
 
 from __future__ import annotations
@@ -37,18 +41,22 @@ class _TooManyHeaders(Exception):
     pass
 
 
-def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
-    """The protocol class uvicorn builds each connection with, held to `limits`."""
-    return type("LimitedHttpTools", (LimitedHttpToolsProtocol,), {"limits": limits})
+def limited_protocol(limits: HttpLimits, max_connections: int) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class uvicorn builds each connection with, held to `limits`, at most
+    `max_connections` of them open at once."""
+    fields = {"limits": limits, "max_connections": max_connections}
+    return type("LimitedHttpTools", (LimitedHttpToolsProtocol,), fields)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the request head bounded in size, count and time."""
 
     limits = HttpLimits()
+    max_connections = 1024
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._opened = 0.0  # loop time of the connection
         self._head_bytes = 0
         self._headers_seen = 0
         self._in_head = True  # waiting for (the rest of) a request head
@@ -57,7 +65,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._opened = asyncio.get_running_loop().time()
         self._arm_head_timer()
+        if len(self.connections) > self.max_connections:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """Closes the oldest connection waiting for a request head, else refuses this one."""
+        others = (c for c in self.connections if c is not self)
+        waiting = [c for c in others if isinstance(c, LimitedHttpToolsProtocol) and c._waiting]
+        if waiting:
+            min(waiting, key=lambda c: c._opened)._head_too_slow(lingering=False)
+        else:
+            message = f"over {self.max_connections} open connections, each serving a request; retry later"
+            self._refuse(503, "Service Unavailable", message, lingering=False)
+
+    @property
+    def _waiting(self) -> bool:
+        """Between requests, or partway through a head: no request of it is being served."""
+        serving = self.cycle is not None and not self.cycle.response_complete
+        return self._in_head and not serving and not self._discarding and not self.transport.is_closing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -122,24 +149,31 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_too_slow(self) -> None:
+    def _head_too_slow(self, lingering: bool = True) -> None:
+        """Its time for a head is up (or another connection needs its place)."""
         self._head_timer = None
         if not self._in_head or self._discarding or self.transport.is_closing():
             return
         if self._head_bytes or self._headers_seen:
-            self._refuse(
-                408, "Request Timeout", f"the request head took over {self.limits.head_timeout_s:g}s"
-            )
+            if lingering:
+                message = f"the request head took over {self.limits.head_timeout_s:g}s"
+            else:
+                message = "the request head was not whole when its connection was needed for another"
+            self._refuse(408, "Request Timeout", message, lingering)
         else:
             self.transport.close()  # an idle connection: nothing to answer
 
-    def _refuse(self, status: int, reason: str, message: str) -> None:
+    def _refuse(self, status: int, reason: str, message: str, lingering: bool = True) -> None:
         """Answers and closes, lingering: what the client still sends is read and dropped for a
         moment, since closing a socket with unread bytes resets it, and the reset can reach
-        the client before the answer does."""
+        the client before the answer does. Without `lingering` the connection's place is
+        needed at once: it closes as soon as the answer is written."""
         self._cancel_head_timer()
         self._discarding = True
         self.transport.write(error_response(status, reason, message))
+        if not lingering:
+            self.transport.close()
+            return
         if self.transport.can_write_eof():
             self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)

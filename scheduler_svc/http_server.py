@@ -57,8 +57,7 @@ class HttpServer:
         self.port = int(self._sock.getsockname()[1])
         config = uvicorn.Config(
             app,
-            http=limited_protocol(limits),
-            limit_concurrency=connection_limit(),
+            http=limited_protocol(limits, connection_limit()),
             log_config=None,
             access_log=False,
             lifespan="off",
@@ -88,8 +87,8 @@ class HttpServer:
 
 
 def connection_limit() -> int:
-    """Open HTTP connections (and requests) a frontend serves at once: half its file
-    descriptors, so that gRPC, /metrics and the worker link keep theirs; over it, a 503."""
+    """Open HTTP connections a frontend keeps at once: half its file descriptors, so that gRPC,
+    /metrics and the worker link keep theirs (see `http_limits` for who makes room)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return max(16, min(soft // 2, 8192))
 

@@ -12,6 +12,7 @@ client that disconnects aborts every completion of its request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import uuid
@@ -24,10 +25,12 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from scheduler_svc.frontend import NO_WORKER, ApiError, Frontend
-from scheduler_svc.http_config import HttpLimits
+from scheduler_svc.http_config import HttpLimits, host_allowed
 from scheduler_svc.openai_protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
@@ -41,6 +44,7 @@ from scheduler_svc.openai_protocol import (
 from scheduler_svc.outputs import TokenLogprob
 from scheduler_svc.request import FinishReason
 from scheduler_svc.streams import Completions, OutputChunk
+from scheduler_svc.validation import ValidRequest
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
@@ -80,6 +84,10 @@ class HttpApiConfig:
     max_request_bytes: int = 4 << 20
     served_model_name: str | None = None  # None: the worker's model name
     body_pause_timeout_s: float = HttpLimits.body_pause_timeout_s
+    # Log-probabilities (each token's own and its alternatives) a whole, unstreamed response may
+    # hold: some 100 bytes of JSON each, so ~26 MB; a stream has no such bound.
+    max_whole_logprobs: int = 1 << 18
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered (`http_config.allowed_hosts`); (): any
 
 
 class HttpError(Exception):
@@ -112,7 +120,29 @@ def build_app(frontend: Frontend, config: HttpApiConfig = HttpApiConfig()) -> Fa
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_exception_handler(HttpError, _http_error_response)
     app.add_exception_handler(StarletteHTTPException, _routing_error_response)
+    if config.allowed_hosts:
+        app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     return app
+
+
+class HostCheck:
+    """A request whose Host header names no allowed host gets a 400 before any route runs: a
+    web page that rebinds its own name to 127.0.0.1 still sends that name. /health, which
+    tells nothing, answers any host (probes address pods by IP)."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
+        self._app, self._allowed = app, allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            host = Headers(scope=scope).get("host", "")
+            if not host_allowed(host, self._allowed):
+                message = (
+                    f"the Host header {host[:256]!r} names no host this server answers to (--allowed-hosts)"
+                )
+                await HttpError(400, message, None, "invalid_host").response()(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:
@@ -159,7 +189,7 @@ class OpenAIApi:
         served = self._check_model(body.model)
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         ids = ResponseIds(f"{prefix}-{uuid.uuid4().hex}", served, endpoint)
-        completions = self._admit(body, ids.rid)
+        completions = await self._admit(body, ids.rid)
         try:
             choices = self._choices(body, completions)
             if body.stream:
@@ -172,15 +202,30 @@ class OpenAIApi:
             self._frontend.cancel(completions)  # a no-op once they finished
             raise
 
-    def _admit(self, body: Body, rid: str) -> Completions:
+    async def _admit(self, body: Body, rid: str) -> Completions:
         try:
             generate = body.to_proto()
             generate.request_id = rid
-            return self._frontend.admit(generate, open_ended=True)
+            check = None if body.stream else functools.partial(self._check_whole_size, body)
+            return await self._frontend.admit(generate, open_ended=True, check=check)
         except FieldError as exc:
             raise HttpError(400, str(exc), exc.field) from exc
         except ApiError as exc:
             raise _api_error(exc, body) from exc
+
+    def _check_whole_size(self, body: Body, valid: ValidRequest) -> None:
+        """A whole response is built in the frontend's memory: its log-probabilities are bounded."""
+        asked, top = body.logprob_params()
+        entries = valid.n * valid.params.max_new_tokens * (1 + top)
+        limit = self._config.max_whole_logprobs
+        if asked and entries > limit:
+            field = http_field("sampling.top_logprobs", body)
+            message = (
+                f"{field}: a whole response holds at most {limit} log-probabilities, and n ({valid.n}) x "
+                f"{body.max_tokens_field} ({valid.params.max_new_tokens}) x (1 + {field}) ({1 + top}) asks "
+                f'for {entries}: stream the response ("stream": true), or ask for fewer'
+            )
+            raise HttpError(400, message, field)
 
     def _choices(self, body: Body, completions: Completions) -> list[Choice]:
         tokenizer = self._frontend.tokenizer
@@ -193,8 +238,8 @@ class OpenAIApi:
         await _unless_disconnected(request, _collect(completions, choices))
         if completions.error is not None:
             raise _stream_error(completions)
-        bodies = [choice.take(ids, chunk=False) for choice in choices]
-        return JSONResponse(ids.body(bodies, _counts(completions, choices)))
+        body = await _whole_body(ids, choices, _counts(completions, choices))
+        return Response(body, media_type="application/json")
 
     async def _stream(
         self,
@@ -433,6 +478,58 @@ class Choice:
         )
         self.texts, self.token_ids, self.token_logprobs = [], [], []
         return ids.choice(self.index, text, self.finish, chunk, logprobs)
+
+
+SLICE_ENTRIES = 4096  # log-probabilities formatted between turns of the event loop (~25 ms)
+
+
+async def _whole_body(ids: ResponseIds, choices: list[Choice], counts: tuple[int, int, int]) -> bytes:
+    """A whole response's JSON, built a slice of log-probabilities at a time with the event
+    loop's other work in between: formatting and encoding 100,000 of them takes near a second.
+    Each choice's `logprobs` is written into the body in place of a marker no text can hold."""
+    nonce = uuid.uuid4().hex
+    bodies, logprobs = [], {}
+    for choice in choices:
+        marker = f"{nonce}-{choice.index}"
+        bodies.append(ids.choice(choice.index, "".join(choice.texts), choice.finish, False, None))
+        if choice.logprobs is not None:
+            bodies[-1]["logprobs"] = marker
+            logprobs[_dumps(marker)] = await _logprobs_json(choice)
+    text = _dumps(ids.body(bodies, counts))
+    for marker, value in logprobs.items():
+        text = text.replace(marker, value, 1)
+    return text.encode()
+
+
+async def _logprobs_json(choice: Choice) -> str:
+    """`choice.logprobs.format(...)` as JSON, formatted a slice of tokens at a time; the format's
+    lists are joined across the slices."""
+    assert choice.logprobs is not None
+    token_ids, token_logprobs = choice.token_ids, choice.token_logprobs
+    top = max((len(lp.top_ids) for lp in token_logprobs), default=0)
+    width = max(1, SLICE_ENTRIES // (1 + top))
+    fields: dict[str, list[str] | str] = {}
+    for start in range(0, len(token_ids), width) or [0]:
+        part = choice.logprobs.format(token_ids[start : start + width], token_logprobs[start : start + width])
+        for key, value in part.items():
+            if not isinstance(value, list):
+                fields[key] = _dumps(value)
+                continue
+            pieces = fields.setdefault(key, [])
+            assert isinstance(pieces, list)
+            if value:
+                pieces.append(_dumps(value)[1:-1])
+        await asyncio.sleep(0)
+    return "{" + ",".join(f"{_dumps(k)}:{_joined(v)}" for k, v in fields.items()) + "}"
+
+
+def _joined(value: list[str] | str) -> str:
+    return value if isinstance(value, str) else "[" + ",".join(value) + "]"
+
+
+def _dumps(value: Any) -> str:
+    """As a JSONResponse encodes its body."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def _counts(completions: Completions, choices: list[Choice]) -> tuple[int, int, int]:

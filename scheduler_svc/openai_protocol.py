@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, FinishReason
+from scheduler_svc.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, MIN_TEMPERATURE, FinishReason
 from stepahead.v1 import generation_pb2 as pb
 
 UINT32 = 1 << 32
@@ -112,7 +112,7 @@ class SamplingFields(BaseModel):
             raise FieldError(field, f"must be at least 1, got {max_tokens}")
         sampling = pb.SamplingParams(
             max_new_tokens=0 if max_tokens is None else min(max_tokens, 0xFFFFFFFF),
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=1.0 if self.temperature is None else _positive_stays(self.temperature),
             top_k=self.top_k,
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
@@ -260,6 +260,11 @@ def _content(message: ChatMessageIn, index: int) -> str:
             )
         texts.append(part.text)
     return "".join(texts)
+
+
+def _positive_stays(temperature: float) -> float:
+    """A positive temperature stays positive on the wire (float32 rounds 1e-50 to 0, greedy)."""
+    return max(temperature, MIN_TEMPERATURE) if temperature > 0 else temperature
 
 
 def _completions(n: int) -> int:

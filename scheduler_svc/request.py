@@ -28,6 +28,9 @@ class FinishReason(enum.IntEnum):
 MAX_COMPLETIONS = 16  # `n`: completions of one prompt in one call
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
+# A positive temperature below this samples at it: logits divided by less overflow float32 (and
+# float32, the wire's type, rounds 1e-50 to 0, which would turn a sampled request greedy).
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request = await _parsed(request, context)
         try:
-            completions = self._frontend.admit(request)
+            completions = await self._frontend.admit(request)
         except ApiError as exc:
             await context.abort(exc.code, str(exc))
         await context.send_initial_metadata(((FRONTEND_METADATA, self._frontend.name),))

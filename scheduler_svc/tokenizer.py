@@ -208,7 +208,10 @@ class HFTokenizer:
         return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """A batch of one: unlike `encode`, the library's batch call lets go of the GIL while it
+        works, so a long text tokenized on a thread does not stall the event loop."""
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def special_tokens(self) -> dict[str, str]:
         named = {"bos_token": self.bos_id, "eos_token": self.eos_ids[0] if self.eos_ids else None}

@@ -14,7 +14,13 @@ from typing import TypeVar, cast
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message, message_factory
 
 from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
-from scheduler_svc.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from scheduler_svc.request import (
+    MAX_COMPLETIONS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 from scheduler_svc.tokenizer import Tokenizer
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import generation_pb2
@@ -200,7 +206,7 @@ def _sampling_params(p: generation_pb2.SamplingParams, vocab: int, seed: int) ->
     _check_stop_strings(list(p.stop))
     return SamplingParams(
         max_new_tokens=p.max_new_tokens,
-        temperature=p.temperature,
+        temperature=p.temperature and max(p.temperature, MIN_TEMPERATURE),  # 0: greedy
         top_p=top_p,
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else seed,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -74,11 +75,17 @@ def spawn_worker(args: list[str], port: int = 0) -> Service:
 
 
 def spawn_scheduler(
-    worker_address: str, args: list[str], port: int = 0, api_key: str | None = None
+    worker_address: str,
+    args: list[str],
+    port: int = 0,
+    api_key: str | None = None,
+    fd_limit: int | None = None,
 ) -> Service:
-    """`api_key` reaches the scheduler in its environment, as an operator should pass it."""
+    """`api_key` reaches the scheduler in its environment, as an operator should pass it;
+    `fd_limit` lowers its limit on open files (`ulimit -n`), and its frontends'."""
     flags = ["--worker", worker_address, *_with_http_off(_with_free_metrics_port(args))]
-    return _spawn("scheduler_svc", flags, port, {API_KEY_ENV: api_key} if api_key else {})
+    env = {API_KEY_ENV: api_key} if api_key else {}
+    return _spawn("scheduler_svc", flags, port, env, fd_limit=fd_limit)
 
 
 def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: int = 0) -> Service:
@@ -103,15 +110,26 @@ def _with_http_off(args: list[str]) -> list[str]:
 
 
 def _spawn(
-    module: str, args: list[str], port: int, extra_env: dict[str, str] | None = None, name: str = ""
+    module: str,
+    args: list[str],
+    port: int,
+    extra_env: dict[str, str] | None = None,
+    name: str = "",
+    fd_limit: int | None = None,
 ) -> Service:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
+
+    def limit_files() -> None:
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", str(port), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=None if fd_limit is None else limit_files,
     )
     lines: list[str] = []
     listening = threading.Event()

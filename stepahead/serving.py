@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import math
 import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ from prometheus_client import CollectorRegistry
 from stepahead.metrics import serve_metrics
 
 API_KEY_ENV = "STEPAHEAD_API_KEY"  # the scheduler's API key, and what its clients send
+log = logging.getLogger("stepahead.serving")
+
 WORKER_TOKEN_ENV = "STEPAHEAD_WORKER_TOKEN"  # the worker link's shared secret, on both services
 
 
@@ -148,11 +153,56 @@ def add_port(
 
 
 def run_service(name: str, main: Coroutine[Any, Any, None]) -> None:
-    """asyncio.run(main); a port in use ends the process with the flag to change (exit code 1)."""
+    """run_loop(main); a port in use ends the process with the flag to change (exit code 1)."""
     try:
-        asyncio.run(main)
+        run_loop(main)
     except PortInUse as exc:
         sys.exit(f"{name}: {exc}")
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """asyncio.run(main), with running out of file descriptors said once a while (see
+    `ResourceErrors`) rather than at every failed accept."""
+
+    async def quiet() -> None:
+        asyncio.get_running_loop().set_exception_handler(ResourceErrors())
+        await main
+
+    asyncio.run(quiet())
+
+
+class ResourceErrors:
+    """An event loop's exception handler: asyncio's own, except for errors of a resource the
+    process has run out of (file descriptors, socket buffers), which it reports at every
+    failed accept, with a traceback: thousands of lines a second, when the server least
+    needs them. Those are logged once per `interval_s`, counted, without the traceback."""
+
+    ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self._interval_s = interval_s
+        self._last = -math.inf
+        self._unreported = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if not (isinstance(error, OSError) and error.errno in self.ERRNOS):
+            loop.default_exception_handler(context)
+            return
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            return
+        self._last = now
+        log.error(
+            "%s: %s (%d times since the last report, which comes at most every %gs); raise the "
+            "limit on open files (ulimit -n) or lower the load",
+            context.get("message", "out of a resource"),
+            error.strerror,
+            self._unreported,
+            self._interval_s,
+        )
+        self._unreported = 0
 
 
 def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port: int) -> None:

@@ -1051,3 +1051,15 @@ def test_overlap_depth_report_finds_the_target_and_the_cost_at_zero_delay() -> N
     )
     assert "| 5 ms |  |  |  | 0.960, 5,900 | 10.50 | 2 |" in markdown
     assert "at d = 5 ms: 0.960, met" in markdown
+
+
+def test_frontend_stalls_smoke_run_prints_both_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """The stalls benchmark runs end to end (small sizes); its figures are the benchmark's, not
+    asserted here."""
+    from bench import frontend_stalls
+
+    frontend_stalls.main(["--quick", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("machine: ")
+    rows = [line for line in printed.splitlines() if line.startswith(("| tokenize", "| build"))]
+    assert len(rows) == 2 and all(line.endswith("x |") for line in rows)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import logging
 import signal
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +19,15 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from stepahead.processes import STOP_TIMEOUT_S, Service, serving_pair
+from stepahead.processes import (
+    STOP_TIMEOUT_S,
+    Service,
+    serving_pair,
+    spawn_scheduler,
+    spawn_worker,
+    wait_serving,
+)
+from stepahead.serving import ResourceErrors
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from tests.live import (
@@ -235,6 +246,7 @@ PATIENCE_S = 2.0  # --http-head-timeout and --http-body-timeout of `limited`
 def limited() -> Iterator[Service]:
     flags = ["--http-port", str(unused_port())]
     flags += ["--http-head-timeout", str(PATIENCE_S), "--http-body-timeout", str(PATIENCE_S)]
+    flags += ["--allowed-hosts", "127.0.0.1,localhost"]
     with serving_pair(SIM, flags) as (_, scheduler):
         yield scheduler
 
@@ -291,3 +303,130 @@ async def test_a_body_that_pauses_is_408(limited: Service) -> None:
     assert status == 408 and b"body paused" in body
     await still_serves(limited)
     assert_no_traceback(limited)
+
+
+# ---- file descriptors ------------------------------------------------------------------------
+
+FD_LIMIT = 256  # the scheduler's `ulimit -n` (and its frontends'): its HTTP keeps 128 connections
+HALF_SENT = 400  # connections stopped mid-head: more than the process has file descriptors
+
+
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+async def test_more_half_sent_connections_than_file_descriptors_leave_every_api_serving(
+    frontends: int,
+) -> None:
+    """400 connections that never finish their head (no head timeout comes to close them), on
+    a scheduler with 256 file descriptors: its HTTP keeps at most half, closing the oldest
+    waiting one for a new one (408); gRPC, /metrics and HTTP keep answering, a restarted worker
+    is reconnected, and running out of descriptors (accepts come in bursts) is a line in the
+    log, not a traceback at each accept."""
+    worker_port = unused_port()
+    worker = spawn_worker(SIM, port=worker_port)
+    flags = ["--http-port", str(unused_port()), "--http-head-timeout", "3600", *frontend_flags(frontends)]
+    scheduler = spawn_scheduler(worker.address, flags, fd_limit=FD_LIMIT)
+    half_sent: list[socket.socket] = []
+    try:
+        wait_serving(scheduler.address, frontends=max(frontends, 1))
+        for _ in range(HALF_SENT):
+            half_sent.append(socket.create_connection(("127.0.0.1", http_port(scheduler)), CALL_TIMEOUT_S))
+            half_sent[-1].sendall(HEAD + b"x-slow: 1\r\n")
+        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
+            assert (await http.get(scheduler.metrics_url)).status_code == 200
+        assert (await server_info(scheduler.address)).model == "sim"
+        await still_serves(scheduler)
+        assert closed_by_the_server(half_sent[0])  # the oldest made room
+
+        worker.stop()
+        worker = spawn_worker(SIM, port=worker_port)
+        await still_serves(scheduler)  # waits for the worker, through the scheduler's reconnect
+        assert (await server_info(scheduler.address)).model == "sim"
+    finally:
+        for sock in half_sent:
+            sock.close()
+        scheduler.stop()
+        worker.stop()
+    logged = "".join(scheduler.output)
+    assert "Traceback" not in logged, logged[-3000:]
+    assert logged.count("out of system resource") <= 2 * max(frontends, 1), logged[-3000:]
+
+
+def test_running_out_of_descriptors_is_a_line_a_while(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What asyncio hands its exception handler at each failed accept, 1,000 times: one line,
+    no traceback; any other error still goes to asyncio's own handler."""
+    loop = asyncio.new_event_loop()
+    handled: list[dict[str, Any]] = []
+    loop.default_exception_handler = handled.append  # type: ignore[method-assign,assignment]
+    report = ResourceErrors(interval_s=3600)
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    with caplog.at_level(logging.ERROR, "stepahead.serving"):
+        for _ in range(1000):
+            report(loop, {"message": "socket.accept() out of system resource", "exception": emfile})
+        report(loop, {"message": "something else", "exception": ValueError("x")})
+    loop.close()
+    assert len(caplog.records) == 1 and caplog.records[0].exc_info is None
+    assert "Too many open files" in caplog.text and "ulimit -n" in caplog.text
+    assert [context["message"] for context in handled] == ["something else"]
+
+
+def closed_by_the_server(sock: socket.socket) -> bool:
+    """Whether the server closed it: with a 408, or with a reset (what it had sent is lost to the
+    reset when it closes at once, its place needed)."""
+    sock.settimeout(CALL_TIMEOUT_S)
+    try:
+        answer = sock.recv(64)
+    except ConnectionResetError:
+        return True
+    return answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+
+
+# ---- Host ------------------------------------------------------------------------------------
+
+
+async def test_a_host_not_allowed_is_400_and_health_answers_any(limited: Service) -> None:
+    """`limited` serves --allowed-hosts 127.0.0.1,localhost: a page that rebinds its own name to
+    127.0.0.1 still sends that name, and is refused."""
+    async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http:
+        body = {"prompt": "hi", "max_tokens": 1}
+        url = f"{limited.http_url}/v1/completions"
+        refused = await http.post(url, json=body, headers={"host": "rebound.example:8000"})
+        error = error_of(refused, 400)
+        assert error["code"] == "invalid_host" and "rebound.example" in error["message"]
+        assert "--allowed-hosts" in error["message"]
+        models = await http.get(f"{limited.http_url}/v1/models", headers={"host": "localhost:8000"})
+        assert models.status_code == 200
+        health = await http.get(f"{limited.http_url}/health", headers={"host": "rebound.example"})
+        assert health.status_code == 200
+    await still_serves(limited)
+
+
+# ---- large work ------------------------------------------------------------------------------
+
+
+async def test_a_1mib_prompt_is_refused_naming_the_limit_and_the_server_serves(sim: Service) -> None:
+    """Tokenized off the event loop (`test_large_work.py` forces that), then refused: it is
+    longer than the context."""
+    body = {"prompt": "word " * 200_000, "max_tokens": 1}  # 1,000,000 bytes: within --max-text-bytes
+    error = error_of(await post(sim, "/v1/completions", json.dumps(body)), 400)
+    assert error["param"] == "prompt" and "at most" in error["message"]
+    await still_serves(sim)
+
+
+async def test_a_whole_response_of_too_many_logprobs_is_400_and_a_stream_of_them_is_served(
+    sim: Service,
+) -> None:
+    """n 16 x max_tokens 1000 x (1 + 20) log-probabilities: over what a whole response holds;
+    streamed, the same request is served (here: until its first chunk, then left)."""
+    body = {"prompt": "hi", "n": 16, "max_tokens": 1000, "logprobs": 20}
+    error = error_of(await post(sim, "/v1/completions", json.dumps(body)), 400)
+    assert error["param"] == "logprobs" and "asks for 336000" in error["message"]
+    assert '"stream": true' in error["message"]
+    async with (
+        httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http,
+        http.stream("POST", f"{sim.http_url}/v1/completions", json={**body, "stream": True}) as stream,
+    ):
+        assert stream.status_code == 200
+        first = json.loads((await anext(stream.aiter_lines())).removeprefix("data: "))
+        assert first["choices"][0]["logprobs"]["top_logprobs"]
+    await still_serves(sim)

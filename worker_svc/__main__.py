@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ from stepahead.serving import (
     check_tls_server_args,
     describe_tls,
     graceful_stop,
+    run_loop,
     server_credentials,
     set_serving,
     setup_logging,
@@ -185,7 +185,7 @@ def follow(args: argparse.Namespace, ranks: TensorParallelRanks) -> None:
 def run_rank(args: argparse.Namespace, place: RankPlace) -> None:
     ranks = join_group(place, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ranks.is_leader:
-        asyncio.run(serve(args, ranks))
+        run_loop(serve(args, ranks))
     else:
         follow(args, ranks)
     ranks.close()
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         if place is not None:
             run_rank(args, place)
         else:
-            asyncio.run(serve(args))
+            run_loop(serve(args))
     except (ValueError, OSError, PortInUse) as exc:  # a bad model, flag or port: say why, no traceback
         sys.exit(f"worker: {exc}")
 
