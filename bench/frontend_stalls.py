@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from gguf import GGUFReader
 
 from bench.machine import describe_machine
-from scheduler_svc import openai_api
-from scheduler_svc.openai_protocol import ChatLogprobs, ResponseIds
-from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.request import FinishReason
-from scheduler_svc.tokenizer import HFTokenizer
+from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.frontend.openai import routes as openai_api
+from scheduler_svc.frontend.openai.protocol import ChatLogprobs, ResponseIds
+from scheduler_svc.frontend.tokenizer import HFTokenizer
 from worker_svc.gguf import smollm2_path, tokenizer_from_gguf
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "café", "naïve", "数据", "模型", "1234", "\n"]

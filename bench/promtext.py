@@ -26,7 +26,7 @@ def parse(text: str) -> dict[tuple[str, Labels], float]:
 
 
 # A hang guard, not an expectation: a scheduler's /metrics waits up to 3 s for its frontend
-# processes' metrics (scheduler_svc/link.py METRICS_TIMEOUT_S); other scrapes take milliseconds.
+# processes' metrics (scheduler_svc/process/link.py METRICS_TIMEOUT_S); other scrapes take milliseconds.
 SCRAPE_TIMEOUT_S = 60.0
 
 

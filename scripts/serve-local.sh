@@ -16,7 +16,7 @@ trap 'kill -TERM $worker 2>/dev/null; wait $worker 2>/dev/null' EXIT INT TERM
 cat <<MSG
 
   Stepahead is starting (model $MODEL on $TP rank(s), mode $MODE). Once it listens, chat with it:
-    $PY -m scheduler_svc.client --chat "What is the capital of France?" --server 127.0.0.1:$PORT
+    $PY -m stepahead_client --chat "What is the capital of France?" --server 127.0.0.1:$PORT
     curl -s http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model": "$MODEL", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
   Ctrl-C stops both services.

@@ -92,7 +92,7 @@ def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: in
     """A scheduler running the worker engine in its own process (no gRPC between them)."""
     worker_flags = shlex.join(_with_free_metrics_port(worker_args))
     return _spawn(
-        "stepahead.colocated",
+        "stepahead_colocated.runner",
         ["--worker-flags", worker_flags, *_with_http_off(_with_free_metrics_port(args))],
         port,
         name="scheduler",
@@ -162,7 +162,7 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
 
 
 FRONTEND_METADATA = (
-    "stepahead-frontend"  # which of a scheduler's frontends answered (scheduler_svc/server.py)
+    "stepahead-frontend"  # which of a scheduler's frontends answered (scheduler_svc/frontend/grpc_api.py)
 )
 
 

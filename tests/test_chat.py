@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from scheduler_svc.chat import ChatMessage, ChatTemplate
-from scheduler_svc.validation import MAX_CHAT_MESSAGES
+from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate
+from scheduler_svc.frontend.validation import MAX_CHAT_MESSAGES
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
@@ -120,7 +120,7 @@ async def test_a_model_without_a_chat_template_answers_failed_precondition(plain
 
 
 def run_client(address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "scheduler_svc.client", "--server", address, *args]
+    argv = [sys.executable, "-m", "stepahead_client", "--server", address, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
 
 

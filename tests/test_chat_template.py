@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
-from scheduler_svc.tokenizer import HFTokenizer
+from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.tokenizer import HFTokenizer
 from worker_svc.gguf import GGUFModel
 
 SYSTEM = ChatMessage("system", "You are a terse assistant.")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from scheduler_svc.tokenizer import HFTokenizer
+from scheduler_svc.frontend.tokenizer import HFTokenizer
 from stepahead.processes import serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc

@@ -485,7 +485,7 @@ BURST = 4  # the first requests arrive together and need more KV than the pool h
 ARRIVAL_GAP_S = 0.12
 SCRAPES_AFTER_LOAD = 3
 # Prometheus scrapes every 5 s, as deployed, and lets a scrape take that long: the scheduler's
-# /metrics waits up to 3 s for its frontend process's (scheduler_svc/link.py METRICS_TIMEOUT_S).
+# /metrics waits up to 3 s for its frontend process's (scheduler_svc/process/link.py METRICS_TIMEOUT_S).
 SCRAPE_INTERVAL_S = 5
 HEALTHCHECK_DEADLINE_S = 30.0  # deploy/healthcheck.py --timeout, a hang guard: it answers in milliseconds
 
@@ -643,7 +643,7 @@ async def send(address: str, load: LoadRequest) -> int:
 
 # Preemptions, forced: one call of two completions (ignore_eos, no stops) of a PREEMPT_PROMPT-token
 # prompt. The second is admitted as soon as the first's prompt is in the prefix cache
-# (scheduler_svc/policy.py `_waits_for_first_completion`), a step or two behind it, so they run
+# (scheduler_svc/engine/policy.py `_waits_for_first_completion`), a step or two behind it, so they run
 # together; by their last tokens they hold P + 2 x max_new - 1 slots, far more than the pool has,
 # while one alone (P + max_new) fits: the pool runs out under them and the policy preempts (and
 # recomputes), whatever the timing. The sim's tokens do not depend on the sampling parameters.

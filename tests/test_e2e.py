@@ -258,7 +258,7 @@ def test_tiny_model_served_to_the_cli_client() -> None:
             [
                 sys.executable,
                 "-m",
-                "scheduler_svc.client",
+                "stepahead_client",
                 "Hello",
                 "--max-new-tokens",
                 "16",

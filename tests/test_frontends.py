@@ -257,7 +257,8 @@ def test_metrics_of_every_frontend_add_up_to_what_clients_received() -> None:
 
 def test_the_core_imports_neither_torch_nor_the_worker() -> None:
     code = (
-        "import sys; import scheduler_svc.core, scheduler_svc.__main__, scheduler_svc.frontend_process; "
+        "import sys; import scheduler_svc.engine.core, scheduler_svc.process.app; "
+        "import scheduler_svc.process.frontend_process; "
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('worker_svc')]; "
         "assert not bad, bad"
     )

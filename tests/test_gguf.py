@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType, dequantize, quantize
 from tokenizers import Tokenizer
 
-from scheduler_svc.tokenizer import REPLACEMENT_CHAR, HFTokenizer
+from scheduler_svc.frontend.tokenizer import REPLACEMENT_CHAR, HFTokenizer
 from tests.smollm2 import Transformers
 from tests.test_checkpoint import write_tokenizer
 from tests.test_model import SMALL, prefill_all_logits, random_model

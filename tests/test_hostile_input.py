@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from scheduler_svc import __main__ as scheduler_main
-from scheduler_svc.server import DEFAULT_MAX_REQUEST_BYTES
-from scheduler_svc.validation import DEFAULT_MAX_TEXT_BYTES
+from scheduler_svc.frontend.grpc_api import DEFAULT_MAX_REQUEST_BYTES
+from scheduler_svc.frontend.validation import DEFAULT_MAX_TEXT_BYTES
+from scheduler_svc.process import app as scheduler_main
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc

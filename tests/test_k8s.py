@@ -28,8 +28,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from scheduler_svc.server import SERVICE_NAME as SCHEDULER_SERVICE
-from scheduler_svc.supervisor import STOP_MARGIN_S
+from scheduler_svc.frontend.grpc_api import SERVICE_NAME as SCHEDULER_SERVICE
+from scheduler_svc.process.supervisor import STOP_MARGIN_S
 from tests.test_deploy import cli_parser, documented_metrics
 from worker_svc.server import SERVICE_NAME as WORKER_SERVICE
 

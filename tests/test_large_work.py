@@ -19,13 +19,13 @@ import grpc
 import httpx2
 import pytest
 
-from scheduler_svc import openai_api
-from scheduler_svc.frontend import OFF_LOOP_INPUT_BYTES, ApiError, Frontend, FrontendConfig
-from scheduler_svc.openai_api import Choice, HttpApiConfig, build_app
-from scheduler_svc.openai_protocol import ChatLogprobs, CompletionLogprobs, ResponseIds
-from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.request import MIN_TEMPERATURE, FinishReason
-from scheduler_svc.tokenizer import ByteTokenizer
+from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.engine.request import MIN_TEMPERATURE, FinishReason
+from scheduler_svc.frontend.frontend import OFF_LOOP_INPUT_BYTES, ApiError, Frontend, FrontendConfig
+from scheduler_svc.frontend.openai import routes as openai_api
+from scheduler_svc.frontend.openai.protocol import ChatLogprobs, CompletionLogprobs, ResponseIds
+from scheduler_svc.frontend.openai.routes import Choice, HttpApiConfig, build_app
+from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.protocol import TokenizerSpec, WorkerInfo
 from stepahead.v1 import generation_pb2 as pb
 from tests.live import SETTLE_TIMEOUT_S

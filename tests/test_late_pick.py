@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.late_pick import LatePick, LatePickConfig, StepTimeModel
+from scheduler_svc.engine.late_pick import LatePick, LatePickConfig, StepTimeModel
 from stepahead.protocol import StepResult
 
 STEP = 0.010

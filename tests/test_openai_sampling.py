@@ -22,11 +22,11 @@ import httpx2
 import openai
 import pytest
 
-from scheduler_svc.frontend import CoreRequestSpec, Frontend, FrontendConfig
-from scheduler_svc.openai_api import build_app
-from scheduler_svc.outputs import StepOutputs, TokenLogprob
-from scheduler_svc.request import FinishReason
-from scheduler_svc.tokenizer import ByteTokenizer
+from scheduler_svc.engine.outputs import StepOutputs, TokenLogprob
+from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.frontend.frontend import CoreRequestSpec, Frontend, FrontendConfig
+from scheduler_svc.frontend.openai.routes import build_app
+from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.processes import Service, serving_pair
 from stepahead.protocol import TokenizerSpec, WorkerInfo
 from stepahead.v1 import generation_pb2 as pb

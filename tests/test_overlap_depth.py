@@ -1,4 +1,4 @@
-"""N-step-ahead scheduling (`--overlap-depth N|auto`, scheduler_svc/depth.py): any depth gives
+"""N-step-ahead scheduling (`--overlap-depth N|auto`, scheduler_svc/engine/depth.py): any depth gives
 serial's tokens, finishes exactly, drops only unstreamed tokens and frees every slot, with and
 without a slow link; auto picks the depth a link needs."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_svc.core import EngineCore
-from scheduler_svc.depth import AUTO, DepthConfig, OverlapDepth, parse_depth
-from scheduler_svc.request import FinishReason
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.depth import AUTO, DepthConfig, OverlapDepth, parse_depth
+from scheduler_svc.engine.request import FinishReason
 from stepahead.processes import STOP_TIMEOUT_S, Service, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2_grpc
 from tests.harness import (

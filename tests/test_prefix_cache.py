@@ -11,12 +11,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from scheduler_svc.__main__ import core_config, parse_args
-from scheduler_svc.core import EngineCore
-from scheduler_svc.outputs import Outbox
-from scheduler_svc.policy import PolicyConfig, SchedulingPolicy
-from scheduler_svc.request import FinishReason
-from scheduler_svc.telemetry import SchedulerTelemetry
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.outputs import Outbox
+from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
+from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
+from scheduler_svc.process.app import core_config, parse_args
 from stepahead.protocol import TokenizerSpec, WorkerInfo
 from tests.harness import ClientView, WorkItem, aborted_call, params, preempting_call, serve_workload
 from tests.test_equivalence import check_drained

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from scheduler_svc.radix_cache import RadixCache, RadixNode
+from scheduler_svc.engine.kv.radix_cache import RadixCache, RadixNode
 
 Prefix = tuple[int, ...]
 

@@ -37,7 +37,6 @@ from bench.replicas import (
     target_met,
 )
 from loadgen.__main__ import run as run_loadgen
-from scheduler_svc.client import parse_args, stream_reply
 from stepahead.processes import (
     STOP_TIMEOUT_S,
     Service,
@@ -57,6 +56,7 @@ from stepahead.targets import (
 )
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from stepahead_client.client import parse_args, stream_reply
 from tests.live import (
     CALL_TIMEOUT_S,
     POLL_S,
@@ -450,7 +450,7 @@ def test_loadgen_with_both_replicas_loads_each(replicas: list[Replica], tmp_path
 
 
 def run_client(servers: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "scheduler_svc.client", "Hi", "--max-new-tokens", "3", "--ignore-eos"]
+    argv = [sys.executable, "-m", "stepahead_client", "Hi", "--max-new-tokens", "3", "--ignore-eos"]
     return subprocess.run(
         [*argv, "--server", servers, *flags], capture_output=True, text=True, timeout=CALL_TIMEOUT_S
     )

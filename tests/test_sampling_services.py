@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from scheduler_svc.client import build_request, parse_args
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
+from stepahead_client.client import build_request, parse_args
 from tests.live import (
     CALL_TIMEOUT_S,
     FRONTEND_COUNTS,

@@ -20,7 +20,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from scheduler_svc import __main__ as scheduler_main
+from scheduler_svc.process import app as scheduler_main
 from stepahead.processes import (
     Service,
     open_channel,
@@ -33,7 +33,7 @@ from stepahead.processes import (
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.live import CALL_TIMEOUT_S, wait_until
-from worker_svc import __main__ as worker_main
+from worker_svc import app as worker_main
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
@@ -306,7 +306,7 @@ def test_health_and_reflection_need_no_key(secure_pair: tuple[Service, Service],
 
 def test_cli_client_with_key_and_ca(secure_pair: tuple[Service, Service], pki: Pki) -> None:
     _, scheduler = secure_pair
-    base = [sys.executable, "-m", "scheduler_svc.client", "Hi", "--max-new-tokens", "3", "--ignore-eos"]
+    base = [sys.executable, "-m", "stepahead_client", "Hi", "--max-new-tokens", "3", "--ignore-eos"]
     base += ["--server", scheduler.address, "--tls-ca", str(pki.ca)]
     served = subprocess.run(
         [*base, "--api-key", API_KEY], capture_output=True, text=True, timeout=CALL_TIMEOUT_S

@@ -143,7 +143,7 @@ def test_the_capital_of_france_is_paris_and_the_answer_ends_at_eos(scheduler: Se
 
 
 def test_the_cli_client_chats_with_smollm2(scheduler: Service) -> None:
-    argv = [sys.executable, "-m", "scheduler_svc.client", "--server", scheduler.address]
+    argv = [sys.executable, "-m", "stepahead_client", "--server", scheduler.address]
     out = subprocess.run(
         [*argv, "--chat", "What is the capital of France?"],
         capture_output=True,

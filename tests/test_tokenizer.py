@@ -10,7 +10,7 @@ from gguf import GGUFReader
 from tokenizers import Tokenizer as HFRawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from scheduler_svc.tokenizer import (
+from scheduler_svc.frontend.tokenizer import (
     BYTE_BOS_ID,
     BYTE_EOS_ID,
     REPLACEMENT_CHAR,

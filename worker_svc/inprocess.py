@@ -1,7 +1,7 @@
 """The worker engine in the scheduler's process: same ordered threads, no socket.
 
-A `scheduler_svc.transport.WorkerTransport` for tests and for the baseline of what the
-process boundary costs (`python -m stepahead.colocated`).
+A `scheduler_svc.engine.transport.WorkerTransport` for tests and for the baseline of what the
+process boundary costs (`python -m stepahead_colocated`).
 """
 
 from __future__ import annotations

@@ -29,9 +29,11 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from scheduler_svc.frontend import NO_WORKER, ApiError, Frontend
-from scheduler_svc.http_config import HttpLimits, host_allowed
-from scheduler_svc.openai_protocol import (
+from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.frontend.frontend import NO_WORKER, ApiError, Frontend
+from scheduler_svc.frontend.openai.config import HttpLimits, host_allowed
+from scheduler_svc.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionRequest,
@@ -41,10 +43,8 @@ from scheduler_svc.openai_protocol import (
     http_field,
     http_message,
 )
-from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.request import FinishReason
-from scheduler_svc.streams import Completions, OutputChunk
-from scheduler_svc.validation import ValidRequest
+from scheduler_svc.frontend.streams import Completions, OutputChunk
+from scheduler_svc.frontend.validation import ValidRequest
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.engine.request import FinishReason, Request
 
 NO_TOKEN = -1
 

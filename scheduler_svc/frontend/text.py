@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.tokenizer import StopStringMatcher, Tokenizer
+from scheduler_svc.frontend.tokenizer import StopStringMatcher, Tokenizer
 
 
 class RequestText:

@@ -1,4 +1,4 @@
-"""python -m stepahead.colocated --worker-flags '--model sim --sim-step-ms 10' [scheduler flags]
+"""python -m stepahead_colocated --worker-flags '--model sim --sim-step-ms 10' [scheduler flags]
 
 The scheduler with the worker engine in its own process: no gRPC between them. The
 baseline for what the process boundary costs (bench/) and a one-process deployment.
@@ -11,14 +11,14 @@ import argparse
 import shlex
 import sys
 
-from scheduler_svc import __main__ as scheduler_main
+from scheduler_svc.process import app as scheduler_main
 from stepahead.serving import run_service, setup_logging, start_metrics
-from worker_svc import __main__ as worker_main
+from worker_svc import app as worker_main
 from worker_svc.inprocess import InProcessTransport
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m stepahead.colocated", add_help=False)
+    p = argparse.ArgumentParser(prog="python -m stepahead_colocated", add_help=False)
     p.add_argument("--worker-flags", required=True, help="the worker's flags, as one string")
     own, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     args = scheduler_main.parse_args(rest)

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 import grpc
 from prometheus_client.core import Metric
 
-from scheduler_svc.core import EngineCore
-from scheduler_svc.link import CoreLinkServicer, RemoteFrontend, start_link_server
-from scheduler_svc.telemetry import FrontendTelemetry, parse_exposition
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.telemetry import FrontendTelemetry, parse_exposition
+from scheduler_svc.process.link import CoreLinkServicer, RemoteFrontend, start_link_server
 from stepahead.serving import reserve_shared_port
 
 log = logging.getLogger("stepahead.supervisor")
@@ -102,7 +102,7 @@ class FrontendSupervisor:
         flags = [*self._argv, "--port", str(self._port), "--http-port", str(self._http_port)]
         flags += ["--core-socket", self._socket_path, "--frontend-index", str(index)]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler_svc.frontend_process", *flags
+            sys.executable, "-m", "scheduler_svc.process.frontend_process", *flags
         )
         self._procs[index] = proc
         task = asyncio.create_task(self._watch(index, proc, restart_delay or RESTART_BACKOFF_S[0]))

@@ -1,5 +1,5 @@
 """The scheduling policy's prefix cache: what a request reuses when it is admitted, what it
-leaves in the radix tree (`scheduler_svc/radix_cache.py`) when its prompt is processed and when
+leaves in the radix tree (`scheduler_svc/engine/kv/radix_cache.py`) when its prompt is processed and when
 it ends, and which of its KV slots are its own to free.
 
 A request's `kv_slots` hold its KV position by position; `tree_slots` are those the tree holds
@@ -19,10 +19,10 @@ NOTE (overlap safety):
 
 from __future__ import annotations
 
-from scheduler_svc.allocator import SlotAllocator
-from scheduler_svc.radix_cache import Match, RadixCache
-from scheduler_svc.request import Request
-from scheduler_svc.telemetry import SchedulerTelemetry
+from scheduler_svc.engine.kv.allocator import SlotAllocator
+from scheduler_svc.engine.kv.radix_cache import Match, RadixCache
+from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
 
 
 class PrefixCache:

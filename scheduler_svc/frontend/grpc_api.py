@@ -11,10 +11,10 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 from grpc_health.v1 import health
 
-from scheduler_svc.frontend import ApiError, Frontend
-from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.streams import Completions, OutputChunk
-from scheduler_svc.validation import RequestLimits, UnparsableRequest, lenient_deserializer
+from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.frontend.frontend import ApiError, Frontend
+from scheduler_svc.frontend.streams import Completions, OutputChunk
+from scheduler_svc.frontend.validation import RequestLimits, UnparsableRequest, lenient_deserializer
 from stepahead.auth import BearerTokenInterceptor
 from stepahead.serving import (
     NO_PORT_SHARING,

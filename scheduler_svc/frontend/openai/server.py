@@ -21,8 +21,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from scheduler_svc.http_config import HttpLimits
-from scheduler_svc.http_limits import limited_protocol
+from scheduler_svc.frontend.openai.config import HttpLimits
+from scheduler_svc.frontend.openai.limits import limited_protocol
 from stepahead.serving import PortInUse, address_family
 
 HTTP_PORT_FLAG = "--http-port"

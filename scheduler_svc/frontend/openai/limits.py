@@ -20,7 +20,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from scheduler_svc.http_config import HttpLimits
+from scheduler_svc.frontend.openai.config import HttpLimits
 
 TOO_LARGE = "Request Header Fields Too Large"
 LINGER_S = 2.0  # a refused connection is read and dropped this long before it closes

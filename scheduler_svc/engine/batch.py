@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import Request
+from scheduler_svc.engine.request import Request
 from stepahead.protocol import Launch, LogitsProcessing, NewRequest
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.request import FinishReason, SamplingParams
-from scheduler_svc.text import RequestText
+from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.engine.request import FinishReason, SamplingParams
+from scheduler_svc.frontend.text import RequestText
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler_svc.outputs import OutputSink
-    from scheduler_svc.radix_cache import RadixNode
+    from scheduler_svc.engine.kv.radix_cache import RadixNode
+    from scheduler_svc.engine.outputs import OutputSink
 
 
 class FinishReason(enum.IntEnum):

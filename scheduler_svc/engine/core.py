@@ -5,11 +5,11 @@ Each loop iteration is the seed's steps, one method each:
   pick_batch -> launch_step -> queue_result -> process_results
 The serial loop processes batch k right after launching it; the overlap loop
 processes batch k-1 after launching batch k, while the worker runs k (at
-`--overlap-depth D`, batch k-D after launching k: `scheduler_svc/depth.py`).
+`--overlap-depth D`, batch k-D after launching k: `scheduler_svc/engine/depth.py`).
 Both use the same batching policy and the same FutureMap relay.
 
 The core imports neither torch nor `worker_svc`, and knows tokens only: frontends
-(`scheduler_svc/frontend.py`) own text, stop strings and client streams, and reach the
+(`scheduler_svc/frontend/frontend.py`) own text, stop strings and client streams, and reach the
 core through `attach`/`add`/`abort_handle`; outputs leave through the `Outbox`, one
 message per frontend per step.
 """
@@ -23,14 +23,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from scheduler_svc.batch import ScheduledBatch
-from scheduler_svc.depth import DepthConfig, OverlapDepth
-from scheduler_svc.late_pick import LatePick, LatePickConfig
-from scheduler_svc.outputs import Outbox, OutputSink
-from scheduler_svc.policy import PolicyConfig, Refused, SchedulerStats, SchedulingPolicy
-from scheduler_svc.request import Request
-from scheduler_svc.telemetry import SchedulerTelemetry
-from scheduler_svc.transport import (
+from scheduler_svc.engine.batch import ScheduledBatch
+from scheduler_svc.engine.depth import DepthConfig, OverlapDepth
+from scheduler_svc.engine.late_pick import LatePick, LatePickConfig
+from scheduler_svc.engine.outputs import Outbox, OutputSink
+from scheduler_svc.engine.policy import PolicyConfig, Refused, SchedulerStats, SchedulingPolicy
+from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
+from scheduler_svc.engine.transport import (
     DEFAULT_SILENCE_TIMEOUT_S,
     WorkerSession,
     WorkerTransport,

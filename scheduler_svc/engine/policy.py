@@ -8,7 +8,7 @@ Synchronous and free of gRPC and asyncio, in the spirit of vLLM's SchedulerInter
     abort(rid) / abort_handle(...)    end requests; their slots are free at once
     stats()                           counters
 
-The engine core (`scheduler_svc/core.py`) drives it from the serial or overlap loop.
+The engine core (`scheduler_svc/engine/core.py`) drives it from the serial or overlap loop.
 Token-level stops (EOS, `stop_token_ids`, `max_new_tokens`) are decided here; stop
 strings are the frontends' (they abort the request when they find one).
 """
@@ -19,12 +19,12 @@ import collections
 import time
 from dataclasses import dataclass
 
-from scheduler_svc.allocator import SlotAllocator
-from scheduler_svc.batch import SampledRow, ScheduledBatch
-from scheduler_svc.outputs import Outbox, OutputSink, TokenLogprob
-from scheduler_svc.prefix_cache import PrefixCache
-from scheduler_svc.request import MAX_COMPLETIONS, FinishReason, Request
-from scheduler_svc.telemetry import SchedulerTelemetry
+from scheduler_svc.engine.batch import SampledRow, ScheduledBatch
+from scheduler_svc.engine.kv.allocator import SlotAllocator
+from scheduler_svc.engine.kv.prefix_cache import PrefixCache
+from scheduler_svc.engine.outputs import Outbox, OutputSink, TokenLogprob
+from scheduler_svc.engine.request import MAX_COMPLETIONS, FinishReason, Request
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from stepahead.protocol import Launch, StepLogprobs, WorkerInfo
 
 
@@ -33,7 +33,7 @@ class PolicyConfig:
     max_batch_tokens: int = 512  # token budget of one step; longer prompts are chunked
     max_running: int = 0  # 0: as many as the worker has request slots
     max_waiting: int = 1024  # new requests beyond this many waiting ones are refused
-    prefix_cache: bool = True  # reuse the KV of cached prefixes (scheduler_svc/prefix_cache.py)
+    prefix_cache: bool = True  # reuse the KV of cached prefixes (scheduler_svc/engine/kv/prefix_cache.py)
 
 
 @dataclass

@@ -18,10 +18,10 @@ from typing import Any, TypeAlias
 import grpc
 
 import stepahead
-from scheduler_svc.core import EngineCore
-from scheduler_svc.frontend import CoreRequestSpec, Frontend
-from scheduler_svc.outputs import StepOutputs, TokenLogprob
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.outputs import StepOutputs, TokenLogprob
+from scheduler_svc.engine.request import Request, SamplingParams
+from scheduler_svc.frontend.frontend import CoreRequestSpec, Frontend
 from stepahead.protocol import GRPC_OPTIONS, WorkerInfo, info_from_proto, info_to_proto
 from stepahead.v1 import core_pb2, core_pb2_grpc, generation_pb2
 

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler_svc.outputs import TokenLogprob
-from scheduler_svc.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, MIN_TEMPERATURE, FinishReason
+from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.engine.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, MIN_TEMPERATURE, FinishReason
 from stepahead.v1 import generation_pb2 as pb
 
 UINT32 = 1 << 32

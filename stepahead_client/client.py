@@ -1,9 +1,9 @@
 """A small streaming client.
 
-python -m scheduler_svc.client --chat "What is the capital of France?"
-python -m scheduler_svc.client "Hello, my name is" --max-new-tokens 32
-python -m scheduler_svc.client "Hello" --server 10.0.0.1:50051,10.0.0.2:50051
-python -m scheduler_svc.client "Hello" --server dns:///schedulers.internal:50051
+python -m stepahead_client --chat "What is the capital of France?"
+python -m stepahead_client "Hello, my name is" --max-new-tokens 32
+python -m stepahead_client "Hello" --server 10.0.0.1:50051,10.0.0.2:50051
+python -m stepahead_client "Hello" --server dns:///schedulers.internal:50051
 
 Several schedulers serving one model (replicas) are reached over one channel that balances
 calls over them with gRPC's `round_robin` policy (`stepahead/targets.py`, which loadgen's gRPC
@@ -34,7 +34,7 @@ SERVER_HELP = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scheduler_svc.client")
+    p = argparse.ArgumentParser(prog="python -m stepahead_client")
     p.add_argument("prompt", help="the text to continue, or with --chat the user's message")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="with --chat: a system message first")

@@ -13,15 +13,15 @@ from typing import TypeVar, cast
 
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message, message_factory
 
-from scheduler_svc.chat import ChatMessage, ChatTemplate, ChatTemplateError
-from scheduler_svc.request import (
+from scheduler_svc.engine.request import (
     MAX_COMPLETIONS,
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     SamplingParams,
 )
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.tokenizer import Tokenizer
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import generation_pb2
 

@@ -25,14 +25,14 @@ from typing import Protocol
 
 import grpc
 
-from scheduler_svc.chat import ChatTemplate, ChatTemplateError
-from scheduler_svc.outputs import StepOutputs, TokenLogprob
-from scheduler_svc.request import FinishReason, SamplingParams
-from scheduler_svc.streams import ClientRequest, Completions, OutputStream
-from scheduler_svc.telemetry import FrontendTelemetry
-from scheduler_svc.text import RequestText
-from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
-from scheduler_svc.validation import (
+from scheduler_svc.engine.outputs import StepOutputs, TokenLogprob
+from scheduler_svc.engine.request import FinishReason, SamplingParams
+from scheduler_svc.engine.telemetry import FrontendTelemetry
+from scheduler_svc.frontend.chat import ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.streams import ClientRequest, Completions, OutputStream
+from scheduler_svc.frontend.text import RequestText
+from scheduler_svc.frontend.tokenizer import Tokenizer, load_tokenizer
+from scheduler_svc.frontend.validation import (
     InvalidRequest,
     NoChatTemplate,
     RequestLimits,
