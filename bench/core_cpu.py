@@ -23,12 +23,13 @@ from typing import Any
 
 from bench.machine import Machine, describe_machine
 from bench.save import RESULTS, command_line, publish
+from scheduler_svc.contract import SamplingParams, StepOutputs
 from scheduler_svc.engine.batch import ScheduledBatch
-from scheduler_svc.engine.outputs import Outbox, StepOutputs
+from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
-from scheduler_svc.engine.request import Request, SamplingParams
+from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
-from scheduler_svc.process.link import outputs_to_proto
+from scheduler_svc.process.link.codec import outputs_to_proto
 from stepahead.protocol import (
     Launch,
     StepResult,

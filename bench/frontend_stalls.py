@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from gguf import GGUFReader
 
 from bench.machine import describe_machine
-from scheduler_svc.engine.outputs import TokenLogprob
-from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.frontend.openai import routes as openai_api
 from scheduler_svc.frontend.openai.protocol import ChatLogprobs, ResponseIds
 from scheduler_svc.frontend.tokenizer import HFTokenizer

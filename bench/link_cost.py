@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from scheduler_svc.engine.outputs import StepOutputs
-from scheduler_svc.process.link import outputs_from_proto, outputs_to_proto
+from scheduler_svc.contract import StepOutputs
+from scheduler_svc.process.link.codec import outputs_from_proto, outputs_to_proto
 from stepahead.protocol import GRPC_OPTIONS
 from stepahead.v1 import core_pb2, core_pb2_grpc
 

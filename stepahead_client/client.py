@@ -149,7 +149,3 @@ async def stream_reply(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     sys.exit(asyncio.run(stream_reply(parse_args(argv))))
-
-
-if __name__ == "__main__":
-    main()

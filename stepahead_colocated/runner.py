@@ -34,7 +34,3 @@ def main(argv: list[str] | None = None) -> None:
         run_service("scheduler", scheduler_main.serve(args, InProcessTransport(engine)))
     finally:
         engine.shutdown()
-
-
-if __name__ == "__main__":
-    main()

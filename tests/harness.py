@@ -11,17 +11,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler_svc.contract import FinishReason, SamplingParams, TokenLogprob
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.core import CoreConfig, EngineCore, StepHandle
 from scheduler_svc.engine.depth import DepthConfig
 from scheduler_svc.engine.late_pick import LatePickConfig
-from scheduler_svc.engine.outputs import TokenLogprob
 from scheduler_svc.engine.policy import PolicyConfig
-from scheduler_svc.engine.request import FinishReason, SamplingParams
 from scheduler_svc.engine.transport import WorkerSession, WorkerTransport
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.frontend.streams import Completions, OutputChunk
-from scheduler_svc.process.link import LocalCore
+from scheduler_svc.process.link.local import LocalCore
 from stepahead.protocol import Launch, StepResult
 from tests.live import SETTLE_TIMEOUT_S
 from worker_svc.backends import load_backend

@@ -94,6 +94,14 @@ def interpolate(value: str) -> str:
     return INTERPOLATION.sub(default, value).replace("$$", "$")
 
 
+# What `python -m X` runs: the module whose `main` parses the command line.
+CLI_MODULES = {
+    "scheduler_svc": "scheduler_svc.process.app",
+    "worker_svc": "worker_svc.app",
+    "loadgen": "loadgen.cli",
+}
+
+
 def services() -> Json:
     return cast(Json, load_yaml(COMPOSE)["services"])
 
@@ -103,8 +111,8 @@ def command(service: str) -> list[str]:
 
 
 def cli_parser(module: str) -> Callable[[list[str]], argparse.Namespace]:
-    """The argument parsing of `python -m module`, as its `__main__` does it."""
-    main = importlib.import_module(f"{module}.__main__")
+    """The argument parsing of `python -m module`, as its `__main__` runs it."""
+    main = importlib.import_module(CLI_MODULES[module])
     if module == "loadgen":
         return cast(argparse.ArgumentParser, main.build_parser()).parse_args
     return cast(Callable[[list[str]], argparse.Namespace], main.parse_args)
@@ -239,7 +247,7 @@ def test_service_commands_parse_with_the_real_clis(service: str) -> None:
 
 
 def test_loadgen_arguments_make_a_valid_benchmark() -> None:
-    loadgen_main = importlib.import_module("loadgen.__main__")
+    loadgen_main = importlib.import_module(CLI_MODULES["loadgen"])
     config = loadgen_main.config_from_args(cli_args("loadgen"))
     assert config.num_prompts and config.duration_s and config.ignore_eos
 

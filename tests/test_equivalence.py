@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from bench.promtext import scrape, total
+from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
-from scheduler_svc.engine.request import FinishReason
 from stepahead.processes import serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc

@@ -19,8 +19,7 @@ import grpc
 import httpx2
 import pytest
 
-from scheduler_svc.engine.outputs import TokenLogprob
-from scheduler_svc.engine.request import MIN_TEMPERATURE, FinishReason
+from scheduler_svc.contract import MIN_TEMPERATURE, FinishReason, TokenLogprob
 from scheduler_svc.frontend.frontend import OFF_LOOP_INPUT_BYTES, ApiError, Frontend, FrontendConfig
 from scheduler_svc.frontend.openai import routes as openai_api
 from scheduler_svc.frontend.openai.protocol import ChatLogprobs, CompletionLogprobs, ResponseIds

@@ -30,10 +30,10 @@ from loadgen import (
     client,
     run_benchmark,
 )
-from loadgen.__main__ import build_parser, config_from_args
-from loadgen.__main__ import run as run_cli
 from loadgen.arrivals import arrival_intervals, send_offsets
 from loadgen.backend import BackendName, Sampling
+from loadgen.cli import build_parser, config_from_args
+from loadgen.cli import run as run_cli
 from loadgen.client import build_request, open_channels, received
 from loadgen.openai_protocol import chat_body, completion_body
 from loadgen.progress import render_progress

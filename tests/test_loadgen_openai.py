@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 
 from loadgen import BackendError, BenchmarkConfig, BenchmarkResult, JsonlDataset, RandomDataset, run_benchmark
-from loadgen.__main__ import build_parser, config_from_args
-from loadgen.__main__ import run as run_cli
 from loadgen.backend import Sampling
+from loadgen.cli import build_parser, config_from_args
+from loadgen.cli import run as run_cli
 from loadgen.openai_client import STREAM_ERROR, received
 from loadgen.openai_protocol import (
     OpenAIError,

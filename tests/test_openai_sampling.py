@@ -22,9 +22,8 @@ import httpx2
 import openai
 import pytest
 
-from scheduler_svc.engine.outputs import StepOutputs, TokenLogprob
-from scheduler_svc.engine.request import FinishReason
-from scheduler_svc.frontend.frontend import CoreRequestSpec, Frontend, FrontendConfig
+from scheduler_svc.contract import CoreRequestSpec, FinishReason, StepOutputs, TokenLogprob
+from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.frontend.openai.routes import build_app
 from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.processes import Service, serving_pair

@@ -15,9 +15,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.depth import AUTO, DepthConfig, OverlapDepth, parse_depth
-from scheduler_svc.engine.request import FinishReason
 from stepahead.processes import STOP_TIMEOUT_S, Service, spawn_worker, wait_serving
 from stepahead.v1 import generation_pb2_grpc
 from tests.harness import (

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
-from scheduler_svc.engine.request import FinishReason
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from scheduler_svc.process.app import core_config, parse_args
 from stepahead.protocol import TokenizerSpec, WorkerInfo

@@ -36,7 +36,7 @@ from bench.replicas import (
     target_lines,
     target_met,
 )
-from loadgen.__main__ import run as run_loadgen
+from loadgen.cli import run as run_loadgen
 from stepahead.processes import (
     STOP_TIMEOUT_S,
     Service,

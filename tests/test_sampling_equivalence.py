@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from scheduler_svc.contract import FinishReason, SamplingParams
 from scheduler_svc.engine.core import EngineCore
-from scheduler_svc.engine.request import FinishReason, SamplingParams
 from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload, with_forced_scenarios
 from tests.test_equivalence import check_drained
 from worker_svc.engine import WorkerEngine

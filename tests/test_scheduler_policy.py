@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
+from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import CoreConfig, EngineCore
 from scheduler_svc.engine.policy import PolicyConfig
-from scheduler_svc.engine.request import FinishReason
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.frontend.streams import Completions
-from scheduler_svc.process.link import LocalCore
+from scheduler_svc.process.link.local import LocalCore
 from tests.fake_worker import FakeWorker
 from tests.harness import Served, WorkItem, consume, params, run_workload, wait_drained
 from worker_svc.backends import sim_continuation as expected

@@ -8,7 +8,8 @@ from typing import TypeVar
 
 import pytest
 
-from scheduler_svc.engine.transport import GrpcTransport, WorkerUnavailable
+from scheduler_svc.engine.transport import WorkerUnavailable
+from scheduler_svc.process.grpc_transport import GrpcTransport
 from stepahead.processes import spawn_worker, wait_serving
 from stepahead.protocol import Launch
 from tests.live import CALL_TIMEOUT_S

@@ -19,7 +19,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.core import CoreConfig, EngineCore, StepHandle
 from scheduler_svc.engine.transport import WorkerUnavailable
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
-from scheduler_svc.process.link import LocalCore
+from scheduler_svc.process.link.local import LocalCore
 from stepahead.protocol import Launch, StepResult
 from tests.fake_worker import FakeWorker
 from tests.harness import params

@@ -216,7 +216,3 @@ def main(argv: list[str] | None = None) -> None:
             run_loop(serve(args))
     except (ValueError, OSError, PortInUse) as exc:  # a bad model, flag or port: say why, no traceback
         sys.exit(f"worker: {exc}")
-
-
-if __name__ == "__main__":
-    main()

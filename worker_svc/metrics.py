@@ -4,43 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stepahead.metrics import new_registry
-
-FORWARD_MODES = ("prefill", "decode", "mixed")
-STEP_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-)
-GAP_BUCKETS = (
-    0.00002,
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+from stepahead.metrics import FORWARD_MODES, GAP_BUCKETS, STEP_BUCKETS, new_registry
 
 
 class WorkerMetrics:

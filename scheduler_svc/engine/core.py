@@ -21,12 +21,13 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
+from scheduler_svc.contract import FrontendLink, OutputSink
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.depth import DepthConfig, OverlapDepth
 from scheduler_svc.engine.late_pick import LatePick, LatePickConfig
-from scheduler_svc.engine.outputs import Outbox, OutputSink
+from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, Refused, SchedulerStats, SchedulingPolicy
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
@@ -57,12 +58,6 @@ class CoreConfig:
     idle_heartbeat_s: float = 2.0  # idle: a row-less launch this often, so a hung worker is found
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
     depth: DepthConfig = field(default_factory=DepthConfig)  # overlap: batches launched ahead
-
-
-class FrontendLink(OutputSink, Protocol):
-    """A frontend as the core sees it: where its outputs and the worker's state go."""
-
-    def worker_state(self, info: WorkerInfo | None, connected: bool) -> None: ...
 
 
 class EngineCore:

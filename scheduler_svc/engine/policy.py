@@ -19,11 +19,12 @@ import collections
 import time
 from dataclasses import dataclass
 
+from scheduler_svc.contract import MAX_COMPLETIONS, FinishReason, OutputSink, TokenLogprob
 from scheduler_svc.engine.batch import SampledRow, ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.kv.prefix_cache import PrefixCache
-from scheduler_svc.engine.outputs import Outbox, OutputSink, TokenLogprob
-from scheduler_svc.engine.request import MAX_COMPLETIONS, FinishReason, Request
+from scheduler_svc.engine.outputs import Outbox
+from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from stepahead.protocol import Launch, StepLogprobs, WorkerInfo
 
@@ -42,6 +43,19 @@ class SchedulerStats:
     preemptions: int = 0
     dropped_inflight_tokens: int = 0
     results_out_of_order: int = 0
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What the policy holds at this moment, as GetServerInfo reports it."""
+
+    kv_slots_free: int  # free, or held only by the prefix cache (evictable)
+    request_slots_free: int
+    request_slots: int
+    running: int
+    waiting: int
+    prefix_cache_slots: int
+    prefix_cache_hit_tokens: int
 
 
 class Refused(Exception):
@@ -113,6 +127,17 @@ class SchedulingPolicy:
 
     def stats(self) -> SchedulerStats:
         return self.counters
+
+    def occupancy(self) -> Occupancy:
+        return Occupancy(
+            kv_slots_free=self.cache.reclaimable,
+            request_slots_free=self.req_slots.num_free,
+            request_slots=self.req_slots.capacity,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            prefix_cache_slots=self.cache.tree.size,
+            prefix_cache_hit_tokens=self.cache.cached_prompt_tokens,
+        )
 
     # ---- pick --------------------------------------------------------------------------
 

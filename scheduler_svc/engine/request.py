@@ -7,72 +7,15 @@ the core knows tokens only, and ends requests on EOS, `stop_token_ids` and
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler_svc.contract import FinishReason, SamplingParams
+
 if TYPE_CHECKING:
+    from scheduler_svc.contract import OutputSink
     from scheduler_svc.engine.kv.radix_cache import RadixNode
-    from scheduler_svc.engine.outputs import OutputSink
-
-
-class FinishReason(enum.IntEnum):
-    """Values match stepahead.v1.FinishReason."""
-
-    LENGTH = 1
-    STOP = 2
-    ABORT = 3
-
-
-MAX_COMPLETIONS = 16  # `n`: completions of one prompt in one call
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
-# A positive temperature below this samples at it: logits divided by less overflow float32 (and
-# float32, the wire's type, rounds 1e-50 to 0, which would turn a sampled request greedy).
-MIN_TEMPERATURE = 1e-2
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """`stop` strings are matched by the frontend; everything else acts in the core or the worker."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    stop_token_ids: frozenset[int]
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    logprobs: bool = False
-    top_logprobs: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the worker must do more than sample: logits processing or log-probabilities."""
-        return (
-            self.logprobs
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.min_tokens > 0
-            or bool(self.logit_bias)
-        )
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the worker's penalties read the request's tokens."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def stop_finishes(self, num_generated: int) -> bool:
-        """EOS, stop tokens and stop strings end the request only after min_tokens tokens."""
-        return num_generated >= self.min_tokens
 
 
 @dataclass(eq=False)

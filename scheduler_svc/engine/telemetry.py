@@ -4,60 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
-from stepahead.metrics import new_registry
+from stepahead.metrics import (
+    BATCH_SIZE_BUCKETS,
+    BATCH_TOKEN_BUCKETS,
+    FORWARD_MODES,
+    LATENCY_BUCKETS,
+    LINK_RTT_BUCKETS,
+    PHASE_BUCKETS,
+    PHASES,
+    new_registry,
+)
 from stepahead.trace import NO_TRACE, Tracer
-
-FORWARD_MODES = ("prefill", "decode", "mixed")
-PHASES = ("pick", "launch", "wait", "process")
-FINISH_REASONS = ("length", "stop", "abort", "error")
-LINK_RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02, 0.05, 0.1, 0.25)
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-PHASE_BUCKETS = (
-    0.00001,
-    0.000025,
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-)
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-BATCH_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class SchedulerTelemetry:
@@ -157,71 +118,3 @@ class SchedulerTelemetry:
     def observe_result_queue(self, depth: int) -> None:
         self.result_queue_depth.set(depth)
         self.tracer.counter("result_queue", time.time(), {"depth": depth})
-
-
-class FrontendTelemetry:
-    """What clients see, measured where they are served. `own_process`: the frontend runs in
-    a process of its own, whose CPU time it reports."""
-
-    def __init__(self, mode: str, own_process: bool = False) -> None:
-        self.registry = CollectorRegistry()
-        r, m = self.registry, [mode]
-
-        def latency(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=r).labels(*m)
-
-        self.ttft = latency("stepahead_time_to_first_token_seconds", "Arrival to first token.")
-        self.itl = latency("stepahead_inter_token_latency_seconds", "Between consecutive tokens.")
-        self.e2e = latency("stepahead_e2e_request_latency_seconds", "Arrival to finish.")
-        self.generation_tokens = Counter(
-            "stepahead_generation_tokens", "Tokens streamed to clients.", ["mode"], registry=r
-        ).labels(*m)
-        finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
-        self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}
-        r.register(_FrontendCpu(mode, own_process))
-
-
-class _FrontendCpu(Collector):
-    def __init__(self, mode: str, own_process: bool) -> None:
-        self._mode = mode
-        self._own_process = own_process
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "stepahead_frontend_cpu_seconds",
-            "CPU time of the frontend processes (0 with --frontends 0: see process_cpu_seconds_total).",
-            labels=["mode"],
-        )
-        family.add_metric([self._mode], time.process_time() if self._own_process else 0.0)
-        yield family
-
-
-MetricSource = Callable[[], list[Iterable[Metric]]]
-
-
-class FrontendMetrics(Collector):
-    """The frontends' metrics summed over every frontend, as one service's: counters and
-    histogram buckets add up; `_created` samples are left out."""
-
-    def __init__(self, sources: MetricSource) -> None:
-        self._sources = sources
-
-    def collect(self) -> Iterator[Metric]:
-        merged: dict[str, Metric] = {}
-        totals: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-        for source in self._sources():
-            for family in source:
-                merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                samples = totals.setdefault(family.name, {})
-                for s in family.samples:
-                    if not s.name.endswith("_created"):
-                        key = (s.name, tuple(sorted(s.labels.items())))
-                        samples[key] = samples.get(key, 0.0) + s.value
-        for name, family in merged.items():
-            for (sample, labels), value in totals[name].items():
-                family.add_sample(sample, dict(labels), value)
-            yield family
-
-
-def parse_exposition(text: bytes) -> list[Metric]:
-    return list(text_string_to_metric_families(text.decode()))

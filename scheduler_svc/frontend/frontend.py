@@ -21,15 +21,20 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 
-from scheduler_svc.engine.outputs import StepOutputs, TokenLogprob
-from scheduler_svc.engine.request import FinishReason, SamplingParams
-from scheduler_svc.engine.telemetry import FrontendTelemetry
+from scheduler_svc.contract import (
+    CoreClient,
+    CoreRequestSpec,
+    FinishReason,
+    SamplingParams,
+    StepOutputs,
+    TokenLogprob,
+)
 from scheduler_svc.frontend.chat import ChatTemplate, ChatTemplateError
 from scheduler_svc.frontend.streams import ClientRequest, Completions, OutputStream
+from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.frontend.text import RequestText
 from scheduler_svc.frontend.tokenizer import Tokenizer, load_tokenizer
 from scheduler_svc.frontend.validation import (
@@ -57,33 +62,6 @@ class FrontendConfig:
     stream_interval: int = 1  # wake a client's stream every N tokens (and at its finish)
     index: int = 0  # which frontend process (0 for the one inside the core)
     chat_template: str | None = None  # overrides the model's own (--chat-template)
-
-
-@dataclass(frozen=True)
-class CoreRequestSpec:
-    """What the core gets of a request: tokens and token-level parameters."""
-
-    handle: int
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    index: int = 0  # which completion of `rid`
-
-
-class CoreClient(Protocol):
-    """The engine core as a frontend sees it."""
-
-    def add(self, spec: CoreRequestSpec) -> None:
-        """Queue the request; a refusal comes back as an error output."""
-
-    def abort(self, handle: int) -> None:
-        """End one of this frontend's requests in the core (no output follows)."""
-
-    async def abort_request(self, rid: str) -> bool:
-        """End a request that any frontend admitted."""
-
-    async def server_info(self) -> generation_pb2.GetServerInfoResponse: ...
 
 
 class ApiError(Exception):

@@ -11,7 +11,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 from grpc_health.v1 import health
 
-from scheduler_svc.engine.outputs import TokenLogprob
+from scheduler_svc.contract import TokenLogprob
 from scheduler_svc.frontend.frontend import ApiError, Frontend
 from scheduler_svc.frontend.streams import Completions, OutputChunk
 from scheduler_svc.frontend.validation import RequestLimits, UnparsableRequest, lenient_deserializer

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from scheduler_svc.engine.outputs import TokenLogprob
-from scheduler_svc.engine.request import FinishReason, SamplingParams
+from scheduler_svc.contract import FinishReason, SamplingParams, TokenLogprob
 from scheduler_svc.frontend.text import RequestText
 
 

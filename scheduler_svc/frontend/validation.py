@@ -13,7 +13,7 @@ from typing import TypeVar, cast
 
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message, message_factory
 
-from scheduler_svc.engine.request import (
+from scheduler_svc.contract import (
     MAX_COMPLETIONS,
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,

@@ -22,8 +22,8 @@ from scheduler_svc.engine.core import CoreConfig, EngineCore
 from scheduler_svc.engine.depth import MAX_DEPTH, DepthConfig, parse_depth
 from scheduler_svc.engine.late_pick import LatePickConfig
 from scheduler_svc.engine.policy import PolicyConfig
-from scheduler_svc.engine.telemetry import FrontendMetrics, MetricSource, SchedulerTelemetry
-from scheduler_svc.engine.transport import GrpcTransport, LinkConfig, WorkerTransport
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
+from scheduler_svc.engine.transport import WorkerTransport
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.frontend.grpc_api import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -33,7 +33,9 @@ from scheduler_svc.frontend.grpc_api import (
 )
 from scheduler_svc.frontend.openai.config import HttpLimits, allowed_hosts
 from scheduler_svc.frontend.validation import DEFAULT_MAX_TEXT_BYTES, RequestLimits
-from scheduler_svc.process.link import LocalCore
+from scheduler_svc.process.frontend_metrics import FrontendMetrics, MetricSource
+from scheduler_svc.process.grpc_transport import GrpcTransport, WorkerLinkConfig
+from scheduler_svc.process.link.local import LocalCore
 from scheduler_svc.process.supervisor import FrontendSupervisor
 from stepahead.serving import (
     API_KEY_ENV,
@@ -292,7 +294,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
 
 async def serve(args: argparse.Namespace, transport: WorkerTransport | None = None) -> None:
     """The engine core, with its frontends in their own processes or (--frontends 0) in this one."""
-    link = LinkConfig(args.worker_token, args.max_batch_tokens, args.worker_step_timeout)
+    link = WorkerLinkConfig(args.worker_token, args.max_batch_tokens, args.worker_step_timeout)
     transport = transport or GrpcTransport(args.worker, worker_credentials(args), link)
     telemetry = SchedulerTelemetry(args.mode, Tracer(args.trace_file, f"scheduler ({args.mode})"))
     core = EngineCore(transport, core_config(args), telemetry)
@@ -452,7 +454,3 @@ def main(argv: list[str] | None = None) -> None:
     args.argv = argv  # frontend processes parse the same flags
     setup_logging(args.log_level)
     run_service("scheduler", serve(args))
-
-
-if __name__ == "__main__":
-    main()

@@ -18,11 +18,11 @@ import sys
 import grpc
 from prometheus_client import generate_latest
 
-from scheduler_svc.engine.telemetry import FrontendTelemetry
 from scheduler_svc.frontend.frontend import Frontend
 from scheduler_svc.frontend.grpc_api import SERVICE_NAME, build_server, health_follows_worker
+from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.process.app import api_config, frontend_config, http_api, parse_args, stop_apis
-from scheduler_svc.process.link import RemoteCore
+from scheduler_svc.process.link.frontend_side import RemoteCore
 from stepahead.serving import run_service, set_serving, setup_logging
 
 log = logging.getLogger("stepahead.frontend")

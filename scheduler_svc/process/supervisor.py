@@ -22,8 +22,9 @@ import grpc
 from prometheus_client.core import Metric
 
 from scheduler_svc.engine.core import EngineCore
-from scheduler_svc.engine.telemetry import FrontendTelemetry, parse_exposition
-from scheduler_svc.process.link import CoreLinkServicer, RemoteFrontend, start_link_server
+from scheduler_svc.frontend.telemetry import FrontendTelemetry
+from scheduler_svc.process.frontend_metrics import parse_exposition
+from scheduler_svc.process.link.core_side import CoreLinkServicer, RemoteFrontend, start_link_server
 from stepahead.serving import reserve_shared_port
 
 log = logging.getLogger("stepahead.supervisor")

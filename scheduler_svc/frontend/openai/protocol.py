@@ -15,8 +15,13 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler_svc.engine.outputs import TokenLogprob
-from scheduler_svc.engine.request import MAX_COMPLETIONS, MAX_LOGIT_BIAS, MIN_TEMPERATURE, FinishReason
+from scheduler_svc.contract import (
+    MAX_COMPLETIONS,
+    MAX_LOGIT_BIAS,
+    MIN_TEMPERATURE,
+    FinishReason,
+    TokenLogprob,
+)
 from stepahead.v1 import generation_pb2 as pb
 
 UINT32 = 1 << 32

@@ -29,8 +29,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from scheduler_svc.engine.outputs import TokenLogprob
-from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.frontend.frontend import NO_WORKER, ApiError, Frontend
 from scheduler_svc.frontend.openai.config import HttpLimits, host_allowed
 from scheduler_svc.frontend.openai.protocol import (

@@ -1,0 +1,50 @@
+"""What a frontend reports: what its clients see (time to first token, between tokens, to the
+finish), the tokens it streamed, how requests ended, and its process's CPU time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from stepahead.metrics import FINISH_REASONS, LATENCY_BUCKETS
+
+
+class FrontendTelemetry:
+    """What clients see, measured where they are served. `own_process`: the frontend runs in
+    a process of its own, whose CPU time it reports."""
+
+    def __init__(self, mode: str, own_process: bool = False) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, [mode]
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=r).labels(*m)
+
+        self.ttft = latency("stepahead_time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = latency("stepahead_inter_token_latency_seconds", "Between consecutive tokens.")
+        self.e2e = latency("stepahead_e2e_request_latency_seconds", "Arrival to finish.")
+        self.generation_tokens = Counter(
+            "stepahead_generation_tokens", "Tokens streamed to clients.", ["mode"], registry=r
+        ).labels(*m)
+        finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
+        self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}
+        r.register(_FrontendCpu(mode, own_process))
+
+
+class _FrontendCpu(Collector):
+    def __init__(self, mode: str, own_process: bool) -> None:
+        self._mode = mode
+        self._own_process = own_process
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "stepahead_frontend_cpu_seconds",
+            "CPU time of the frontend processes (0 with --frontends 0: see process_cpu_seconds_total).",
+            labels=["mode"],
+        )
+        family.add_metric([self._mode], time.process_time() if self._own_process else 0.0)
+        yield family

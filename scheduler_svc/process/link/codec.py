@@ -1,0 +1,133 @@
+"""The core-frontend link's wire forms: requests, sampling parameters, step outputs and the
+worker's state, to and from `stepahead.v1` core messages."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypeAlias
+
+import grpc
+
+from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs, TokenLogprob
+from stepahead.protocol import WorkerInfo, info_to_proto
+from stepahead.v1 import core_pb2
+
+log = logging.getLogger("stepahead.link")
+
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+METRICS_TIMEOUT_S = 3.0
+
+
+def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
+    return core_pb2.CoreSampling(
+        max_new_tokens=p.max_new_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        stop_token_ids=sorted(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
+        bias_ids=[token for token, _ in p.logit_bias],
+        bias_values=[bias for _, bias in p.logit_bias],
+    )
+
+
+def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
+    """Stop strings stay in the frontend: the core's copy has none."""
+    return SamplingParams(
+        m.max_new_tokens,
+        m.temperature,
+        m.top_p,
+        m.top_k,
+        m.seed,
+        frozenset(m.stop_token_ids),
+        (),
+        m.ignore_eos,
+        logprobs=m.logprobs,
+        top_logprobs=m.top_logprobs,
+        repetition_penalty=m.repetition_penalty,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        min_tokens=m.min_tokens,
+        logit_bias=tuple(zip(m.bias_ids, m.bias_values, strict=True)),
+    )
+
+
+def spec_to_proto(spec: CoreRequestSpec) -> core_pb2.NewCoreRequest:
+    return core_pb2.NewCoreRequest(
+        handle=spec.handle,
+        request_id=spec.rid,
+        prompt_ids=spec.prompt_ids,
+        sampling=params_to_proto(spec.params),
+        arrival_unix_s=spec.arrival_time,
+        index=spec.index,
+    )
+
+
+def spec_from_proto(m: core_pb2.NewCoreRequest) -> CoreRequestSpec:
+    return CoreRequestSpec(
+        m.handle, m.request_id, list(m.prompt_ids), params_from_proto(m.sampling), m.arrival_unix_s, m.index
+    )
+
+
+def outputs_to_proto(outputs: StepOutputs) -> core_pb2.StepOutputs:
+    msg = core_pb2.StepOutputs(
+        handles=outputs.handles,
+        token_ids=outputs.token_ids,
+        finish_reasons=outputs.finish_reasons,
+        errors=[
+            core_pb2.RequestError(handle=h, code=grpc.StatusCode[code].value[0], message=message)
+            for h, code, message in outputs.errors
+        ],
+    )
+    if outputs.logprobs:
+        msg.logprob_entries.extend(outputs.logprob_entries)
+        for lp in outputs.logprobs:
+            msg.logprobs.append(lp.logprob)
+            msg.top_counts.append(len(lp.top_ids))
+            msg.top_ids.extend(lp.top_ids)
+            msg.top_logprobs.extend(lp.top_logprobs)
+    msg.cached_entries.extend(outputs.cached_entries)
+    msg.cached_tokens.extend(outputs.cached_tokens)
+    return msg
+
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def outputs_from_proto(m: core_pb2.StepOutputs) -> StepOutputs:
+    return StepOutputs(
+        list(m.handles),
+        list(m.token_ids),
+        list(m.finish_reasons),
+        [(e.handle, _CODE_NAMES.get(e.code, "UNKNOWN"), e.message) for e in m.errors],
+        list(m.logprob_entries),
+        _logprobs_from_proto(m),
+        list(m.cached_entries),
+        list(m.cached_tokens),
+    )
+
+
+def _logprobs_from_proto(m: core_pb2.StepOutputs) -> list[TokenLogprob]:
+    logprobs, start = [], 0
+    for logprob, count in zip(m.logprobs, m.top_counts, strict=True):
+        end = start + count
+        logprobs.append(TokenLogprob(logprob, tuple(m.top_ids[start:end]), tuple(m.top_logprobs[start:end])))
+        start = end
+    return logprobs
+
+
+def worker_state_to_proto(info: WorkerInfo | None, connected: bool) -> core_pb2.WorkerState:
+    state = core_pb2.WorkerState(connected=connected)
+    if info is not None:
+        state.welcome.CopyFrom(info_to_proto(info))
+    return state
+
+
+# ---- the core's side -------------------------------------------------------------------------

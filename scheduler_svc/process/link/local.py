@@ -1,0 +1,41 @@
+"""The core and a frontend in one process (`--frontends 0`): calls, no wire."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypeAlias
+
+import grpc
+
+from scheduler_svc.contract import CoreRequestSpec
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.frontend.frontend import Frontend
+from scheduler_svc.process.link.core_side import core_request, core_server_info
+from stepahead.v1 import generation_pb2
+
+log = logging.getLogger("stepahead.link")
+
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+METRICS_TIMEOUT_S = 3.0
+
+
+class LocalCore:
+    """The core in the frontend's own process."""
+
+    def __init__(self, core: EngineCore, frontend: Frontend) -> None:
+        self._core = core
+        self._frontend = frontend
+        frontend.core = self
+        core.attach(frontend)
+
+    def add(self, spec: CoreRequestSpec) -> None:
+        self._core.add([core_request(spec, self._frontend)])
+
+    def abort(self, handle: int) -> None:
+        self._core.abort_handles(self._frontend, [handle])
+
+    async def abort_request(self, rid: str) -> bool:
+        return self._core.abort(rid)
+
+    async def server_info(self) -> generation_pb2.GetServerInfoResponse:
+        return core_server_info(self._core)
