@@ -92,7 +92,7 @@ def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: in
     """A scheduler running the worker engine in its own process (no gRPC between them)."""
     worker_flags = shlex.join(_with_free_metrics_port(worker_args))
     return _spawn(
-        "stepahead_colocated.runner",
+        "stepahead_colocated",
         ["--worker-flags", worker_flags, *_with_http_off(_with_free_metrics_port(args))],
         port,
         name="scheduler",
