@@ -1,6 +1,6 @@
-"""python -m scheduler_svc: the scheduler (see `scheduler_svc.process.app`)."""
+"""python -m scheduler_svc: the scheduler (see `scheduler_svc.process.cli`)."""
 
-from scheduler_svc.process.app import main
+from scheduler_svc.process.cli import main
 
 if __name__ == "__main__":
     main()

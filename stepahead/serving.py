@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,22 +88,39 @@ def check_tls_server_args(
         parser.error("--tls-ca is required with --tls-cert: only clients with a certificate it signed get in")
 
 
-def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM bytes read once at start-up: a certificate chain and its key, and a CA (a server's:
+    the one client certificates must be signed by; a client's: the one it trusts)."""
+
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+
+
+def tls_files(args: argparse.Namespace, prefix: str = "tls") -> TlsFiles:
+    """The --{prefix}-cert, -key and -ca flags a parser of `add_tls_server_args` read."""
+    cert, key, ca = (getattr(args, f"{prefix}_{part}") for part in ("cert", "key", "ca"))
+    return TlsFiles(cert, key, ca)
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials | None:
     """TLS from --tls-cert/--tls-key, or None (plaintext); with --tls-ca every client must
     present a certificate that CA signed (mutual TLS)."""
-    if args.tls_cert is None:
+    if tls.cert is None:
         return None
+    assert tls.key is not None  # the flags go together
     return grpc.ssl_server_credentials(
-        [(args.tls_key, args.tls_cert)],
-        root_certificates=args.tls_ca,
-        require_client_auth=args.tls_ca is not None,
+        [(tls.key, tls.cert)],
+        root_certificates=tls.ca,
+        require_client_auth=tls.ca is not None,
     )
 
 
-def describe_tls(args: argparse.Namespace) -> str:
-    if args.tls_cert is None:
+def describe_tls(tls: TlsFiles) -> str:
+    if tls.cert is None:
         return "plaintext"
-    return "mutual TLS" if args.tls_ca is not None else "TLS"
+    return "mutual TLS" if tls.ca is not None else "TLS"
 
 
 class PortInUse(RuntimeError):
@@ -206,7 +224,9 @@ class ResourceErrors:
 
 
 def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port: int) -> None:
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics endpoint")
+    parser.add_argument(
+        "--metrics-host", default=MetricsEndpoint.host, help="address of the /metrics endpoint"
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -221,18 +241,29 @@ def add_observability_args(parser: argparse.ArgumentParser, default_metrics_port
     )
 
 
-def start_metrics(registry: CollectorRegistry, args: argparse.Namespace, service: str) -> None:
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    host: str = "127.0.0.1"
+    port: int = -1  # 0: any free port, -1: off
+
+
+def metrics_endpoint(args: argparse.Namespace) -> MetricsEndpoint:
+    """The endpoint the flags of `add_observability_args` name."""
+    return MetricsEndpoint(args.metrics_host, args.metrics_port)
+
+
+def start_metrics(registry: CollectorRegistry, endpoint: MetricsEndpoint, service: str) -> None:
     """Serves /metrics on the running event loop (a thread of its own when none runs); the
     port is bound before this returns, so a taken one raises PortInUse at once."""
-    if args.metrics_port >= 0:
+    if endpoint.port >= 0:
         try:
-            port = serve_metrics(registry, args.metrics_host, args.metrics_port)
+            port = serve_metrics(registry, endpoint.host, endpoint.port)
         except OSError as exc:
             raise PortInUse(
-                f"cannot serve /metrics on {args.metrics_host}:{args.metrics_port} ({exc.strerror}): "
+                f"cannot serve /metrics on {endpoint.host}:{endpoint.port} ({exc.strerror}): "
                 "choose another with --metrics-port (0: any free port, -1: off)"
             ) from exc
-        print(f"{service} metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
+        print(f"{service} metrics on http://{endpoint.host}:{port}/metrics", flush=True)
 
 
 def stop_event_on_signals() -> asyncio.Event:

@@ -8,11 +8,14 @@ It lives outside both packages: the scheduler never imports torch or `worker_svc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 
-from scheduler_svc.process import app as scheduler_main
-from stepahead.serving import run_service, setup_logging, start_metrics
+from scheduler_svc.process import cli as scheduler_cli
+from scheduler_svc.process.app import serve
+from scheduler_svc.process.config import IN_PROCESS
+from stepahead.serving import metrics_endpoint, run_service, setup_logging, start_metrics
 from worker_svc import app as worker_main
 from worker_svc.inprocess import InProcessTransport
 
@@ -21,16 +24,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m stepahead_colocated", add_help=False)
     p.add_argument("--worker-flags", required=True, help="the worker's flags, as one string")
     own, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    args = scheduler_main.parse_args(rest)
-    if args.worker_tls_ca is not None:
+    config = scheduler_cli.parse_args(rest)
+    if config.worker.tls.ca is not None:
         p.error("--worker-tls-* apply to a worker reached over gRPC")
-    args.argv = rest
-    args.worker = "in-process"
-    setup_logging(args.log_level)
+    config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, address=IN_PROCESS))
+    setup_logging(config.observability.log_level)
     worker_args = worker_main.parse_args(shlex.split(own.worker_flags))
     engine = worker_main.build_engine(worker_args)
-    start_metrics(engine.metrics.registry, worker_args, "worker")
+    start_metrics(engine.metrics.registry, metrics_endpoint(worker_args), "worker")
     try:
-        run_service("scheduler", scheduler_main.serve(args, InProcessTransport(engine)))
+        run_service("scheduler", serve(config, InProcessTransport(engine)))
     finally:
         engine.shutdown()

@@ -96,7 +96,7 @@ def interpolate(value: str) -> str:
 
 # What `python -m X` runs: the module whose `main` parses the command line.
 CLI_MODULES = {
-    "scheduler_svc": "scheduler_svc.process.app",
+    "scheduler_svc": "scheduler_svc.process.cli",
     "worker_svc": "worker_svc.app",
     "loadgen": "loadgen.cli",
 }
@@ -113,7 +113,7 @@ def command(service: str) -> list[str]:
 def cli_parser(module: str) -> Callable[[list[str]], argparse.Namespace]:
     """The argument parsing of `python -m module`, as its `__main__` runs it."""
     main = importlib.import_module(CLI_MODULES[module])
-    if module == "loadgen":
+    if module in ("loadgen", "scheduler_svc"):  # their parse_args returns the config built from these
         return cast(argparse.ArgumentParser, main.build_parser()).parse_args
     return cast(Callable[[list[str]], argparse.Namespace], main.parse_args)
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from scheduler_svc.frontend.grpc_api import DEFAULT_MAX_REQUEST_BYTES
-from scheduler_svc.frontend.validation import DEFAULT_MAX_TEXT_BYTES
-from scheduler_svc.process import app as scheduler_main
+from scheduler_svc.frontend.validation import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TEXT_BYTES
+from scheduler_svc.process import cli as scheduler_cli
 from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
@@ -267,9 +266,9 @@ async def test_nothing_reached_grpc_as_an_unexpected_error(frontends: int) -> No
 
 
 def test_default_limits_are_documented_ones() -> None:
-    args = scheduler_main.parse_args([])
-    assert args.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 4 * 1024 * 1024
-    assert args.max_text_bytes == DEFAULT_MAX_TEXT_BYTES == 1024 * 1024
-    assert args.max_prompt_tokens == 0  # the model's context length
+    config = scheduler_cli.parse_args([])
+    assert config.api.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 4 * 1024 * 1024
+    assert config.frontend.limits.max_text_bytes == DEFAULT_MAX_TEXT_BYTES == 1024 * 1024
+    assert config.frontend.limits.max_prompt_tokens == 0  # the model's context length
     with pytest.raises(SystemExit):
-        scheduler_main.parse_args(["--max-text-bytes", "0"])
+        scheduler_cli.parse_args(["--max-text-bytes", "0"])

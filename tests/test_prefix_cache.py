@@ -16,7 +16,7 @@ from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
-from scheduler_svc.process.app import core_config, parse_args
+from scheduler_svc.process.cli import parse_args
 from stepahead.protocol import TokenizerSpec, WorkerInfo
 from tests.harness import ClientView, WorkItem, aborted_call, params, preempting_call, serve_workload
 from tests.test_equivalence import check_drained
@@ -147,8 +147,8 @@ async def test_a_prompt_cached_by_the_batch_before_reads_the_same_kv_as_without_
 
 
 def test_the_cache_is_on_by_default_and_no_prefix_cache_turns_it_off() -> None:
-    assert core_config(parse_args([])).policy.prefix_cache
-    assert not core_config(parse_args(["--no-prefix-cache"])).policy.prefix_cache
+    assert parse_args([]).core.policy.prefix_cache
+    assert not parse_args(["--no-prefix-cache"]).core.policy.prefix_cache
 
 
 async def test_with_the_cache_off_nothing_is_matched_or_kept() -> None:

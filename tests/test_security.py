@@ -20,7 +20,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from scheduler_svc.process import app as scheduler_main
+from scheduler_svc.process import cli as scheduler_cli
 from stepahead.processes import (
     Service,
     open_channel,
@@ -404,15 +404,15 @@ def test_incomplete_tls_flags_are_usage_errors(pki: Pki) -> None:
         ["--tls-cert", "/nonexistent.pem", "--tls-key", key],
     ):
         with pytest.raises(SystemExit):
-            scheduler_main.parse_args(scheduler_flags)
+            scheduler_cli.parse_args(scheduler_flags)
 
 
 def test_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEPAHEAD_API_KEY", "from-env")
-    assert scheduler_main.parse_args([]).api_key == "from-env"
-    assert scheduler_main.parse_args(["--api-key", "from-flag"]).api_key == "from-flag"
+    assert scheduler_cli.parse_args([]).api.api_key == "from-env"
+    assert scheduler_cli.parse_args(["--api-key", "from-flag"]).api.api_key == "from-flag"
     monkeypatch.delenv("STEPAHEAD_API_KEY")
-    assert scheduler_main.parse_args([]).api_key is None
+    assert scheduler_cli.parse_args([]).api.api_key is None
 
 
 def listening_addresses(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:

@@ -18,12 +18,14 @@ from stepahead.serving import (
     check_tls_server_args,
     describe_tls,
     graceful_stop,
+    metrics_endpoint,
     run_loop,
     server_credentials,
     set_serving,
     setup_logging,
     start_metrics,
     stop_event_on_signals,
+    tls_files,
 )
 from stepahead.trace import Tracer
 from worker_svc.backends import check_shardable, load_backend
@@ -141,8 +143,9 @@ async def serve(args: argparse.Namespace, ranks: TensorParallelRanks | None = No
     engine = build_engine(args, ranks)
     if ranks is not None:
         ranks.barrier()
-    start_metrics(engine.metrics.registry, args, "worker")  # first: a port in use stops nothing running
-    access = WorkerAccess(server_credentials(args), args.worker_token, args.scheduler_timeout)
+    # First: a port in use stops nothing running.
+    start_metrics(engine.metrics.registry, metrics_endpoint(args), "worker")
+    access = WorkerAccess(server_credentials(tls_files(args)), args.worker_token, args.scheduler_timeout)
     serving = await build_server(engine, args.host, args.port, access)
     stop = stop_event_on_signals()
     await serving.server.start()
@@ -157,7 +160,7 @@ async def serve(args: argparse.Namespace, ranks: TensorParallelRanks | None = No
         info.tensor_parallel_size,
         info.kv_slots,
         info.request_slots,
-        describe_tls(args),
+        describe_tls(tls_files(args)),
     )
     print(f"worker listening on {args.host}:{serving.port}", flush=True)
     await stop.wait()

@@ -14,7 +14,12 @@ from grpc_health.v1 import health
 from scheduler_svc.contract import TokenLogprob
 from scheduler_svc.frontend.frontend import ApiError, Frontend
 from scheduler_svc.frontend.streams import Completions, OutputChunk
-from scheduler_svc.frontend.validation import RequestLimits, UnparsableRequest, lenient_deserializer
+from scheduler_svc.frontend.validation import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    RequestLimits,
+    UnparsableRequest,
+    lenient_deserializer,
+)
 from stepahead.auth import BearerTokenInterceptor
 from stepahead.serving import (
     NO_PORT_SHARING,
@@ -29,7 +34,6 @@ log = logging.getLogger("stepahead.scheduler")
 
 SERVICE_NAME = "stepahead.v1.Generation"
 FRONTEND_METADATA = "stepahead-frontend"  # initial metadata of every call: which frontend serves it
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
 T = TypeVar("T")

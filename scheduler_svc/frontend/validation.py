@@ -30,6 +30,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a whole request message or HTTP body
 MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MESSAGES_FIELD = "input.messages.messages"

@@ -1,17 +1,17 @@
 """One frontend process of an engine core (started by the core with --frontends N).
 
-It parses the scheduler's own flags (plus --core-socket and --frontend-index), serves the
-client API on the shared public port, and attaches to the core. SIGTERM drains it; if the
-core goes away it reports NOT_SERVING, ends its clients' requests with UNAVAILABLE and
-exits.
+It reads its `FrontendProcessConfig` from its stdin (the core wrote it there: no command line
+to parse again, and no secret in the process list), serves the client API on the shared public
+port, and attaches to the core. SIGTERM drains it; if the core goes away it reports
+NOT_SERVING, ends its clients' requests with UNAVAILABLE and exits.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
+import pickle
 import signal
 import sys
 
@@ -21,20 +21,22 @@ from prometheus_client import generate_latest
 from scheduler_svc.frontend.frontend import Frontend
 from scheduler_svc.frontend.grpc_api import SERVICE_NAME, build_server, health_follows_worker
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
-from scheduler_svc.process.app import api_config, frontend_config, http_api, parse_args, stop_apis
+from scheduler_svc.process.app import grpc_api_config, http_api, stop_apis
+from scheduler_svc.process.config import FrontendProcessConfig
 from scheduler_svc.process.link.frontend_side import RemoteCore
 from stepahead.serving import run_service, set_serving, setup_logging
 
 log = logging.getLogger("stepahead.frontend")
 
 
-async def serve(args: argparse.Namespace) -> int:
-    frontend = Frontend(frontend_config(args), FrontendTelemetry(args.mode, own_process=True))
-    core = RemoteCore(args.core_socket, frontend, lambda: generate_latest(frontend.telemetry.registry))
+async def serve(config: FrontendProcessConfig) -> int:
+    api = config.api
+    frontend = Frontend(config.frontend, FrontendTelemetry(config.frontend.mode, own_process=True))
+    core = RemoteCore(config.core_socket, frontend, lambda: generate_latest(frontend.telemetry.registry))
     server, port, health_servicer = await build_server(
-        frontend, args.host, args.port, api_config(args, share_port=True)
+        frontend, api.host, api.port, grpc_api_config(api, share_port=True)
     )
-    http = http_api(frontend, args, share_port=True)
+    http = http_api(frontend, api, share_port=True)
     health_follows_worker(frontend, health_servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,11 +44,11 @@ async def serve(args: argparse.Namespace) -> int:
     await server.start()
     if http is not None:
         await http.start()
-    attached = asyncio.create_task(core.attach(args.frontend_index, os.getpid(), port))
+    attached = asyncio.create_task(core.attach(config.frontend.index, os.getpid(), port))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({attached, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
-        await stop_apis(frontend, server, health_servicer, http, args.grace)
+        await stop_apis(frontend, server, health_servicer, http, config.grace_s)
         await core.close()
         return 0
     log.error("the engine core is gone: ending every request here and exiting")
@@ -58,14 +60,15 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the core, which stops us
-    args = parse_args(sys.argv[1:])
-    setup_logging(args.log_level)
+    config = pickle.load(sys.stdin.buffer)
+    assert isinstance(config, FrontendProcessConfig)
+    setup_logging(config.log_level)
     code: list[int] = []
 
     async def run() -> None:
-        code.append(await serve(args))
+        code.append(await serve(config))
 
-    run_service(f"frontend {args.frontend_index}", run())
+    run_service(f"frontend {config.frontend.index}", run())
     sys.exit(code[0] if code else 1)
 
 

@@ -9,10 +9,11 @@ and a new frontend takes its place.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import pickle
 import signal
 import socket
 import sys
@@ -23,6 +24,7 @@ from prometheus_client.core import Metric
 
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
+from scheduler_svc.process.config import FrontendProcessConfig, SchedulerConfig
 from scheduler_svc.process.frontend_metrics import parse_exposition
 from scheduler_svc.process.link.core_side import CoreLinkServicer, RemoteFrontend, start_link_server
 from stepahead.serving import reserve_shared_port
@@ -35,13 +37,13 @@ STOP_MARGIN_S = 5.0  # beyond the grace: time for a frontend to flush and exit
 
 
 class FrontendSupervisor:
-    def __init__(self, core: EngineCore, args: argparse.Namespace, socket_path: str) -> None:
+    def __init__(self, core: EngineCore, config: SchedulerConfig, socket_path: str) -> None:
         self._core = core
-        self._count: int = args.frontends
-        self._argv: list[str] = list(args.argv)
-        self._host: str = args.host
-        self._port: int = args.port
-        self._http_port: int = args.http_port
+        self._config = config
+        self._count = config.frontends
+        self._host = config.api.host
+        self._port = config.api.port
+        self._http_port = config.api.http_port
         self._socket_path = socket_path
         self._servicer = CoreLinkServicer(core, self._on_hello)
         self._link: grpc.aio.Server | None = None
@@ -100,11 +102,21 @@ class FrontendSupervisor:
     # ---- processes -------------------------------------------------------------------------
 
     async def _spawn(self, index: int, restart_delay: float | None) -> None:
-        flags = [*self._argv, "--port", str(self._port), "--http-port", str(self._http_port)]
-        flags += ["--core-socket", self._socket_path, "--frontend-index", str(index)]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler_svc.process.frontend_process", *flags
+        """Starts frontend `index`, handing it its config on its stdin."""
+        config = self._config
+        given = FrontendProcessConfig(
+            dataclasses.replace(config.frontend, index=index),
+            dataclasses.replace(config.api, port=self._port, http_port=self._http_port),
+            self._socket_path,
+            config.grace_s,
+            config.observability.log_level,
         )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "scheduler_svc.process.frontend_process", stdin=asyncio.subprocess.PIPE
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(given))
+        proc.stdin.close()
         self._procs[index] = proc
         task = asyncio.create_task(self._watch(index, proc, restart_delay or RESTART_BACKOFF_S[0]))
         self._watchers.add(task)

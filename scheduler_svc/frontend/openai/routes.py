@@ -43,7 +43,7 @@ from scheduler_svc.frontend.openai.protocol import (
     http_message,
 )
 from scheduler_svc.frontend.streams import Completions, OutputChunk
-from scheduler_svc.frontend.validation import ValidRequest
+from scheduler_svc.frontend.validation import DEFAULT_MAX_REQUEST_BYTES, ValidRequest
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
@@ -80,7 +80,7 @@ ERROR_TYPES = {
 @dataclass(frozen=True)
 class HttpApiConfig:
     api_key: str | None = None  # None: no key asked
-    max_request_bytes: int = 4 << 20
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     served_model_name: str | None = None  # None: the worker's model name
     body_pause_timeout_s: float = HttpLimits.body_pause_timeout_s
     # Log-probabilities (each token's own and its alternatives) a whole, unstreamed response may
