@@ -17,11 +17,12 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.machine import Machine, describe_machine
+from bench.envelope import Envelope, begin, load_clause
+from bench.machine import Machine
 from bench.save import RESULTS, command_line, publish
 from scheduler_svc.contract import SamplingParams, StepOutputs
 from scheduler_svc.engine.batch import ScheduledBatch
@@ -273,7 +274,7 @@ def summarize(batch_size: int, steps: Sequence[StepTimes]) -> CoreCpuRow:
 
 
 def run(config: CoreCpuConfig) -> CoreCpuRun:
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     rows = tuple(measure_batch(config, batch_size) for batch_size in config.batch_sizes)
     return CoreCpuRun(config, started_at, machine, rows)
 
@@ -285,33 +286,40 @@ def target_row(run: CoreCpuRun) -> CoreCpuRow | None:
     return next((r for r in run.rows if r.batch_size == TARGET_BATCH), None)
 
 
+def envelope(run: CoreCpuRun, command: str) -> Envelope:
+    """The frame, with no named plan (the JSON has the `config`) and the load average before only."""
+    return Envelope(
+        "Engine core CPU per step",
+        command,
+        asdict(run.config),
+        None,
+        run.started_at,
+        run.machine,
+        ("python",),
+        clauses=(load_clause(run.machine.get("load_average_1m")),),
+        plan_key="config",
+    )
+
+
 def to_json(run: CoreCpuRun, command: str) -> dict[str, Any]:
     target = target_row(run)
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "config": asdict(run.config),
-        "machine": run.machine,
-        "phases": list(PHASES),
-        "rows": [asdict(row) for row in run.rows],
-        "target": {
-            "batch_size": TARGET_BATCH,
-            "us_per_token_at_most": TARGET_US_PER_TOKEN,
-            "measured_us_per_token": None if target is None else target.us_per_token,
-            "met": None if target is None else target.us_per_token <= TARGET_US_PER_TOKEN,
-        },
-    }
+    return envelope(run, command).json(
+        {
+            "phases": list(PHASES),
+            "rows": [asdict(row) for row in run.rows],
+            "target": {
+                "batch_size": TARGET_BATCH,
+                "us_per_token_at_most": TARGET_US_PER_TOKEN,
+                "measured_us_per_token": None if target is None else target.us_per_token,
+                "met": None if target is None else target.us_per_token <= TARGET_US_PER_TOKEN,
+            },
+        }
+    )
 
 
 def to_markdown(run: CoreCpuRun, command: str) -> str:
-    m, c = run.machine, run.config
+    c = run.config
     lines = [
-        f"# Engine core CPU per step, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        f"`{command}` on {m.get('nproc')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}, "
-        f"commit {str(m.get('git_commit'))[:10]}{' (modified)' if m.get('git_dirty') else ''}; "
-        f"1-minute load average {m.get('load_average_1m')}.",
-        "",
         *table(run.rows),
         "",
         f"- every request decodes ({c.prompt_len}-token prompts, admitted and prefilled during the "
@@ -319,7 +327,7 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
         f"token budget {c.max_batch_tokens} per step; one frontend link",
         *target_lines(run),
     ]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(lines)
 
 
 def table(rows: Sequence[CoreCpuRow]) -> list[str]:

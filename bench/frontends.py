@@ -16,18 +16,20 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bench.cells import NONE, number
 from bench.configs import Case, Configuration, Workload, sim, waves
+from bench.envelope import Envelope, begin
 from bench.figures import CPU, Figures, figures, ratio
-from bench.machine import Machine, describe_machine, load_average, measured_on
+from bench.machine import Machine, load_average
 from bench.promtext import total
 from bench.run import Endpoints, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
 
+TITLE = "Stepahead frontends benchmark"
 FRONTEND_CPU = "stepahead_frontend_cpu_seconds_total"
 GENERATED = "stepahead_generation_tokens_total"
 FRONTEND_COUNTS = (0, 1, 2)
@@ -175,7 +177,7 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(plan: FrontendsPlan, progress: Progress = to_stderr) -> FrontendsRun:
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     results = [
         result
         for step_ms in plan.step_times
@@ -221,15 +223,14 @@ def progress_line(r: PointResult) -> str:
 # ---- reporting -------------------------------------------------------------------------------
 
 
+def envelope(run: FrontendsRun, command: str) -> Envelope:
+    return Envelope.planned(
+        TITLE, command, run.plan, run.started_at, run.machine, ("python",), run.load_average_after
+    )
+
+
 def to_json(run: FrontendsRun, command: str) -> dict[str, Any]:
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(run.plan),
-        "machine": run.machine,
-        "load_average_1m_after": run.load_average_after,
-        "points": [_point_json(r) for r in run.results],
-    }
+    return envelope(run, command).json({"points": [_point_json(r) for r in run.results]})
 
 
 def _point_json(r: PointResult) -> dict[str, Any]:
@@ -249,19 +250,9 @@ def _point_json(r: PointResult) -> dict[str, Any]:
 
 
 def to_markdown(run: FrontendsRun, command: str) -> str:
-    m = run.machine
-    lines = [
-        f"# Stepahead frontends benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, run.plan.name, m, ("python",)) + f"; "
-        f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
-        "",
-        *table(run.results),
-        "",
-        *notes(run),
-        *failure_lines(run.results),
-    ]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(
+        [*table(run.results), "", *notes(run), *failure_lines(run.results)]
+    )
 
 
 def table(results: Sequence[PointResult]) -> list[str]:

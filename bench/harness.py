@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from bench.configs import MODES, Case, Configuration, Plan, Sweep
+from bench.envelope import begin
 from bench.figures import Figures, figures
-from bench.machine import Machine, describe_machine, load_average
+from bench.machine import Machine, load_average
 from bench.run import measure, serving
 
 Progress = Callable[[str], None]
@@ -37,7 +38,7 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(plan: Plan, progress: Progress = to_stderr) -> RunResult:
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     cases = tuple(run_case(case, progress) for case in plan.cases)
     sweep = () if plan.sweep is None else run_sweep(plan.sweep, progress)
     arrivals = tuple(run_case(case, progress) for case in plan.arrivals)

@@ -28,12 +28,16 @@ def describe_machine() -> Machine:
     }
 
 
-def measured_on(command: str, plan: str, m: Machine, packages: tuple[str, ...] = ("python", "torch")) -> str:
-    """A report's first words: how it was run, on what, at which commit (no closing stop)."""
+def measured_on(
+    command: str, plan: str | None, m: Machine, packages: tuple[str, ...] = ("python", "torch")
+) -> str:
+    """A report's first words: how it was run (and its plan, if named), on what, at which commit
+    (no closing stop)."""
     versions = ", ".join(f"{'Python' if p == 'python' else p} {m.get(p)}" for p in packages)
+    planned = "" if plan is None else f" (plan `{plan}`)"
     dirty = " (modified)" if m.get("git_dirty") else ""
     return (
-        f"`{command}` (plan `{plan}`) on {m.get('nproc')} CPUs ({m.get('cpu_model')}), {versions}, "
+        f"`{command}`{planned} on {m.get('nproc')} CPUs ({m.get('cpu_model')}), {versions}, "
         f"commit {str(m.get('git_commit'))[:10]}{dirty}"
     )
 

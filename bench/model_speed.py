@@ -20,7 +20,8 @@ from tokenizers import Tokenizer
 from bench.machine import load_average
 from worker_svc.batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
-from worker_svc.model import KVCache, LlamaForCausalLM, store_weights_input_major
+from worker_svc.layers import KVCache, store_weights_input_major
+from worker_svc.model import LlamaForCausalLM
 
 CPU = torch.device("cpu")
 PROMPT = "The history of the city begins in the Roman era, when a small settlement grew along the river"

@@ -22,7 +22,7 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import matplotlib
@@ -33,14 +33,16 @@ import matplotlib.pyplot as plt
 from bench import link_delay
 from bench.cells import number
 from bench.configs import SIM_KV_SLOTS, Workload, waves
+from bench.envelope import Envelope, begin
 from bench.figures import BUSY, IDLE, busy_fraction, ratio
-from bench.machine import Machine, describe_machine, measured_on
+from bench.machine import Machine
 from bench.promtext import Samples, scrape, total
 from bench.run import Endpoints, measure
 from bench.save import RESULTS, command_line, publish, stamp_of
 from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
 
 NAME = "overlap-depth"
+TITLE = "Overlap depth across a slow worker link"
 DEPTHS = ("1", "2", "3", "auto")
 STEP_MS = 10.0
 BUSY_TARGET, BUSY_TARGET_DELAY_MS = 0.95, 5.0  # auto at d = 5 ms
@@ -176,16 +178,16 @@ def table(points: Sequence[Point]) -> list[str]:
     return lines
 
 
+def envelope(plan: Plan, started_at: datetime, machine: Machine, command: str) -> Envelope:
+    return Envelope.planned(TITLE, command, plan, started_at, machine, ("python",))
+
+
 def to_markdown(
     plan: Plan, started_at: datetime, machine: Machine, points: Sequence[Point], command: str
 ) -> str:
     busy, cost = target_busy(points), auto_at_zero(points)
     met = None if busy is None else busy >= BUSY_TARGET
     lines = [
-        f"# Overlap depth across a slow worker link, {started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, plan.name, machine, ("python",)) + ".",
-        "",
         *table(points),
         "",
         f"- sim, {STEP_MS:g} ms step, concurrency {plan.concurrency}, {plan.waves} x {plan.concurrency} "
@@ -201,7 +203,7 @@ def to_markdown(
     ]
     failed = [p for p in points if p.failed]
     lines += [f"- {p.failed} requests failed at d = {p.delay_ms:g} ms, depth {p.depth}" for p in failed]
-    return "\n".join(lines) + "\n"
+    return envelope(plan, started_at, machine, command).markdown(lines)
 
 
 def plot(points: Sequence[Point], path: Path) -> None:
@@ -230,26 +232,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     points = run_plan(plan)
     command = command_line("bench.overlap_depth", argv)
     args.out.mkdir(parents=True, exist_ok=True)
     image = args.out / f"{stamp_of(started_at)}-{NAME}.png"
     plot(points, image)
-    document = {
-        "started_at": started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(plan),
-        "machine": machine,
-        "points": [asdict(p) for p in points],
-        "target": {
-            "busy_at_least": BUSY_TARGET,
-            "delay_ms": BUSY_TARGET_DELAY_MS,
-            "busy": target_busy(points),
-        },
-        "auto_over_depth_1_at_d0": auto_at_zero(points),
-        "image": image.name,
-    }
+    document = envelope(plan, started_at, machine, command).json(
+        {
+            "points": [asdict(p) for p in points],
+            "target": {
+                "busy_at_least": BUSY_TARGET,
+                "delay_ms": BUSY_TARGET_DELAY_MS,
+                "busy": target_busy(points),
+            },
+            "auto_over_depth_1_at_d0": auto_at_zero(points),
+            "image": image.name,
+        }
+    )
     publish(NAME, started_at, document, to_markdown(plan, started_at, machine, points, command), args.out)
 
 

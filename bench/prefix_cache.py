@@ -30,14 +30,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bench.cells import NONE, number, times
 from bench.configs import SIM_KV_SLOTS, Configuration, Device
+from bench.envelope import Envelope, begin
 from bench.figures import BUSY, IDLE, busy_fraction, mean_forward_ms, ratio
-from bench.machine import Machine, describe_machine, load_average, measured_on
+from bench.machine import Machine, load_average
 from bench.promtext import Samples, delta, scrape, total
 from bench.run import Endpoints, Measurement, run_loadgen, serving, settle
 from bench.save import RESULTS, command_line, publish
@@ -48,6 +49,7 @@ from loadgen.timing import RequestTiming
 from loadgen.workload import WARMUP_STREAM, PrefixRepetitionDataset, load_workload
 
 NAME = "prefix-cache"
+TITLE = "Prefix cache: a shared system prompt, cache on and off"
 PROMPT_TOKENS = "stepahead_prompt_tokens_total"
 HIT_TOKENS = "stepahead_prefix_cache_hit_tokens_total"
 EVICTED_SLOTS = "stepahead_prefix_cache_evicted_slots_total"
@@ -307,7 +309,7 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(plan: Plan, progress: Progress = to_stderr) -> PrefixCacheRun:
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     rows: list[Row] = []
     loads: dict[str, float] = {}
     for model in plan.models:
@@ -348,20 +350,23 @@ def busy_target_met(rows: Sequence[Row]) -> bool | None:
 # ---- reporting -------------------------------------------------------------------------------
 
 
+def envelope(run: PrefixCacheRun, command: str) -> Envelope:
+    return Envelope.planned(
+        TITLE, command, run.plan, run.started_at, run.machine, load_after=run.load_average_after
+    )
+
+
 def to_json(run: PrefixCacheRun, command: str) -> dict[str, Any]:
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(run.plan),
-        "dataset": asdict(run.plan.dataset()),
-        "machine": run.machine,
-        "load_average_1m_after": run.load_average_after,
-        "rows": [_row_json(r) for r in run.rows],
-        "on_over_off": [
-            {**asdict(r), "ttft_p50_times_lower": r.ttft_p50_times_lower} for r in all_ratios(run.rows)
-        ],
-        "targets": _targets_json(run.rows),
-    }
+    return envelope(run, command).json(
+        {
+            "dataset": asdict(run.plan.dataset()),
+            "rows": [_row_json(r) for r in run.rows],
+            "on_over_off": [
+                {**asdict(r), "ttft_p50_times_lower": r.ttft_p50_times_lower} for r in all_ratios(run.rows)
+            ],
+            "targets": _targets_json(run.rows),
+        }
+    )
 
 
 def _row_json(r: Row) -> dict[str, Any]:
@@ -403,23 +408,17 @@ def _targets_json(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 def to_markdown(run: PrefixCacheRun, command: str) -> str:
-    m = run.machine
-    after = ", ".join(f"{load} after {model}" for model, load in run.load_average_after.items())
-    lines = [
-        f"# Prefix cache: a shared system prompt, cache on and off, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, run.plan.name, m) + f"; "
-        f"1-minute load average {m.get('load_average_1m')} before, {after}.",
-        "",
-        *table(run.rows),
-        "",
-        *ratio_table(run.rows),
-        "",
-        *notes(run.plan, run.rows),
-        *target_lines(run.rows),
-        *failure_lines(run.rows),
-    ]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(
+        [
+            *table(run.rows),
+            "",
+            *ratio_table(run.rows),
+            "",
+            *notes(run.plan, run.rows),
+            *target_lines(run.rows),
+            *failure_lines(run.rows),
+        ]
+    )
 
 
 def table(rows: Sequence[Row]) -> list[str]:

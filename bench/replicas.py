@@ -22,21 +22,23 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bench.cells import NONE, number, times
 from bench.configs import Configuration, Workload, sim, waves
+from bench.envelope import Envelope, begin
 from bench.figures import BUSY, CPU, IDLE, busy_fraction, ratio
 from bench.frontends import BOX_BOUND, FRONTEND_CPU, GENERATED
-from bench.machine import Machine, describe_machine, load_average, measured_on
+from bench.machine import Machine, load_average
 from bench.promtext import Samples, delta, scrape, total
 from bench.run import Endpoints, run_loadgen, serving, settle
 from bench.save import RESULTS, command_line, publish
 from loadgen import BenchmarkConfig, Summary
 
 NAME = "replicas"
+TITLE = "Replicas: one scheduler + worker pair vs two"
 FINISHED = "stepahead_requests_finished_total"
 TARGET_PER_REPLICA, TARGET_RATIO = 64, 1.8  # two replicas at least 1.8x one, at 64 per replica
 
@@ -226,7 +228,7 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(plan: Plan, progress: Progress = to_stderr) -> ReplicasRun:
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     configuration = Configuration(sim(plan.step_ms), "overlap", "grpc")
     points = [
         point for count in plan.replica_counts for point in run_replicas(plan, configuration, count, progress)
@@ -313,24 +315,27 @@ def target_met(points: Sequence[Point]) -> bool | None:
 # ---- reporting -------------------------------------------------------------------------------
 
 
+def envelope(run: ReplicasRun, command: str) -> Envelope:
+    return Envelope.planned(
+        TITLE, command, run.plan, run.started_at, run.machine, ("python", "grpcio"), run.load_average_after
+    )
+
+
 def to_json(run: ReplicasRun, command: str) -> dict[str, Any]:
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(run.plan),
-        "worker_args": list(run.configuration.device.worker_args),
-        "scheduler_args": list(run.configuration.scheduler_args),
-        "machine": run.machine,
-        "load_average_1m_after": run.load_average_after,
-        "points": [_point_json(p) for p in run.points],
-        "scaling": [{**asdict(s), "ratio": s.ratio} for s in scaling(run.points)],
-        "target": {
-            "per_replica": TARGET_PER_REPLICA,
-            "ratio_at_least": TARGET_RATIO,
-            "ratio": target_ratio(run.points),
-            "met": target_met(run.points),
-        },
-    }
+    return envelope(run, command).json(
+        {
+            "worker_args": list(run.configuration.device.worker_args),
+            "scheduler_args": list(run.configuration.scheduler_args),
+            "points": [_point_json(p) for p in run.points],
+            "scaling": [{**asdict(s), "ratio": s.ratio} for s in scaling(run.points)],
+            "target": {
+                "per_replica": TARGET_PER_REPLICA,
+                "ratio_at_least": TARGET_RATIO,
+                "ratio": target_ratio(run.points),
+                "met": target_met(run.points),
+            },
+        }
+    )
 
 
 def _point_json(p: Point) -> dict[str, Any]:
@@ -354,22 +359,17 @@ def _point_json(p: Point) -> dict[str, Any]:
 
 
 def to_markdown(run: ReplicasRun, command: str) -> str:
-    m = run.machine
-    lines = [
-        f"# Replicas: one scheduler + worker pair vs two, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, run.plan.name, m, ("python", "grpcio")) + f"; "
-        f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
-        "",
-        *table(run.points),
-        "",
-        *scaling_table(run.points),
-        "",
-        *notes(run),
-        *target_lines(run.points),
-        *failure_lines(run.points),
-    ]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(
+        [
+            *table(run.points),
+            "",
+            *scaling_table(run.points),
+            "",
+            *notes(run),
+            *target_lines(run.points),
+            *failure_lines(run.points),
+        ]
+    )
 
 
 def table(points: Sequence[Point]) -> list[str]:

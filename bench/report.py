@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.cells import NONE, number
 from bench.configs import Case, Device, Mode, Transport
+from bench.envelope import Envelope
 from bench.figures import ratio
 from bench.harness import CaseResult, RunResult
 
@@ -82,35 +83,46 @@ def largest_busy_concurrency(points: Iterable[CaseResult], mode: Mode, target: f
 # ---- JSON -----------------------------------------------------------------------------------
 
 
+def envelope(run: RunResult, command: str) -> Envelope:
+    """The frame: the JSON names the plan only (its cases are the configurations)."""
+    name = run.plan.name
+    return Envelope(
+        "Stepahead benchmark",
+        command,
+        name,
+        name,
+        run.started_at,
+        run.machine,
+        load_after=run.load_average_after,
+    )
+
+
 def to_json(run: RunResult, command: str) -> dict[str, Any]:
     sweep = run.plan.sweep
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": run.plan.name,
-        "machine": run.machine,
-        "load_average_1m_after": run.load_average_after,
-        "configurations": [_case_json(r) for r in run.cases],
-        "ratios": [asdict(r) for r in all_ratios(run)],
-        "poisson_arrivals": {
-            "configurations": [_case_json(r) for r in run.arrivals],
-            "ratios": asdict(device_ratios(run.arrivals, run.arrivals[0].case.configuration.device.name))
-            if run.arrivals
-            else None,
-        },
-        "sweep": {
-            "device": None if sweep is None else _device_json(sweep.device),
-            "busy_target": run.plan.busy_target,
-            "overlap_largest_busy_concurrency": largest_busy_concurrency(
-                run.sweep, "overlap", run.plan.busy_target
-            ),
-            "overlap_over_serial_tokens_per_s": {
-                str(concurrency): sweep_ratio(run.sweep, concurrency)
-                for concurrency in concurrencies(run.sweep)
+    return envelope(run, command).json(
+        {
+            "configurations": [_case_json(r) for r in run.cases],
+            "ratios": [asdict(r) for r in all_ratios(run)],
+            "poisson_arrivals": {
+                "configurations": [_case_json(r) for r in run.arrivals],
+                "ratios": asdict(device_ratios(run.arrivals, run.arrivals[0].case.configuration.device.name))
+                if run.arrivals
+                else None,
             },
-            "points": [_case_json(r) for r in run.sweep],
-        },
-    }
+            "sweep": {
+                "device": None if sweep is None else _device_json(sweep.device),
+                "busy_target": run.plan.busy_target,
+                "overlap_largest_busy_concurrency": largest_busy_concurrency(
+                    run.sweep, "overlap", run.plan.busy_target
+                ),
+                "overlap_over_serial_tokens_per_s": {
+                    str(concurrency): sweep_ratio(run.sweep, concurrency)
+                    for concurrency in concurrencies(run.sweep)
+                },
+                "points": [_case_json(r) for r in run.sweep],
+            },
+        }
+    )
 
 
 def concurrencies(points: Iterable[CaseResult]) -> list[int]:
@@ -147,15 +159,7 @@ def _case_json(result: CaseResult) -> dict[str, Any]:
 
 
 def to_markdown(run: RunResult, command: str, sweep_image: str | None) -> str:
-    machine = run.machine
     lines = [
-        f"# Stepahead benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        f"`{command}` (plan `{run.plan.name}`) on {machine.get('nproc')} CPUs ({machine.get('cpu_model')}), "
-        f"Python {machine.get('python')}, torch {machine.get('torch')}, "
-        f"commit {str(machine.get('git_commit'))[:10]}{' (modified)' if machine.get('git_dirty') else ''}; "
-        f"1-minute load average {machine.get('load_average_1m')} before, {run.load_average_after} after.",
-        "",
         *configurations_table(run.cases),
         "",
         *workload_lines(run.cases),
@@ -169,7 +173,7 @@ def to_markdown(run: RunResult, command: str, sweep_image: str | None) -> str:
     failures = failure_lines((*run.cases, *run.sweep))
     if failures:
         lines += ["", *failures]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(lines)
 
 
 def failure_lines(results: Iterable[CaseResult]) -> list[str]:

@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +51,20 @@ import torch
 
 from bench.cells import NONE, number, percent, times
 from bench.configs import Case, Configuration, Workload, sim
+from bench.envelope import Envelope, begin, load_clause
 from bench.figures import Figures, figures, ratio
-from bench.machine import Machine, describe_machine, load_average, measured_on
+from bench.machine import Machine, load_average
 from bench.run import measure, serving
 from bench.save import RESULTS, command_line, publish
 from loadgen.backend import SamplingFeatures
 from stepahead.protocol import Launch, LogitsProcessing, NewRequest, StepResult
 from worker_svc.backends import ModelBackend, load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
-from worker_svc.model import TINY_CONFIG
+from worker_svc.loading import TINY_CONFIG
 from worker_svc.streams import CpuStreams
 
 NAME = "sampling-cost"
+TITLE = "Sampling features: their cost on the model and the services"
 CPU = torch.device("cpu")
 FEATURE_SETS = ("none", "penalties", "logprobs", "all")
 MODELS = ("tiny", "smollm2")
@@ -376,7 +378,7 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(plan: Plan, progress: Progress = to_stderr) -> SamplingCostRun:
-    started_at, machine, before = datetime.now(UTC), describe_machine(), load_average()
+    (started_at, machine), before = begin(), load_average()
     engine = run_engine_part(plan.engine, progress)
     between = load_average()
     served = run_serving_part(plan.serving, progress)
@@ -415,28 +417,36 @@ def serving_target_met(rows: Sequence[ServingRow]) -> bool | None:
 # ---- reporting -------------------------------------------------------------------------------
 
 
+def envelope(run: SamplingCostRun, command: str) -> Envelope:
+    """The frame; the load average is this run's own: before part A, after it, after part B."""
+    before, between, after = run.load_average
+    clauses = (
+        f"{run.torch_threads} torch threads",
+        load_clause(before, {"part A": between, "part B": after}),
+    )
+    return Envelope.planned(TITLE, command, run.plan, run.started_at, run.machine, clauses=clauses)
+
+
 def to_json(run: SamplingCostRun, command: str) -> dict[str, Any]:
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(run.plan),
-        "machine": run.machine,
-        "torch_threads": run.torch_threads,
-        "load_average_1m": dict(
-            zip(("before", "after_engine", "after_serving"), run.load_average, strict=True)
-        ),
-        "engine": [_engine_json(run.engine, r) for r in run.engine],
-        "serving": {
-            "worker_args": list(serving_configuration().device.worker_args),
-            "scheduler_args": list(serving_configuration().scheduler_args),
-            "features": {name: asdict(loadgen_features(name)) for name in ("none", "all")},
-            "runs": [
-                {"features": r.features, "repeat": r.repeat, "figures": asdict(r.figures)}
-                for r in run.serving
-            ],
-        },
-        "targets": _targets_json(run),
-    }
+    return envelope(run, command).json(
+        {
+            "torch_threads": run.torch_threads,
+            "load_average_1m": dict(
+                zip(("before", "after_engine", "after_serving"), run.load_average, strict=True)
+            ),
+            "engine": [_engine_json(run.engine, r) for r in run.engine],
+            "serving": {
+                "worker_args": list(serving_configuration().device.worker_args),
+                "scheduler_args": list(serving_configuration().scheduler_args),
+                "features": {name: asdict(loadgen_features(name)) for name in ("none", "all")},
+                "runs": [
+                    {"features": r.features, "repeat": r.repeat, "figures": asdict(r.figures)}
+                    for r in run.serving
+                ],
+            },
+            "targets": _targets_json(run),
+        }
+    )
 
 
 def _engine_json(rows: Sequence[EngineRow], r: EngineRow) -> dict[str, Any]:
@@ -472,28 +482,23 @@ def _targets_json(run: SamplingCostRun) -> dict[str, Any]:
 
 
 def to_markdown(run: SamplingCostRun, command: str) -> str:
-    m, before, between, after = run.machine, *run.load_average
-    lines = [
-        f"# Sampling features: their cost on the model and the services, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, run.plan.name, m) + f"; {run.torch_threads} torch threads; "
-        f"1-minute load average {before} before, {between} after part A, {after} after part B.",
-        "",
-        "## A. The model, in process",
-        "",
-        *engine_table(run.engine),
-        "",
-        *engine_notes(run.plan.engine),
-        *engine_target_lines(run.engine),
-        "",
-        "## B. The services, on the sim",
-        "",
-        *serving_table(run.serving),
-        "",
-        *serving_notes(run.plan.serving),
-        *serving_target_lines(run.serving),
-    ]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(
+        [
+            "## A. The model, in process",
+            "",
+            *engine_table(run.engine),
+            "",
+            *engine_notes(run.plan.engine),
+            *engine_target_lines(run.engine),
+            "",
+            "## B. The services, on the sim",
+            "",
+            *serving_table(run.serving),
+            "",
+            *serving_notes(run.plan.serving),
+            *serving_target_lines(run.serving),
+        ]
+    )
 
 
 def engine_table(rows: Sequence[EngineRow]) -> list[str]:

@@ -17,18 +17,20 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bench.cells import number, times
 from bench.configs import MODES, Case, Configuration, Device, Mode, Workload
+from bench.envelope import Envelope, begin
 from bench.figures import Figures, figures, ratio
-from bench.machine import Machine, describe_machine, load_average, measured_on
+from bench.machine import Machine, load_average
 from bench.run import Endpoints, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
 
 NAME = "smollm2-serving"
+TITLE = "Stepahead smollm2 serving benchmark"
 THREAD_COUNTS = (1, 2)
 KV_SLOTS = 4096  # tokens: 16 requests of 128 fit eight times over
 
@@ -156,7 +158,7 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(plan: Smollm2Plan, progress: Progress = to_stderr) -> Smollm2Run:
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     results = [
         result
         for threads in plan.thread_counts
@@ -202,17 +204,20 @@ def progress_line(r: PointResult) -> str:
 # ---- reporting -------------------------------------------------------------------------------
 
 
+def envelope(run: Smollm2Run, command: str) -> Envelope:
+    return Envelope.planned(
+        TITLE, command, run.plan, run.started_at, run.machine, load_after=run.load_average_after
+    )
+
+
 def to_json(run: Smollm2Run, command: str) -> dict[str, Any]:
-    return {
-        "started_at": run.started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(run.plan),
-        "machine": run.machine,
-        "load_average_1m_after": run.load_average_after,
-        "points": [_point_json(r) for r in run.results],
-        "overlap_over_serial": [asdict(r) for r in all_ratios(run.results)],
-        "best_overlap_threads": {str(c): r.threads for c, r in best_threads(run.results).items()},
-    }
+    return envelope(run, command).json(
+        {
+            "points": [_point_json(r) for r in run.results],
+            "overlap_over_serial": [asdict(r) for r in all_ratios(run.results)],
+            "best_overlap_threads": {str(c): r.threads for c, r in best_threads(run.results).items()},
+        }
+    )
 
 
 def _point_json(r: PointResult) -> dict[str, Any]:
@@ -231,20 +236,15 @@ def _point_json(r: PointResult) -> dict[str, Any]:
 
 
 def to_markdown(run: Smollm2Run, command: str) -> str:
-    m = run.machine
-    lines = [
-        f"# Stepahead smollm2 serving benchmark, {run.started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, run.plan.name, m) + f"; "
-        f"1-minute load average {m.get('load_average_1m')} before, {run.load_average_after} after.",
-        "",
-        *table(run.results),
-        "",
-        *notes(run.plan),
-        *best_lines(run.results),
-        *failure_lines(run.results),
-    ]
-    return "\n".join(lines) + "\n"
+    return envelope(run, command).markdown(
+        [
+            *table(run.results),
+            "",
+            *notes(run.plan),
+            *best_lines(run.results),
+            *failure_lines(run.results),
+        ]
+    )
 
 
 def table(results: Sequence[PointResult]) -> list[str]:

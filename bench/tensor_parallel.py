@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,16 @@ from torch._C._distributed_c10d import TCPStore
 
 from bench.cells import number, times
 from bench.configs import Configuration, Device, Workload, waves
+from bench.envelope import Envelope, begin
 from bench.figures import BUSY, IDLE, busy_fraction, mean_forward_ms, ratio
-from bench.machine import Machine, describe_machine, measured_on
+from bench.machine import Machine
 from bench.promtext import total
 from bench.run import measure, serving
 from bench.save import RESULTS, command_line, publish
-from worker_svc.model import TINY_CONFIG
+from worker_svc.loading import TINY_CONFIG
 
 NAME = "tensor-parallel"
+TITLE = "Tensor parallelism on the CPU: tiny on 1 and 2 ranks"
 TP_SIZES = (1, 2)
 LAYER_ALL_REDUCES = 2  # after o_proj and after down_proj
 
@@ -165,6 +167,10 @@ def versus_tp1(rows: Sequence[Row], row: Row) -> tuple[float | None, float | Non
     )
 
 
+def envelope(plan: Plan, started_at: datetime, machine: Machine, command: str) -> Envelope:
+    return Envelope.planned(TITLE, command, plan, started_at, machine, ("torch",))
+
+
 def to_markdown(
     plan: Plan,
     started_at: datetime,
@@ -173,12 +179,7 @@ def to_markdown(
     reduces: Sequence[AllReduceRow],
     command: str,
 ) -> str:
-    m = machine
     lines = [
-        f"# Tensor parallelism on the CPU: tiny on 1 and 2 ranks, {started_at:%Y-%m-%d %H:%M} UTC",
-        "",
-        measured_on(command, plan.name, m, ("torch",)) + ".",
-        "",
         "| TP | concurrency | output tok/s | mean forward ms | device busy | tok/s vs TP 1 "
         "| forward ms vs TP 1 | failed |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -215,7 +216,7 @@ def to_markdown(
         "the cores split between them), with the scheduler and with the load generator: TP buys "
         "memory (each rank holds half the heads and half the KV), not speed, here",
     ]
-    return "\n".join(lines) + "\n"
+    return envelope(plan, started_at, machine, command).markdown(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,20 +225,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    started_at, machine = datetime.now(UTC), describe_machine()
+    started_at, machine = begin()
     rows = [row for tp in TP_SIZES for row in serve_rows(plan, tp)]
     reduces = all_reduce_rows(plan)
     command = command_line("bench.tensor_parallel", argv)
-    document = {
-        "started_at": started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "plan": asdict(plan),
-        "machine": machine,
-        "rows": [{**asdict(r), "versus_tp1": versus_tp1(rows, r)} for r in rows],
-        "all_reduce": [
-            {**asdict(a), "per_layer_us": a.per_layer_us, "per_step_ms": a.per_step_ms} for a in reduces
-        ],
-    }
+    document = envelope(plan, started_at, machine, command).json(
+        {
+            "rows": [{**asdict(r), "versus_tp1": versus_tp1(rows, r)} for r in rows],
+            "all_reduce": [
+                {**asdict(a), "per_layer_us": a.per_layer_us, "per_step_ms": a.per_step_ms} for a in reduces
+            ],
+        }
+    )
     publish(
         NAME, started_at, document, to_markdown(plan, started_at, machine, rows, reduces, command), args.out
     )

@@ -15,7 +15,7 @@ import torch
 
 from tests.smollm2 import Transformers, load_tokenizer, load_transformers
 from worker_svc.gguf import SMOLLM2_NAME, GGUFModel, load_gguf, smollm2_path
-from worker_svc.model import store_weights_input_major
+from worker_svc.layers import store_weights_input_major
 
 
 @pytest.fixture

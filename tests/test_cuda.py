@@ -30,7 +30,7 @@ from tests.transfer_guard import (
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.future_map import FutureMap, FutureMapSentinelError
-from worker_svc.model import build_tiny
+from worker_svc.loading import build_tiny
 from worker_svc.streams import CudaStreams
 
 pytestmark = [

@@ -21,8 +21,9 @@ from tests.transfer_guard import guard_engine, run_back_to_back, sampled_rows, s
 from worker_svc.backends import load_backend
 from worker_svc.batch import ForwardBatch
 from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.layers import KVCache
+from worker_svc.loading import build_tiny
 from worker_svc.logits_processors import Sampled
-from worker_svc.model import KVCache, build_tiny
 from worker_svc.streams import (
     CpuStreams,
     HostStaging,

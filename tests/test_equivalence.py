@@ -73,7 +73,7 @@ def check_client_views(items: list[WorkItem], views: dict[str, ClientView]) -> N
 def check_drained(core: EngineCore, engine: WorkerEngine) -> None:
     """Every KV slot free or held, unreferenced, by the prefix cache; every request slot free;
     the sentinel never read; launch order kept."""
-    policy, tree = core.policy, core.policy.cache.tree
+    policy, tree = core.policy, core.policy.kv.tree
     assert policy.kv.num_free + tree.size == policy.kv.capacity
     assert tree.evictable == tree.size, "a cached prefix is still referenced after the drain"
     assert policy.req_slots.num_used == 0

@@ -20,7 +20,8 @@ from tests.test_model import SMALL, prefill_all_logits, random_model
 from worker_svc.backends import load_backend
 from worker_svc.batch import ForwardBatch
 from worker_svc.gguf import GGUFModel, load_gguf
-from worker_svc.model import KVCache, LlamaForCausalLM
+from worker_svc.layers import KVCache
+from worker_svc.model import LlamaForCausalLM
 
 CPU = torch.device("cpu")
 Q8_0 = GGMLQuantizationType.Q8_0

@@ -37,7 +37,7 @@ from tests.live import (
     worker_stats_after_drain,
 )
 from worker_svc.backends import sim_continuation
-from worker_svc.model import TINY_CONFIG
+from worker_svc.loading import TINY_CONFIG
 
 SIM = ["--model", "sim", "--sim-step-ms", "4", "--sim-token-us", "0"]
 KV_SLOTS = 700

@@ -13,19 +13,17 @@ import pytest
 import safetensors.torch
 import torch
 
-from worker_svc.backends import BYTE_TOKENIZER, LlamaBackend
+from worker_svc.backends import LlamaBackend
 from worker_svc.batch import ForwardBatch
-from worker_svc.model import (
+from worker_svc.layers import KVCache, Linear, store_weights_input_major
+from worker_svc.loading import (
+    BYTE_TOKENIZER,
     TINY_CONFIG,
-    KVCache,
-    Linear,
-    LlamaForCausalLM,
-    ModelConfig,
     build_tiny,
     config_from_hf_dict,
     load_hf_checkpoint,
-    store_weights_input_major,
 )
+from worker_svc.model import LlamaForCausalLM, ModelConfig
 
 CPU = torch.device("cpu")
 NUM_SLOTS = 512

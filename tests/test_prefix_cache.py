@@ -15,6 +15,7 @@ from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
+from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from scheduler_svc.process.cli import parse_args
 from stepahead.protocol import TokenizerSpec, WorkerInfo
@@ -108,7 +109,7 @@ async def test_outputs_are_the_same_with_the_cache_on_and_off_in_both_loops() ->
     for mode in ("serial", "overlap"):
         views, core = await serve(mode, items, cache=True)
         assert_same_outputs(items, reference, views)
-        cache = core.policy.cache
+        cache = core.policy.kv
         assert cache.cached_prompt_tokens >= forced_reuse(system_prompts(5)), (
             "the workload must reuse prefixes"
         )
@@ -143,7 +144,7 @@ async def test_a_prompt_cached_by_the_batch_before_reads_the_same_kv_as_without_
     uncached, _ = await serve("overlap", items, cache=False)
     cached, core = await serve("overlap", items, cache=True)
     assert_same_outputs(items, uncached, cached)
-    assert core.policy.cache.cached_prompt_tokens >= 5 * (len(prompt) - 1)
+    assert core.policy.kv.cached_prompt_tokens >= 5 * (len(prompt) - 1)
 
 
 def test_the_cache_is_on_by_default_and_no_prefix_cache_turns_it_off() -> None:
@@ -154,7 +155,7 @@ def test_the_cache_is_on_by_default_and_no_prefix_cache_turns_it_off() -> None:
 async def test_with_the_cache_off_nothing_is_matched_or_kept() -> None:
     items = shared_prefix_workload(30, seed=9, kv_slots=POOL)
     _, core, _ = await serve_workload("sim", "overlap", items, kv_slots=POOL, prefix_cache=False)
-    assert core.policy.cache.cached_prompt_tokens == 0 and core.policy.cache.tree.size == 0
+    assert core.policy.kv.cached_prompt_tokens == 0 and core.policy.kv.tree.size == 0
     assert core.policy.kv.num_free == core.policy.kv.capacity
 
 
@@ -165,14 +166,17 @@ async def test_the_n_completions_of_a_call_share_its_prompt() -> None:
     uncached, _ = await serve("overlap", items, cache=False)
     cached, core = await serve("overlap", items, cache=True)
     assert_same_outputs(items, uncached, cached)
-    assert core.policy.cache.cached_prompt_tokens == 3 * (len(prompt) - 1)
+    assert core.policy.kv.cached_prompt_tokens == 3 * (len(prompt) - 1)
 
 
 def test_a_new_worker_session_starts_with_an_empty_cache() -> None:
     policy = SchedulingPolicy(PolicyConfig(), Outbox(), SchedulerTelemetry("overlap"))
     info = WorkerInfo("tiny", 258, 2048, (257,), None, 64, 4, "cpu", TokenizerSpec("byte"))
     policy.begin_session(info)
-    node, _ = policy.cache.tree.insert([1, 2, 3], policy.kv.allocate(3))
-    assert policy.cache.tree.size == 3 and node.slots
+    req = Request("r", [1, 2, 3, 4], params(1), 0)
+    policy.kv.allocate(req, 3)
+    req.num_computed = 3
+    policy.kv.keep(req, 3)
+    assert policy.kv.tree.size == 3
     policy.begin_session(info)
-    assert policy.cache.tree.size == 0 and policy.kv.num_free == policy.kv.capacity
+    assert policy.kv.tree.size == 0 and policy.kv.num_free == policy.kv.capacity

@@ -104,7 +104,7 @@ async def test_a_finish_while_the_next_batch_is_in_flight_drops_its_extra_token(
     await core.process_results(b1, h1)
     assert req.finish_reason == FinishReason.STOP
     assert (
-        core.policy.cache.reclaimable == core.policy.kv.capacity and core.policy.req_slots.num_used == 0
+        core.policy.kv.reclaimable == core.policy.kv.capacity and core.policy.req_slots.num_used == 0
     )  # freed with b2 in flight
     worker.complete_next()
     await core.process_results(b2, h2)
@@ -122,7 +122,7 @@ async def test_abort_frees_slots_at_once_and_the_slot_is_released_on_the_worker(
     h1 = await core.launch_step(b1)
     slot = core.policy.requests["x", 0].req_slot
     assert core.abort("x")
-    assert core.policy.cache.reclaimable == core.policy.kv.capacity and core.policy.req_slots.num_used == 0
+    assert core.policy.kv.reclaimable == core.policy.kv.capacity and core.policy.req_slots.num_used == 0
     add(frontend, "y", [2] * 5, 3)
     b2 = core.pick_batch()
     assert b2 is not None
@@ -158,7 +158,7 @@ async def test_kv_exhaustion_preempts_and_recomputes_to_the_same_tokens(mode: st
     assert core.stats.preemptions > 0
     for item in items:
         assert views[item.rid].token_ids == expected(item.prompt_ids, 60)
-    assert core.policy.cache.reclaimable == core.policy.kv.capacity and not worker.live_slots
+    assert core.policy.kv.reclaimable == core.policy.kv.capacity and not worker.live_slots
     assert max(picks_with_queue) <= 1  # result_queue never holds two entries at a pick
 
 

@@ -48,7 +48,9 @@ from tests.live import (
 )
 from worker_svc import ranks as ranks_module
 from worker_svc.batch import ForwardBatch
-from worker_svc.model import TINY_CONFIG, KVCache, LlamaDecoderLayer, LlamaForCausalLM, build_tiny
+from worker_svc.layers import KVCache, LlamaDecoderLayer
+from worker_svc.loading import TINY_CONFIG, build_tiny
+from worker_svc.model import LlamaForCausalLM
 from worker_svc.tensor_parallel import AllReduce, shard_config, shard_model
 
 CPU = torch.device("cpu")

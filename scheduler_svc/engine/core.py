@@ -95,7 +95,7 @@ class EngineCore:
 
     @property
     def stats(self) -> SchedulerStats:
-        return self.policy.stats()
+        return self.policy.stats
 
     def attach(self, frontend: FrontendLink) -> None:
         self.frontends.add(frontend)

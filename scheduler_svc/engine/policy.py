@@ -1,4 +1,5 @@
-"""The scheduling policy: request table, queues, KV- and request-slot accounting.
+"""The scheduling policy: request table, queues, request-slot accounting; KV slots are asked of
+the one owner of them (`kv/manager.py: KvManager`).
 
 Synchronous and free of gRPC and asyncio, in the spirit of vLLM's SchedulerInterface:
 
@@ -6,7 +7,7 @@ Synchronous and free of gRPC and asyncio, in the spirit of vLLM's SchedulerInter
     schedule() -> batch | None        pick the next batch under the token budget
     update_from_result(batch, ids)    apply a batch's sampled ids; outputs go to the outbox
     abort(rid) / abort_handle(...)    end requests; their slots are free at once
-    stats()                           counters
+    stats, occupancy()                counters; what is held now (GetServerInfo)
 
 The engine core (`scheduler_svc/engine/core.py`) drives it from the serial or overlap loop.
 Token-level stops (EOS, `stop_token_ids`, `max_new_tokens`) are decided here; stop
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from scheduler_svc.contract import MAX_COMPLETIONS, FinishReason, OutputSink, TokenLogprob
 from scheduler_svc.engine.batch import SampledRow, ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
-from scheduler_svc.engine.kv.prefix_cache import PrefixCache
+from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
@@ -71,15 +72,14 @@ class SchedulingPolicy:
         self.config = config
         self.outbox = outbox
         self.telemetry = telemetry
-        self.counters = SchedulerStats()
+        self.stats = SchedulerStats()  # counters the tests and benchmarks read (`EngineCore.stats`)
         self.requests: dict[tuple[str, int], Request] = {}  # by (request id, completion index)
         self._by_handle: dict[tuple[OutputSink | None, int], Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.eos_token_ids: frozenset[int] = frozenset()
-        self.kv = SlotAllocator(0, "kv slots")
+        self.kv = KvManager(0, config.prefix_cache, telemetry)  # the one owner of KV slots
         self.req_slots = SlotAllocator(0, "request slots")
-        self.cache = PrefixCache(self.kv, config.prefix_cache, telemetry)
         self._pending_releases: list[int] = []
         self._next_step_id = 1
         self._arrivals = 0
@@ -125,18 +125,15 @@ class SchedulingPolicy:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_releases)
 
-    def stats(self) -> SchedulerStats:
-        return self.counters
-
     def occupancy(self) -> Occupancy:
         return Occupancy(
-            kv_slots_free=self.cache.reclaimable,
+            kv_slots_free=self.kv.reclaimable,
             request_slots_free=self.req_slots.num_free,
             request_slots=self.req_slots.capacity,
             running=len(self.running),
             waiting=len(self.waiting),
-            prefix_cache_slots=self.cache.tree.size,
-            prefix_cache_hit_tokens=self.cache.cached_prompt_tokens,
+            prefix_cache_slots=self.kv.tree.size,
+            prefix_cache_hit_tokens=self.kv.cached_prompt_tokens,
         )
 
     # ---- pick --------------------------------------------------------------------------
@@ -165,7 +162,7 @@ class SchedulingPolicy:
     def _seal(self, batch: ScheduledBatch) -> ScheduledBatch:
         batch.launch.released_slots, self._pending_releases = self._pending_releases, []
         self._next_step_id += 1
-        self.counters.steps += 1
+        self.stats.steps += 1
         return batch
 
     @property
@@ -186,7 +183,7 @@ class SchedulingPolicy:
                 need = min(req.num_known - req.num_computed, budget - batch.num_tokens)
             else:
                 continue
-            if not self.cache.make_room(need):
+            if not self.kv.make_room(need):
                 preempted = True
                 if not self._preempt_until_free(need, req):
                     break
@@ -211,7 +208,7 @@ class SchedulingPolicy:
     def _waits_for_first_completion(self, req: Request) -> bool:
         """Completion i > 0 of a call is admitted once completion 0's prompt is in the prefix
         cache (its first token processed), so that the n completions share the prompt's KV."""
-        if not self.cache.enabled or req.index == 0 or req.attempt or req.params.penalized:
+        if not self.kv.caching or req.index == 0 or req.attempt or req.params.penalized:
             return False
         first = self.requests.get((req.rid, 0))
         return first is not None and first.req_slot is not None and not first.prompt_kept
@@ -220,15 +217,13 @@ class SchedulingPolicy:
         """Whether the waiting `req` fits: its first chunk past any cached prefix it reuses, and
         one KV slot per running request for its next decode. The prefix is locked first, so
         making room never evicts it; it is let go again when `req` does not fit."""
-        match = self.cache.lookup(req)
-        if match is not None:
-            self.cache.reuse(req, match)
+        reused = self.kv.reuse_prefix(req)
         chunk = min(req.num_known - req.num_computed, budget)
-        if self.cache.make_room(chunk + len(self.running)):
+        if self.kv.make_room(chunk + len(self.running)):
             return True
-        if match is not None:
-            self.cache.release(req, computed=False)
-            req.kv_slots, req.num_computed = [], 0
+        if reused:
+            self.kv.release(req, computed=False)
+            req.num_computed = 0
         return False
 
     def _note_first_scheduled(self, req: Request) -> None:
@@ -238,8 +233,7 @@ class SchedulingPolicy:
             self.telemetry.prompt_tokens.inc(len(req.prompt_ids))
 
     def _add_row(self, batch: ScheduledBatch, req: Request, num_tokens: int) -> None:
-        kv_slots = self.kv.allocate(num_tokens)
-        req.kv_slots.extend(kv_slots)
+        kv_slots = self.kv.allocate(req, num_tokens)
         samples = True
         if req.in_prefill:
             start = req.num_computed
@@ -253,7 +247,7 @@ class SchedulingPolicy:
     def _preempt_until_free(self, need: int, req: Request) -> bool:
         """Preempt the latest arrivals until `need` KV slots are free; False if
         `req` itself had to go."""
-        while not self.cache.make_room(need):
+        while not self.kv.make_room(need):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -261,7 +255,7 @@ class SchedulingPolicy:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.counters.preemptions += 1
+        self.stats.preemptions += 1
         self.telemetry.preemptions.inc()
         self._requeue_for_recompute(req)
 
@@ -294,13 +288,13 @@ class SchedulingPolicy:
         req = row.request
         if req.finished or row.attempt != req.attempt:
             # Finished (or preempted) while this batch was in flight: never streamed.
-            self.counters.dropped_inflight_tokens += 1
+            self.stats.dropped_inflight_tokens += 1
             self.telemetry.dropped_inflight_tokens.inc()
             return
         req.num_inflight -= 1
         req.output_ids.append(token)
         if not req.prompt_kept:  # its prefill is computed: later arrivals may reuse it
-            self.cache.keep(req, min(req.num_computed, req.num_known))
+            self.kv.keep(req, min(req.num_computed, req.num_known))
             req.prompt_kept = True
         finish = self._token_finish(req, token)
         first = req.cached_prompt_tokens if len(req.output_ids) == 1 else None
@@ -323,9 +317,9 @@ class SchedulingPolicy:
         t = self.telemetry
         t.running.set(len(self.running))
         t.waiting.set(len(self.waiting))
-        t.cache_slots.set(self.cache.tree.size)
+        t.cache_slots.set(self.kv.tree.size)
         if self.kv.capacity:  # slots only the prefix cache holds are free for the asking
-            t.kv_usage.set((self.kv.capacity - self.cache.reclaimable) / self.kv.capacity)
+            t.kv_usage.set(self.kv.usage)
 
     # ---- endings -----------------------------------------------------------------------
 
@@ -350,9 +344,7 @@ class SchedulingPolicy:
             self.req_slots.free([req.req_slot])
             self._pending_releases.append(req.req_slot)
             req.req_slot = None
-        if req.kv_slots:
-            self.kv.free(self.cache.release(req, computed))
-            req.kv_slots = []
+        self.kv.release(req, computed)
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.key, None)
@@ -367,9 +359,8 @@ class SchedulingPolicy:
     def begin_session(self, info: WorkerInfo) -> int:
         """Fresh slot accounting for a new worker session; returns the running cap."""
         running_cap = min(info.request_slots, self.config.max_running or info.request_slots)
-        self.kv = SlotAllocator(info.kv_slots, "kv slots")
+        self.kv = KvManager(info.kv_slots, self.config.prefix_cache, self.telemetry)  # the KV is gone
         self.req_slots = SlotAllocator(running_cap, "request slots")
-        self.cache = PrefixCache(self.kv, self.config.prefix_cache, self.telemetry)  # the KV is gone
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self._pending_releases = []
         self._next_step_id = 1

@@ -1,0 +1,238 @@
+"""Every way a model is found, made or loaded: `tiny` (seeded weights), a Hugging Face checkpoint
+directory, a GGUF file (read by worker_svc.gguf) or `smollm2`, with its tokenizer; and its config alone."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from stepahead.protocol import TokenizerSpec
+from worker_svc.gguf import SMOLLM2_NAME, gguf_config, load_gguf, smollm2_path
+from worker_svc.model import (
+    LlamaForCausalLM,
+    ModelConfig,
+    RopeScaling,
+    check_rope_scaling,
+    load_weights,
+    new_model,
+)
+from worker_svc.tensor_parallel import check_divisible
+
+BYTE_TOKENIZER = TokenizerSpec("byte")
+
+# Byte-level vocabulary: ids 0..255 are bytes, 256 is BOS, 257 is EOS.
+TINY_CONFIG = ModelConfig(
+    vocab_size=258,
+    hidden_size=256,
+    intermediate_size=688,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_context_len=2048,
+    tie_word_embeddings=False,
+    eos_token_ids=(257,),
+    bos_token_id=256,
+    rope_scaling=None,
+    name="tiny",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding a model by its --model name
+
+
+def check_shardable(model: str, size: int) -> None:
+    """ValueError, before any rank starts, where `model` cannot run over `size` ranks: the sim
+    device, or head counts that do not divide. Reads the model's config only, not its weights."""
+    if model == "sim":
+        raise ValueError("--tp: the sim device has no weights to shard (run it with --tp 1)")
+    check_divisible(model_config(model), size)
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of `tiny`, `smollm2`, a `.gguf` file or a checkpoint directory, weights unread."""
+    if model == "tiny":
+        return TINY_CONFIG
+    path = smollm2_path() if model == SMOLLM2_NAME else Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_config(path, SMOLLM2_NAME if model == SMOLLM2_NAME else path.stem)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
+        )
+    return config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
+
+
+def load_llama(
+    model: str, device: torch.device, dtype: torch.dtype
+) -> tuple[LlamaForCausalLM, TokenizerSpec]:
+    """The model of `tiny`, `smollm2`, a `.gguf` file or a checkpoint directory, in `dtype` on
+    `device`, with its tokenizer."""
+    if model == "tiny":
+        return build_tiny(dtype, device), BYTE_TOKENIZER
+    if model == SMOLLM2_NAME:
+        return _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME)
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return _load_gguf(path, dtype, device, path.stem)
+    if not path.is_dir():
+        raise ValueError(
+            f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
+        )
+    llama = load_hf_checkpoint(path, dtype, device)
+    return llama, _checkpoint_tokenizer(path, llama.config.vocab_size)
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, name: str
+) -> tuple[LlamaForCausalLM, TokenizerSpec]:
+    loaded = load_gguf(path, dtype, device, name)
+    return loaded.model, TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
+
+
+def checkpoint_chat_template(path: Path) -> str:
+    """A checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else ""
+
+
+def _checkpoint_tokenizer(path: Path, vocab_size: int) -> TokenizerSpec:
+    tokenizer_json = path / "tokenizer.json"
+    if tokenizer_json.is_file():
+        return TokenizerSpec("hf", tokenizer_json.read_bytes(), checkpoint_chat_template(path))
+    if vocab_size < 256:
+        raise ValueError(f"{path}: no tokenizer.json and a vocabulary too small for bytes")
+    return BYTE_TOKENIZER
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny seeded model
+
+
+def build_tiny(dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """TINY_CONFIG with seeded weights, bit-identical on every machine for a given seed."""
+    model = new_model(TINY_CONFIG, dtype, device)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_tiny_init(name, tuple(param.shape), generator))
+    return model
+
+
+def _tiny_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name == "model.embed_tokens.weight":
+        return portable_normal(shape, 1.0, generator)
+    if name == "lm_head.weight":
+        # Larger than the inner matrices so that logits have a spread of a few units.
+        return portable_normal(shape, 0.15, generator)
+    return portable_normal(shape, 0.02, generator)
+
+
+def portable_normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+    """Approximately normal float32 values, a sum of four uniforms (Irwin-Hall), built only from
+    integer draws and exactly rounded arithmetic so that no platform's libm enters the result."""
+    draws = torch.randint(0, 1 << 24, (4, *shape), generator=generator, dtype=torch.int64)
+    uniforms = (draws.to(torch.float64) + 0.5) / float(1 << 24)
+    # Four 25-bit uniforms sum exactly in float64, so summation order cannot matter.
+    unit_normal = (uniforms.sum(0) - 2.0) * math.sqrt(3.0)
+    return (unit_normal * std).to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF checkpoints
+
+
+def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
+    """ModelConfig from a HF Llama (or sliding-window-free Mistral) config.json dict."""
+    _check_architecture(d)
+    _check_unsupported_options(d)
+    num_heads = int(d["num_attention_heads"])
+    rope_theta, rope_scaling = _rope_settings(d)
+    return ModelConfig(
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
+        rope_theta=rope_theta,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_context_len=int(d["max_position_embeddings"]),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        eos_token_ids=_token_ids(d.get("eos_token_id")),
+        bos_token_id=d.get("bos_token_id"),
+        rope_scaling=rope_scaling,
+        name=name,
+    )
+
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
+
+
+def _check_architecture(d: dict[str, Any]) -> None:
+    architectures = set(d.get("architectures") or [])
+    if architectures & SUPPORTED_ARCHITECTURES or d.get("model_type") in SUPPORTED_MODEL_TYPES:
+        return
+    raise ValueError(
+        f"unsupported architecture {sorted(architectures)} "
+        f"(model_type {d.get('model_type')!r}); expected one of "
+        f"{sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _check_unsupported_options(d: dict[str, Any]) -> None:
+    for flag in ("attention_bias", "mlp_bias"):
+        if d.get(flag):
+            raise ValueError(f"{flag}=true is not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only 'silu')")
+    window = d.get("sliding_window")
+    if window is not None and window < d["max_position_embeddings"]:
+        raise ValueError(f"sliding_window={window} is not supported")
+
+
+def _rope_settings(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # Newer configs fold rope_theta and the scaling into one "rope_parameters" dict.
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return rope_theta, None
+    check_rope_scaling(params)
+    return rope_theta, tuple(sorted(params.items()))
+
+
+def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def load_hf_checkpoint(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Load config.json and every *.safetensors file of a HF Llama checkpoint directory."""
+    path = Path(path)
+    config = config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    model = new_model(config, dtype, device)
+    load_weights(model, (safetensors.torch.load_file(str(f)) for f in files))
+    return model
