@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from stepahead.v1 import worker_pb2
 
@@ -241,6 +242,24 @@ def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
     )
 
 
+def same_fields(source: object, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields a dataclass and its message spell alike, read from either side: a wire form
+    lists its scalar fields once, for both directions."""
+    return {name: getattr(source, name) for name in names}
+
+
+# LogitsProcessing's scalars, the same on the wire (the repeated and paired fields aside).
+PROCESSING_FIELDS = (
+    "prompt_len",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+)
+
+
 def new_request_to_proto(r: NewRequest) -> worker_pb2.NewRequest:
     msg = worker_pb2.NewRequest(
         req_slot=r.req_slot,
@@ -254,16 +273,10 @@ def new_request_to_proto(r: NewRequest) -> worker_pb2.NewRequest:
     if p is not None:
         msg.processing.CopyFrom(
             worker_pb2.LogitsProcessing(
-                prompt_len=p.prompt_len,
-                repetition_penalty=p.repetition_penalty,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
-                min_tokens=p.min_tokens,
+                **same_fields(p, PROCESSING_FIELDS),
                 stop_ids=p.stop_ids,
                 bias_ids=[token for token, _ in p.logit_bias],
                 bias_values=[bias for _, bias in p.logit_bias],
-                logprobs=p.logprobs,
-                top_logprobs=p.top_logprobs,
             )
         )
     return msg
@@ -274,15 +287,9 @@ def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequest:
     if msg.HasField("processing"):
         p = msg.processing
         processing = LogitsProcessing(
-            prompt_len=p.prompt_len,
-            repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            min_tokens=p.min_tokens,
+            **same_fields(p, PROCESSING_FIELDS),
             stop_ids=tuple(p.stop_ids),
             logit_bias=tuple(zip(p.bias_ids, p.bias_values, strict=True)),
-            logprobs=p.logprobs,
-            top_logprobs=p.top_logprobs,
         )
     prefix = tuple(msg.prefix_kv_slots)
     return NewRequest(msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing, prefix)

@@ -15,8 +15,9 @@ import sys
 from scheduler_svc.process import cli as scheduler_cli
 from scheduler_svc.process.app import serve
 from scheduler_svc.process.config import IN_PROCESS
-from stepahead.serving import metrics_endpoint, run_service, setup_logging, start_metrics
-from worker_svc import app as worker_main
+from stepahead.serving import run_service, setup_logging, start_metrics
+from worker_svc import cli as worker_cli
+from worker_svc.app import build_engine
 from worker_svc.inprocess import InProcessTransport
 
 
@@ -29,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--worker-tls-* apply to a worker reached over gRPC")
     config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, address=IN_PROCESS))
     setup_logging(config.observability.log_level)
-    worker_args = worker_main.parse_args(shlex.split(own.worker_flags))
-    engine = worker_main.build_engine(worker_args)
-    start_metrics(engine.metrics.registry, metrics_endpoint(worker_args), "worker")
+    worker_config = worker_cli.parse_args(shlex.split(own.worker_flags))
+    engine = build_engine(worker_config)
+    start_metrics(engine.metrics.registry, worker_config.metrics, "worker")
     try:
         run_service("scheduler", serve(config, InProcessTransport(engine)))
     finally:

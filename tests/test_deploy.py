@@ -97,7 +97,7 @@ def interpolate(value: str) -> str:
 # What `python -m X` runs: the module whose `main` parses the command line.
 CLI_MODULES = {
     "scheduler_svc": "scheduler_svc.process.cli",
-    "worker_svc": "worker_svc.app",
+    "worker_svc": "worker_svc.cli",
     "loadgen": "loadgen.cli",
 }
 
@@ -113,9 +113,7 @@ def command(service: str) -> list[str]:
 def cli_parser(module: str) -> Callable[[list[str]], argparse.Namespace]:
     """The argument parsing of `python -m module`, as its `__main__` runs it."""
     main = importlib.import_module(CLI_MODULES[module])
-    if module in ("loadgen", "scheduler_svc"):  # their parse_args returns the config built from these
-        return cast(argparse.ArgumentParser, main.build_parser()).parse_args
-    return cast(Callable[[list[str]], argparse.Namespace], main.parse_args)
+    return cast(argparse.ArgumentParser, main.build_parser()).parse_args
 
 
 def cli_args(service: str) -> argparse.Namespace:
@@ -651,7 +649,7 @@ async def send(address: str, load: LoadRequest) -> int:
 
 # Preemptions, forced: one call of two completions (ignore_eos, no stops) of a PREEMPT_PROMPT-token
 # prompt. The second is admitted as soon as the first's prompt is in the prefix cache
-# (scheduler_svc/engine/policy.py `_waits_for_first_completion`), a step or two behind it, so they run
+# (scheduler_svc/engine/admission.py `_waits_for_first_completion`), a step or two behind it, so they run
 # together; by their last tokens they hold P + 2 x max_new - 1 slots, far more than the pool has,
 # while one alone (P + max_new) fits: the pool runs out under them and the policy preempts (and
 # recomputes), whatever the timing. The sim's tokens do not depend on the sampling parameters.

@@ -5,7 +5,8 @@
 - `scheduler_svc/frontend/` (validation, text, the client APIs) does not import the engine or the
   process wiring: the two meet in `scheduler_svc/contract.py`, which imports neither;
 - `stepahead/` (shared by both services) imports no service, nor the client or colocated runner;
-- no module imports a `__main__` module: those only run `main`.
+- no module imports a `__main__` module: those only run `main`;
+- configuration travels as frozen dataclasses: only a `cli.py` sees an `argparse.Namespace`.
 """
 
 from __future__ import annotations
@@ -97,3 +98,14 @@ def test_no_module_imports_a_main_module() -> None:
         if module.endswith(".__main__")
     ]
     assert bad == []
+
+
+def test_only_the_command_lines_see_an_argparse_namespace() -> None:
+    """Configuration travels as frozen dataclasses: a `Namespace` stays in the `cli.py` that parsed it."""
+    seen = [
+        str(path.relative_to(ROOT))
+        for folder in ("scheduler_svc", "worker_svc")
+        for path in files_under(folder)
+        if path.name != "cli.py" and "Namespace" in path.read_text()
+    ]
+    assert seen == []

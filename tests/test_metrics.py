@@ -162,7 +162,7 @@ async def run_clients(address: str, n: int, abort_every: int) -> Streams:
 
 # Preemptions, forced: one call of PREEMPT_N completions of a PREEMPT_PROMPT-token prompt, with
 # ignore_eos and no stops. The policy admits completions 1..n-1 together as soon as completion 0's
-# prompt is in the prefix cache (scheduler_svc/engine/policy.py `_waits_for_first_completion`), so all n
+# prompt is in the prefix cache (scheduler_svc/engine/admission.py `_waits_for_first_completion`), so all n
 # run at once; each of them reuses the prompt's first P-1 cached slots and holds max_new slots of
 # its own by its last token. Completions 1..n-1 alone then need (n-1) x max_new + P-1 slots, more
 # than KV_SLOTS, while one completion (P + max_new) fits: the pool runs out under them and the

@@ -33,7 +33,7 @@ from stepahead.processes import (
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.live import CALL_TIMEOUT_S, wait_until
-from worker_svc import app as worker_main
+from worker_svc import cli as worker_cli
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "2", "--check-invariants", "--kv-slots", "4096"]
@@ -395,7 +395,7 @@ def test_incomplete_tls_flags_are_usage_errors(pki: Pki) -> None:
     cert, key, ca = str(pki.server_cert), str(pki.server_key), str(pki.ca)
     for worker_flags in (["--tls-cert", cert, "--tls-key", key], ["--tls-cert", cert], ["--tls-ca", ca]):
         with pytest.raises(SystemExit):
-            worker_main.parse_args(worker_flags)
+            worker_cli.parse_args(worker_flags)
     for scheduler_flags in (
         ["--tls-key", key],
         ["--tls-ca", ca],

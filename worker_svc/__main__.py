@@ -1,6 +1,6 @@
-"""python -m worker_svc: the worker (see `worker_svc.app`)."""
+"""python -m worker_svc: the worker (see `worker_svc.cli`)."""
 
-from worker_svc.app import main
+from worker_svc.cli import main
 
 if __name__ == "__main__":
     main()

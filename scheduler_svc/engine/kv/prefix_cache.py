@@ -13,7 +13,7 @@ NOTE (overlap safety):
 - Inserting never remaps: a request keeps the slots its batches were launched with, and a
   duplicate of a prefix the tree already holds stays the request's own until it ends.
 - An evicted slot is reused only by a batch picked after the eviction, so after every batch
-  that read it was launched (the argument `SchedulingPolicy._release` makes for freeing).
+  that read it was launched (the argument `SessionSlots.release` makes for freeing).
 - A new worker session has none of the KV: the policy starts an empty cache with it.
 """
 

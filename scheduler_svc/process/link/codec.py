@@ -9,7 +9,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs, TokenLogprob
-from stepahead.protocol import WorkerInfo, info_to_proto
+from stepahead.protocol import WorkerInfo, info_to_proto, same_fields
 from stepahead.v1 import core_pb2
 
 log = logging.getLogger("stepahead.link")
@@ -18,21 +18,27 @@ Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 METRICS_TIMEOUT_S = 3.0
 
 
+# SamplingParams' scalars, the same in CoreSampling (stop ids, stop strings and the bias aside).
+SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+)
+
+
 def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
     return core_pb2.CoreSampling(
-        max_new_tokens=p.max_new_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed,
+        **same_fields(p, SAMPLING_FIELDS),
         stop_token_ids=sorted(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-        top_logprobs=p.top_logprobs,
-        repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        min_tokens=p.min_tokens,
         bias_ids=[token for token, _ in p.logit_bias],
         bias_values=[bias for _, bias in p.logit_bias],
     )
@@ -41,20 +47,9 @@ def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
 def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
     """Stop strings stay in the frontend: the core's copy has none."""
     return SamplingParams(
-        m.max_new_tokens,
-        m.temperature,
-        m.top_p,
-        m.top_k,
-        m.seed,
-        frozenset(m.stop_token_ids),
-        (),
-        m.ignore_eos,
-        logprobs=m.logprobs,
-        top_logprobs=m.top_logprobs,
-        repetition_penalty=m.repetition_penalty,
-        presence_penalty=m.presence_penalty,
-        frequency_penalty=m.frequency_penalty,
-        min_tokens=m.min_tokens,
+        **same_fields(m, SAMPLING_FIELDS),
+        stop_token_ids=frozenset(m.stop_token_ids),
+        stop=(),
         logit_bias=tuple(zip(m.bias_ids, m.bias_values, strict=True)),
     )
 

@@ -1,0 +1,103 @@
+"""The running requests' rows of the next batch: a decode row, or the next chunk of a prefill,
+for each running request in the order of the running list; and preemption when KV runs out
+(the latest arrivals first: back to the head of the waiting queue, to be recomputed).
+`add_row` puts any request's row in a batch; admission uses it for a first chunk.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_svc.engine.batch import ScheduledBatch
+from scheduler_svc.engine.kv.manager import KvManager
+from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.requests import RequestTable
+from scheduler_svc.engine.slots import SessionSlots
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine.policy import SchedulerStats
+
+
+class RunningManager:
+    def __init__(
+        self, table: RequestTable, slots: SessionSlots, stats: SchedulerStats, telemetry: SchedulerTelemetry
+    ) -> None:
+        self.table = table
+        self.slots = slots
+        self.stats = stats
+        self.telemetry = telemetry
+
+    def pick(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Decode and continue prefills of running requests, under the token budget. Returns
+        whether KV ran out and requests were preempted."""
+        preempted = False
+        for req in list(self.table.running):
+            if budget <= batch.num_tokens:
+                break
+            if req.req_slot is None:  # preempted earlier in this pick
+                continue
+            if req.wants_decode():
+                need = 1
+            elif req.in_prefill:
+                need = min(req.num_known - req.num_computed, budget - batch.num_tokens)
+            else:
+                continue
+            if not self.slots.kv.make_room(need):
+                preempted = True
+                if not self._preempt_until_free(need, req):
+                    break
+            add_row(self.slots.kv, batch, req, need)
+        return preempted
+
+    def _preempt_until_free(self, need: int, req: Request) -> bool:
+        """Preempt the latest arrivals until `need` KV slots are free; False if
+        `req` itself had to go."""
+        while not self.slots.kv.make_room(need):
+            victim = self.table.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.stats.preemptions += 1
+        self.telemetry.preemptions.inc()
+        self.requeue_for_recompute(req)
+
+    def requeue_for_recompute(self, req: Request, computed: bool = True) -> None:
+        """Back to the head of the queue, to be recomputed from prompt + processed output.
+
+        NOTE: its in-flight token is dropped (the attempt changes) and sampled
+        again on recompute; greedy and seeded sampling give the same token.
+        """
+        self.slots.release(req, computed)
+        req.attempt += 1
+        req.num_computed = 0
+        req.num_inflight = 0
+        req.prompt_kept = False
+        self.table.requeue(req)
+
+    def requeue_all(self) -> None:
+        """The worker session is gone: every running request waits to be recomputed.
+
+        NOTE: results of the lost session's batches never arrive (its stream is
+        gone) and their requests' attempts change, so none of them is applied.
+        """
+        for req in reversed(list(self.table.running)):
+            self.requeue_for_recompute(req, computed=False)
+
+
+def add_row(kv: KvManager, batch: ScheduledBatch, req: Request, num_tokens: int) -> None:
+    """`req`'s next `num_tokens` in `batch`, on new KV slots (after `kv.make_room` said yes): a
+    prefill chunk (the chunk that ends what it knows samples), else a decode row."""
+    kv_slots = kv.allocate(req, num_tokens)
+    samples = True
+    if req.in_prefill:
+        start = req.num_computed
+        samples = start + num_tokens == req.num_known
+        batch.add_prefill(req, req.known_ids(start, start + num_tokens), kv_slots, samples)
+    else:
+        batch.add_decode(req, kv_slots[0])
+    req.num_computed += num_tokens
+    req.num_inflight += samples

@@ -1,0 +1,56 @@
+"""The slots one worker session lends the policy: KV slots (asked of their one owner,
+`kv/manager.py: KvManager`) and request slots; when a request gives them back, and the request
+slots freed but not yet told to the worker (the next launch carries them). Also the model's EOS
+ids from the session's handshake. A new worker session starts all of it afresh.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.engine.kv.allocator import SlotAllocator
+from scheduler_svc.engine.kv.manager import KvManager
+from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
+from stepahead.protocol import WorkerInfo
+
+
+class SessionSlots:
+    def __init__(self, prefix_cache: bool, telemetry: SchedulerTelemetry) -> None:
+        self._prefix_cache = prefix_cache
+        self._telemetry = telemetry
+        self.kv = KvManager(0, prefix_cache, telemetry)  # the one owner of KV slots
+        self.req_slots = SlotAllocator(0, "request slots")
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._pending_releases: list[int] = []
+
+    def begin(self, info: WorkerInfo, request_slots: int) -> None:
+        """Fresh slot accounting for a new worker session: the old one's KV is gone."""
+        self.kv = KvManager(info.kv_slots, self._prefix_cache, self._telemetry)
+        self.req_slots = SlotAllocator(request_slots, "request slots")
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self._pending_releases = []
+
+    @property
+    def has_releases(self) -> bool:
+        return bool(self._pending_releases)
+
+    def take_releases(self) -> list[int]:
+        """The request slots freed since the last launch, for the next one to tell the worker."""
+        released, self._pending_releases = self._pending_releases, []
+        return released
+
+    def assign(self, req: Request) -> None:
+        """A request slot for an admitted request (one is free: admission checked)."""
+        req.req_slot = self.req_slots.allocate_one()
+
+    def release(self, req: Request, computed: bool = True) -> None:
+        """Free the request's slots now, even if a batch in flight still holds it; the prefix
+        cache keeps what it computed (unless the worker session that holds its KV is gone).
+
+        NOTE: safe because the worker runs batches in launch order: every batch
+        that can reuse these slots runs after the in-flight ones that hold them.
+        """
+        if req.req_slot is not None:
+            self.req_slots.free([req.req_slot])
+            self._pending_releases.append(req.req_slot)
+            req.req_slot = None
+        self.kv.release(req, computed)

@@ -1,0 +1,147 @@
+"""The worker's command line: `parse_args` turns it into a frozen `WorkerConfig` (no
+`argparse.Namespace` goes further), `main` serves it (`--tp N`: starts N ranks, each this same
+command, as torchrun would).
+
+python -m worker_svc --model tiny|sim|smollm2|PATH.gguf|DIR --port 50061 [--device cpu|cuda] [--tp N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stepahead.serving import (
+    PortInUse,
+    add_observability_args,
+    add_tls_server_args,
+    add_worker_token_arg,
+    check_tls_server_args,
+    metrics_endpoint,
+    run_loop,
+    setup_logging,
+    tls_files,
+)
+from worker_svc.app import DTYPES, rank_place, run_rank, serve
+from worker_svc.config import DEFAULT_METRICS_PORT, ModelPlacement, WorkerConfig
+from worker_svc.launcher import Launcher
+from worker_svc.loading import check_shardable
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """Exits with a usage error naming the flag on a bad command line."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_tls_server_args(p, args, client_ca_required=True)
+    if args.tp is not None and args.tp < 1:
+        p.error(f"--tp: must be >= 1, got {args.tp}")
+    return config_from_args(args)
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        ModelPlacement(
+            args.model, args.device, args.dtype, args.threads, args.sim_step_ms, args.sim_token_us
+        ),
+        args.host,
+        args.port,
+        tls_files(args),
+        args.kv_slots,
+        args.kv_memory_mib,
+        args.request_slots,
+        args.tp,
+        args.max_restarts,
+        args.check_invariants,
+        args.grace,
+        args.worker_token,
+        args.scheduler_timeout,
+        metrics_endpoint(args),
+        args.trace_file,
+        args.log_level,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker_svc", description="Stepahead worker")
+    p.add_argument(
+        "--model",
+        default=ModelPlacement.model,
+        help="tiny, sim, smollm2, a Llama .gguf file or checkpoint dir",
+    )
+    p.add_argument("--host", default=WorkerConfig.host, help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=WorkerConfig.port)
+    add_tls_server_args(
+        p,
+        client_ca_help="CA that signs the schedulers' client certificates (PEM); required with "
+        "--tls-cert: the worker serves only schedulers that present one (mutual TLS)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda"
+    )
+    p.add_argument("--kv-slots", type=int, default=WorkerConfig.kv_slots, help="KV pool size in tokens")
+    p.add_argument(
+        "--kv-memory-mib",
+        type=float,
+        default=None,
+        help="size the KV pool by memory instead: this many MiB on each rank (with --tp N a rank "
+        "holds 1/N of the KV heads, so N times the token slots)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks: start N processes, one GPU each on cuda, gloo on the CPU "
+        "(default 1; under torchrun, its world size)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=WorkerConfig.max_restarts,
+        help="--tp N: start the group again this many times at most when a rank dies",
+    )
+    p.add_argument(
+        "--request-slots", type=int, default=WorkerConfig.request_slots, help="concurrent requests at most"
+    )
+    p.add_argument(
+        "--sim-step-ms", type=float, default=ModelPlacement.sim_step_ms, help="sim: fixed time per step"
+    )
+    p.add_argument(
+        "--sim-token-us", type=float, default=ModelPlacement.sim_token_us, help="sim: extra time per token"
+    )
+    p.add_argument(
+        "--threads", type=int, default=ModelPlacement.threads, help="torch CPU threads (0: torch default)"
+    )
+    p.add_argument(
+        "--check-invariants",
+        action="store_true",
+        help="fail a step that reads an unwritten FutureMap entry (syncs the device)",
+    )
+    p.add_argument("--grace", type=float, default=WorkerConfig.grace_s, help="seconds to drain on SIGTERM")
+    add_worker_token_arg(p, "require this shared secret from schedulers ('authorization: Bearer TOKEN')")
+    p.add_argument(
+        "--scheduler-timeout",
+        type=float,
+        default=WorkerConfig.scheduler_timeout_s,
+        help="end a session whose scheduler sent nothing for this long with no step pending (a stopped "
+        "or vanished scheduler), so that another can connect",
+    )
+    add_observability_args(p, default_metrics_port=DEFAULT_METRICS_PORT)
+    p.add_argument("--log-level", default=WorkerConfig.log_level)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    config = parse_args(argv)
+    setup_logging(config.log_level)
+    try:
+        place = rank_place(config)
+        if place is None and config.tp is not None and config.tp > 1:  # start the ranks: this command
+            check_shardable(config.placement.model, config.tp)  # what no restart can fix fails first
+            sys.exit(Launcher(argv, config.tp, config.max_restarts, config.grace_s).run())
+        if place is not None:
+            run_rank(config, place)
+        else:
+            run_loop(serve(config))
+    except (ValueError, OSError, PortInUse) as exc:  # a bad model, flag or port: say why, no traceback
+        sys.exit(f"worker: {exc}")

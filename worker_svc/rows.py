@@ -1,0 +1,177 @@
+"""A launch's rows: its index lists on the host, their columns on the device (one transfer),
+and the forward batch and sampling built from them over the request slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stepahead.protocol import Launch
+from worker_svc.backends import RowSampling
+from worker_svc.batch import ForwardBatch
+from worker_svc.logits_processors import ProcessingTable, StepPlan
+from worker_svc.slots import RequestSlots
+from worker_svc.streams import DeviceStreams, to_device_columns
+
+__all__ = ["BatchBuilder", "DeviceRows", "HostRows", "device_rows", "host_rows", "plan_processing"]
+
+
+@dataclass
+class HostRows:
+    """Host-side index lists of one launch, computed once per step."""
+
+    positions: list[int]
+    token_req_slots: list[int]
+    row_token_starts: list[int]
+    row_ctx_lens: list[int]
+    prompt_token_index: list[int]
+    future_token_index: list[int]
+    future_req_slots: list[int]
+    sample_token_index: list[int]
+    sample_req_slots: list[int]
+    sample_positions: list[int]
+    # Logits processing, when a live slot has any (`plan_processing`).
+    plan: StepPlan | None = None  # None: no sampling row has processing
+    tracked: bool = False  # a live slot is penalized: the history takes this step's tokens
+    history_token_index: list[int] = field(default_factory=list)  # prompt-sourced tokens
+    history_output_index: list[int] = field(default_factory=list)  # of them, outputs not counted
+
+
+def host_rows(launch: Launch) -> HostRows:
+    rows = HostRows([], [], [], [], [], [], [], [], [], [])
+    t = 0
+    for slot, start, n, from_future, sample in zip(
+        launch.row_req_slots,
+        launch.row_start_pos,
+        launch.row_num_tokens,
+        launch.row_from_future,
+        launch.row_sample,
+        strict=True,
+    ):
+        rows.row_token_starts.append(t)
+        rows.row_ctx_lens.append(start + n)
+        rows.positions.extend(range(start, start + n))
+        rows.token_req_slots.extend([slot] * n)
+        if from_future:
+            rows.future_token_index.append(t)
+            rows.future_req_slots.append(slot)
+        else:
+            rows.prompt_token_index.extend(range(t, t + n))
+        if sample:
+            rows.sample_token_index.append(t + n - 1)
+            rows.sample_req_slots.append(slot)
+            rows.sample_positions.append(start + n)
+        t += n
+    return rows
+
+
+def plan_processing(launch: Launch, rows: HostRows, table: ProcessingTable) -> None:
+    """The step's logits processing, decided on the host: which sampling rows are processed,
+    and, while a live slot is penalized, which prefill tokens the history takes."""
+    rows.plan = table.plan(rows.sample_req_slots, rows.sample_positions)
+    rows.tracked = bool(table.penalized)
+    if not rows.tracked:
+        return
+    prefill_rows = (
+        (slot, start, n, t)
+        for (slot, start, n, from_future, _), t in zip(launch.rows(), rows.row_token_starts, strict=True)
+        if not from_future
+    )
+    rows.history_token_index, rows.history_output_index = table.history_tokens(prefill_rows)
+    table.count_sampled(rows.sample_req_slots, rows.sample_positions)
+
+
+@dataclass(frozen=True)
+class DeviceRows:
+    """The launch's index columns on the device: views of one transfer."""
+
+    positions: torch.Tensor
+    kv_slots: torch.Tensor
+    token_req_slots: torch.Tensor
+    row_req_slots: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_token_index: torch.Tensor
+    future_token_index: torch.Tensor
+    future_req_slots: torch.Tensor
+    sample_token_index: torch.Tensor
+    sample_req_slots: torch.Tensor
+    sample_positions: torch.Tensor
+    history_token_index: torch.Tensor
+    history_output_index: torch.Tensor
+    mask_rows: torch.Tensor
+    mask_ids: torch.Tensor
+
+
+def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> DeviceRows:
+    plan = rows.plan
+    columns = [
+        rows.positions,
+        launch.kv_slots,
+        rows.token_req_slots,
+        launch.row_req_slots,
+        launch.prompt_ids,
+        rows.prompt_token_index,
+        rows.future_token_index,
+        rows.future_req_slots,
+        rows.sample_token_index,
+        rows.sample_req_slots,
+        rows.sample_positions,
+        rows.history_token_index,
+        rows.history_output_index,
+        plan.mask_rows if plan is not None else [],
+        plan.mask_ids if plan is not None else [],
+    ]
+    return DeviceRows(*to_device_columns(columns, streams.device, streams))
+
+
+class BatchBuilder:
+    """The forward batch and the sampling rows of a launch, from its rows and the request slots
+    (on the forward thread: nothing here reads a device value back, see worker_svc/engine.py)."""
+
+    def __init__(self, slots: RequestSlots, device: torch.device) -> None:
+        self._slots = slots
+        self._device = device
+
+    def batch(self, launch: Launch, rows: HostRows, on_device: DeviceRows) -> ForwardBatch:
+        req_to_token = self._slots.req_to_token
+        req_to_token.index_put_((on_device.token_req_slots, on_device.positions), on_device.kv_slots)
+        return ForwardBatch(
+            input_ids=self._input_ids(rows, on_device),
+            positions=on_device.positions,
+            out_kv_slots=on_device.kv_slots,
+            row_req_slots=on_device.row_req_slots,
+            row_token_starts=rows.row_token_starts,
+            row_num_tokens=launch.row_num_tokens,
+            row_ctx_lens=rows.row_ctx_lens,
+            sample_token_index=on_device.sample_token_index,
+            req_to_token=req_to_token,
+        )
+
+    def _input_ids(self, rows: HostRows, on_device: DeviceRows) -> torch.Tensor:
+        """Prompt ids come from the host, decode ids from the FutureMap on the device."""
+        if not rows.future_token_index:
+            return on_device.prompt_ids
+        from_future = self._slots.future.read(on_device.future_req_slots)
+        if not rows.prompt_token_index:
+            return from_future
+        ids = torch.empty(len(rows.positions), dtype=torch.int64, device=self._device)
+        ids.index_copy_(0, on_device.future_token_index, from_future)
+        ids.index_copy_(0, on_device.prompt_token_index, on_device.prompt_ids)
+        return ids
+
+    def sampling(self, rows: HostRows, on_device: DeviceRows) -> RowSampling:
+        table = self._slots.table
+        plan = rows.plan
+        processing = None
+        if plan is not None and plan.processes:
+            mask = (on_device.mask_rows, on_device.mask_ids)
+            slots, positions = on_device.sample_req_slots, on_device.sample_positions
+            processing = table.processing.rows(slots, positions, plan, mask)
+        return table.rows(
+            rows.sample_req_slots,
+            on_device.sample_req_slots,
+            on_device.sample_positions,
+            processing,
+            plan.top_logprobs if plan is not None else None,
+        )
