@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.machine import load_average
-from worker_svc.batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
 from worker_svc.layers import KVCache, store_weights_input_major
 from worker_svc.model import LlamaForCausalLM

@@ -59,9 +59,9 @@ from bench.save import RESULTS, command_line, publish
 from loadgen.backend import SamplingFeatures
 from stepahead.protocol import Launch, LogitsProcessing, NewRequest, StepResult
 from worker_svc.backends import ModelBackend, load_backend
+from worker_svc.device_streams import CpuStreams
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.loading import TINY_CONFIG
-from worker_svc.streams import CpuStreams
 
 NAME = "sampling-cost"
 TITLE = "Sampling features: their cost on the model and the services"

@@ -28,10 +28,10 @@ from tests.transfer_guard import (
     scripted_launches,
 )
 from worker_svc.backends import load_backend
+from worker_svc.device_streams import CudaStreams
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.future_map import FutureMap, FutureMapSentinelError
 from worker_svc.loading import build_tiny
-from worker_svc.streams import CudaStreams
 
 pytestmark = [
     pytest.mark.cuda,

@@ -19,12 +19,7 @@ import torch
 from stepahead.protocol import Launch
 from tests.transfer_guard import guard_engine, run_back_to_back, sampled_rows, scripted_launches
 from worker_svc.backends import load_backend
-from worker_svc.batch import ForwardBatch
-from worker_svc.engine import EngineConfig, WorkerEngine
-from worker_svc.layers import KVCache
-from worker_svc.loading import build_tiny
-from worker_svc.logits_processors import Sampled
-from worker_svc.streams import (
+from worker_svc.device_streams import (
     CpuStreams,
     HostStaging,
     HostValues,
@@ -32,6 +27,11 @@ from worker_svc.streams import (
     to_device_columns,
     transfers_through,
 )
+from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.forward_batch import ForwardBatch
+from worker_svc.layers import KVCache
+from worker_svc.loading import build_tiny
+from worker_svc.logits_processors import Sampled
 
 CPU = torch.device("cpu")
 

@@ -18,7 +18,7 @@ from tests.smollm2 import Transformers
 from tests.test_checkpoint import write_tokenizer
 from tests.test_model import SMALL, prefill_all_logits, random_model
 from worker_svc.backends import load_backend
-from worker_svc.batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import GGUFModel, load_gguf
 from worker_svc.layers import KVCache
 from worker_svc.model import LlamaForCausalLM

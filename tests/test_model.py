@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 
 from worker_svc.backends import LlamaBackend
-from worker_svc.batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import KVCache, Linear, store_weights_input_major
 from worker_svc.loading import (
     BYTE_TOKENIZER,

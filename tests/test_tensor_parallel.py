@@ -47,7 +47,7 @@ from tests.live import (
     wait_until,
 )
 from worker_svc import ranks as ranks_module
-from worker_svc.batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import KVCache, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, build_tiny
 from worker_svc.model import LlamaForCausalLM

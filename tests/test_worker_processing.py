@@ -35,12 +35,12 @@ from tests.test_model import reference_logits
 from tests.transfer_guard import guard_engine, scripted_launches
 from worker_svc import sampler
 from worker_svc.backends import LlamaBackend, load_backend
+from worker_svc.device_streams import CpuStreams
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.gguf import GGUFModel
 from worker_svc.loading import BYTE_TOKENIZER
 from worker_svc.logits_processors import TokenHistory
 from worker_svc.model import LlamaForCausalLM
-from worker_svc.streams import CpuStreams
 
 CPU = torch.device("cpu")
 KV_SLOTS = 2048

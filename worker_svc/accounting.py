@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from stepahead.protocol import Launch
 from stepahead.trace import Tracer
-from worker_svc.metrics import WorkerMetrics
-from worker_svc.streams import StepTiming
+from worker_svc.device_streams import StepTiming
+from worker_svc.telemetry import WorkerMetrics
 
 __all__ = ["StepAccounting"]
 

@@ -9,14 +9,14 @@ from typing import Protocol
 import torch
 
 from stepahead.protocol import TokenizerSpec
-from worker_svc.batch import ForwardBatch
+from worker_svc.device_streams import DeviceStreams, SimDevice, SimStreams, make_streams
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import KVCache, store_weights_input_major
 from worker_svc.loading import BYTE_TOKENIZER, TINY_CONFIG, load_llama
 from worker_svc.logits_processors import RowProcessing, Sampled, TokenLogprobs, process_logits, token_logprobs
 from worker_svc.model import LlamaForCausalLM
 from worker_svc.ranks import TensorParallelRanks
 from worker_svc.sampler import sample
-from worker_svc.streams import DeviceStreams, SimDevice, SimStreams, make_streams
 from worker_svc.tensor_parallel import shard_model
 
 

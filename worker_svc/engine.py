@@ -43,9 +43,9 @@ from stepahead.protocol import Launch, StepResult, WorkerInfo
 from stepahead.trace import NO_TRACE, Tracer
 from worker_svc.accounting import StepAccounting
 from worker_svc.backends import ModelBackend
+from worker_svc.device_streams import DeviceStreams, PendingCopy, transfers_through
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
 from worker_svc.logits_processors import Sampled, pack_for_host, unpack_from_host
-from worker_svc.metrics import WorkerMetrics
 from worker_svc.ranks import (
     Command,
     GroupBroken,
@@ -57,7 +57,7 @@ from worker_svc.ranks import (
 from worker_svc.rows import BatchBuilder, device_rows, host_rows, plan_processing
 from worker_svc.session import EngineSession
 from worker_svc.slots import RequestSlots
-from worker_svc.streams import DeviceStreams, PendingCopy, transfers_through
+from worker_svc.telemetry import WorkerMetrics
 from worker_svc.tracking import track_prompt_sourced, track_sampled
 
 __all__ = ["EngineConfig", "EngineStats", "LaunchError", "WorkerEngine"]

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.batch import ForwardBatch
-from worker_svc.streams import to_device_columns
+from worker_svc.device_streams import to_device_columns
+from worker_svc.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     # NOTE: a type only here; worker_svc.model builds its model from these layers.
@@ -137,7 +137,7 @@ class AttentionPlan:
 def _decode_group(batch: ForwardBatch, rows: list[int]) -> DecodeGroup:
     device = batch.input_ids.device
     host_ctx_lens = [batch.row_ctx_lens[i] for i in rows]
-    # NOTE: one transfer, through the running step's streams (worker_svc/streams.py),
+    # NOTE: one transfer, through the running step's streams (worker_svc/device_streams.py),
     # so that building the plan never waits for the device.
     row_index, ctx_lens, token_index = to_device_columns(
         [rows, host_ctx_lens, [batch.row_token_starts[i] for i in rows]], device

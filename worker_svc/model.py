@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_svc.batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import (
     AttentionPlan,
     Embedding,

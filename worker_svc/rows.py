@@ -9,10 +9,10 @@ import torch
 
 from stepahead.protocol import Launch
 from worker_svc.backends import RowSampling
-from worker_svc.batch import ForwardBatch
+from worker_svc.device_streams import DeviceStreams, to_device_columns
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.logits_processors import ProcessingTable, StepPlan
 from worker_svc.slots import RequestSlots
-from worker_svc.streams import DeviceStreams, to_device_columns
 
 __all__ = ["BatchBuilder", "DeviceRows", "HostRows", "device_rows", "host_rows", "plan_processing"]
 

@@ -7,10 +7,10 @@ import torch
 
 from stepahead.protocol import Launch, NewRequest
 from worker_svc.backends import RowSampling
+from worker_svc.device_streams import DeviceStreams, to_device_columns
 from worker_svc.future_map import FutureMap
 from worker_svc.launch_check import LaunchError
 from worker_svc.logits_processors import ProcessingTable, RowProcessing, registration_columns
-from worker_svc.streams import DeviceStreams, to_device_columns
 
 __all__ = ["RequestSlots", "SlotTable"]
 

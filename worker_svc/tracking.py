@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch
 from worker_svc.logits_processors import TokenHistory
 from worker_svc.rows import DeviceRows
 

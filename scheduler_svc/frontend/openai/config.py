@@ -1,5 +1,5 @@
 """How much an HTTP client may hold of a frontend: the limits a connection and a request body
-are held to (enforced in `http_limits` and `openai_api`). No HTTP import here: the scheduler
+are held to (enforced in `limits` and `routes`). No HTTP import here: the scheduler
 parses its flags without loading the HTTP stack."""
 
 from __future__ import annotations

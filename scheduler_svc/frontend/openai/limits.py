@@ -8,7 +8,7 @@ has no file descriptor left for gRPC, /metrics or its worker. The limits are ngi
 client over one gets 431 or 408 in OpenAI's error body and the connection is closed. At the cap
 on open connections, the oldest one that is waiting for a request head (idle, or half-sent)
 makes room for the new one; when every one is serving a request, the new one gets a 503. How
-long a body may pause is checked where the API reads it (`openai_api`).
+long a body may pause is checked where the API reads it (`routes`).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class HttpApiConfig:
     # Log-probabilities (each token's own and its alternatives) a whole, unstreamed response may
     # hold: some 100 bytes of JSON each, so ~26 MB; a stream has no such bound.
     max_whole_logprobs: int = 1 << 18
-    allowed_hosts: tuple[str, ...] = ()  # Host names answered (`http_config.allowed_hosts`); (): any
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered (`config.allowed_hosts`); (): any
 
 
 class HttpError(Exception):

@@ -88,7 +88,7 @@ class HttpServer:
 
 def connection_limit() -> int:
     """Open HTTP connections a frontend keeps at once: half its file descriptors, so that gRPC,
-    /metrics and the worker link keep theirs (see `http_limits` for who makes room)."""
+    /metrics and the worker link keep theirs (see `limits` for who makes room)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return max(16, min(soft // 2, 8192))
 
