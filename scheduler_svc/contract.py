@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import generation_pb2
+
+# How the engine core runs its steps: overlap (launch k+1, then process k) or serial. The frontends
+# label their metrics with it.
+Mode = Literal["overlap", "serial"]
+DEFAULT_MODE: Mode = "overlap"
 
 
 class FinishReason(enum.IntEnum):

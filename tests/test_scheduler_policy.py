@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scheduler_svc.contract import FinishReason
+from scheduler_svc.contract import FinishReason, Mode
 from scheduler_svc.engine.core import CoreConfig, EngineCore
 from scheduler_svc.engine.policy import PolicyConfig
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
@@ -19,8 +19,8 @@ from worker_svc.backends import sim_continuation as expected
 pytestmark = pytest.mark.anyio
 
 
-def linked(worker: FakeWorker, mode: str = "overlap", budget: int = 128) -> tuple[EngineCore, Frontend]:
-    config = CoreConfig(mode=mode, policy=PolicyConfig(max_batch_tokens=budget))  # type: ignore[arg-type]
+def linked(worker: FakeWorker, mode: Mode = "overlap", budget: int = 128) -> tuple[EngineCore, Frontend]:
+    config = CoreConfig(mode=mode, policy=PolicyConfig(max_batch_tokens=budget))
     core = EngineCore(worker, config)
     frontend = Frontend(FrontendConfig(mode))
     LocalCore(core, frontend)
@@ -28,7 +28,7 @@ def linked(worker: FakeWorker, mode: str = "overlap", budget: int = 128) -> tupl
 
 
 async def connected(
-    worker: FakeWorker, mode: str = "overlap", budget: int = 128
+    worker: FakeWorker, mode: Mode = "overlap", budget: int = 128
 ) -> tuple[EngineCore, Frontend]:
     core, frontend = linked(worker, mode, budget)
     assert core._start_session(await worker.connect())
@@ -135,7 +135,7 @@ async def test_abort_frees_slots_at_once_and_the_slot_is_released_on_the_worker(
 
 
 @pytest.mark.parametrize("mode", ["serial", "overlap"])
-async def test_kv_exhaustion_preempts_and_recomputes_to_the_same_tokens(mode: str) -> None:
+async def test_kv_exhaustion_preempts_and_recomputes_to_the_same_tokens(mode: Mode) -> None:
     worker = FakeWorker(kv_slots=160, request_slots=8)
     core, frontend = linked(worker, mode, budget=64)
     picks_with_queue: list[int] = []

@@ -21,9 +21,8 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
-from scheduler_svc.contract import FrontendLink, OutputSink
+from scheduler_svc.contract import DEFAULT_MODE, FrontendLink, Mode, OutputSink
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.depth import DepthConfig, OverlapDepth
 from scheduler_svc.engine.late_pick import LatePick, LatePickConfig
@@ -41,13 +40,12 @@ from stepahead.protocol import StepResult, WorkerInfo, WorkerStepError
 
 log = logging.getLogger("stepahead.core")
 
-Mode = Literal["overlap", "serial"]
 StepHandle = asyncio.Future[StepResult]
 
 
 @dataclass(frozen=True)
 class CoreConfig:
-    mode: Mode = "overlap"
+    mode: Mode = DEFAULT_MODE
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reconnect_backoff_s: tuple[float, float] = (0.1, 2.0)
     worker_retry_timeout_s: float = 30.0  # live requests wait this long for a worker to come back

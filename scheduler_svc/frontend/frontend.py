@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from scheduler_svc.contract import (
+    DEFAULT_MODE,
     CoreClient,
     CoreRequestSpec,
     FinishReason,
+    Mode,
     SamplingParams,
     StepOutputs,
     TokenLogprob,
@@ -57,7 +59,7 @@ TOKENIZER_THREADS = 2  # large inputs tokenized at once; more wait their turn
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    mode: str = "overlap"
+    mode: Mode = DEFAULT_MODE  # the core's, for the metrics' label
     limits: RequestLimits = field(default_factory=RequestLimits)
     stream_interval: int = 1  # wake a client's stream every N tokens (and at its finish)
     index: int = 0  # which frontend process (0 for the one inside the core)
