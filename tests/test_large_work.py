@@ -20,10 +20,11 @@ import httpx2
 import pytest
 
 from scheduler_svc.contract import MIN_TEMPERATURE, FinishReason, TokenLogprob
+from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import OFF_LOOP_INPUT_BYTES, ApiError, Frontend, FrontendConfig
 from scheduler_svc.frontend.openai import routes as openai_api
 from scheduler_svc.frontend.openai.protocol import ChatLogprobs, CompletionLogprobs, ResponseIds
-from scheduler_svc.frontend.openai.routes import Choice, HttpApiConfig, build_app
+from scheduler_svc.frontend.openai.routes import Choice, build_app
 from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.protocol import TokenizerSpec, WorkerInfo
 from stepahead.v1 import generation_pb2 as pb
@@ -127,7 +128,7 @@ async def test_a_prompt_checked_while_the_worker_changed_is_checked_again_agains
 @pytest.fixture
 async def http() -> AsyncIterator[tuple[Frontend, ScriptedCore, httpx2.AsyncClient]]:
     frontend, core = scripted_frontend()
-    transport = httpx2.ASGITransport(app=build_app(frontend, HttpApiConfig(max_whole_logprobs=1000)))
+    transport = httpx2.ASGITransport(app=build_app(frontend, ClientApiConfig(max_whole_logprobs=1000)))
     async with httpx2.AsyncClient(transport=transport, base_url="http://scripted") as client:
         yield frontend, core, client
 

@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from grpc_health.v1 import health
 
 from scheduler_svc.contract import TokenLogprob
+from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import ApiError, Frontend
 from scheduler_svc.frontend.streams import Completions, OutputChunk
 from scheduler_svc.frontend.validation import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    RequestLimits,
     UnparsableRequest,
     lenient_deserializer,
 )
@@ -26,6 +24,7 @@ from stepahead.serving import (
     PORT_SHARING,
     add_health_and_reflection,
     add_port,
+    server_credentials,
     set_serving,
 )
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
@@ -37,17 +36,6 @@ FRONTEND_METADATA = "stepahead-frontend"  # initial metadata of every call: whic
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ApiConfig:
-    """How the client API is exposed: transport security, access, and input bounds."""
-
-    credentials: grpc.ServerCredentials | None = None  # None: plaintext
-    api_key: str | None = None  # None: no key asked
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger messages: RESOURCE_EXHAUSTED from gRPC
-    share_port: bool = False  # frontend processes share the public port (SO_REUSEPORT)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -156,20 +144,21 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
 
 
 async def build_server(
-    frontend: Frontend, host: str, port: int, config: ApiConfig = ApiConfig()
+    frontend: Frontend, api: ClientApiConfig, share_port: bool = False
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Health and reflection share the port, its TLS and its size limit, but not the API key."""
+    """Health and reflection share the port, its TLS and its size limit, but not the API key.
+    `share_port`: frontend processes share the public port (SO_REUSEPORT)."""
     interceptors: list[grpc.aio.ServerInterceptor] = [FrontendNameInterceptor(frontend.name)]
-    if config.api_key:
-        interceptors.append(BearerTokenInterceptor(config.api_key, "API key"))
-    sharing = PORT_SHARING if config.share_port else NO_PORT_SHARING
+    if api.api_key:
+        interceptors.append(BearerTokenInterceptor(api.api_key, "API key"))
+    sharing = PORT_SHARING if share_port else NO_PORT_SHARING
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", config.max_request_bytes), *sharing],
+        options=[("grpc.max_receive_message_length", api.max_request_bytes), *sharing],
     )
     add_generation_service(GenerationServicer(frontend), server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
-    bound = add_port(server, f"{host}:{port}", config.credentials)
+    bound = add_port(server, f"{api.host}:{api.port}", server_credentials(api.tls))
     return server, bound, health_servicer
 
 

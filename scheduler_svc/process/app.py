@@ -16,9 +16,10 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from scheduler_svc.engine.transport import WorkerTransport
+from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import Frontend
-from scheduler_svc.frontend.grpc_api import ApiConfig, build_server, health_follows_worker
-from scheduler_svc.process.config import ClientApiConfig, SchedulerConfig, WorkerConnection
+from scheduler_svc.frontend.grpc_api import build_server, health_follows_worker
+from scheduler_svc.process.config import SchedulerConfig, WorkerConnection
 from scheduler_svc.process.frontend_metrics import FrontendMetrics, MetricSource
 from scheduler_svc.process.grpc_transport import GrpcTransport
 from scheduler_svc.process.link.local import LocalCore
@@ -26,7 +27,6 @@ from scheduler_svc.process.supervisor import FrontendSupervisor
 from stepahead.serving import (
     describe_tls,
     graceful_stop,
-    server_credentials,
     start_metrics,
     stop_event_on_signals,
 )
@@ -66,7 +66,7 @@ async def _serve_frontend_here(core: EngineCore, config: SchedulerConfig, stop: 
     registry = core_registry(core, lambda: [frontend.telemetry.registry.collect()])
     start_metrics(registry, config.observability.metrics, "scheduler")
     log_access(api, config.worker)
-    server, port, health_servicer = await build_server(frontend, api.host, api.port, grpc_api_config(api))
+    server, port, health_servicer = await build_server(frontend, api)
     http = http_api(frontend, api, share_port=False)
     health_follows_worker(frontend, health_servicer)
     await server.start()
@@ -116,15 +116,6 @@ def log_access(api: ClientApiConfig, worker: WorkerConnection) -> None:
         log.warning("--api-key without --tls-cert: the key crosses the network in clear text")
 
 
-def grpc_api_config(api: ClientApiConfig, share_port: bool = False) -> ApiConfig:
-    return ApiConfig(
-        credentials=server_credentials(api.tls),
-        api_key=api.api_key,
-        max_request_bytes=api.max_request_bytes,
-        share_port=share_port,
-    )
-
-
 def http_api(frontend: Frontend, api: ClientApiConfig, share_port: bool) -> HttpServer | None:
     """The OpenAI-compatible API on --http-port (None when it is 0), bound at once.
 
@@ -133,17 +124,10 @@ def http_api(frontend: Frontend, api: ClientApiConfig, share_port: bool) -> Http
     """
     if api.http_port == 0:
         return None
-    from scheduler_svc.frontend.openai.routes import HttpApiConfig, build_app
+    from scheduler_svc.frontend.openai.routes import build_app
     from scheduler_svc.frontend.openai.server import HttpServer, HttpTls
 
-    config = HttpApiConfig(
-        api.api_key,
-        api.max_request_bytes,
-        api.served_model_name,
-        api.http_limits.body_pause_timeout_s,
-        allowed_hosts=api.allowed_hosts,
-    )
-    app = build_app(frontend, config)
+    app = build_app(frontend, api)
     cert, key = api.tls.cert, api.tls.key
     tls = None if cert is None or key is None else HttpTls(cert, key, api.tls.ca)
     return HttpServer(app, api.host, api.http_port, tls, share_port, api.http_limits)

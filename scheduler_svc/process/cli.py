@@ -16,6 +16,7 @@ from scheduler_svc.engine.core import CoreConfig
 from scheduler_svc.engine.depth import MAX_DEPTH, DepthConfig, parse_depth
 from scheduler_svc.engine.late_pick import LatePickConfig
 from scheduler_svc.engine.policy import PolicyConfig
+from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import FrontendConfig
 from scheduler_svc.frontend.openai.config import HttpLimits, allowed_hosts
 from scheduler_svc.frontend.validation import RequestLimits
@@ -23,7 +24,6 @@ from scheduler_svc.process.app import serve
 from scheduler_svc.process.config import (
     DEFAULT_GRACE_S,
     DEFAULT_METRICS_PORT,
-    ClientApiConfig,
     Observability,
     SchedulerConfig,
     WorkerConnection,

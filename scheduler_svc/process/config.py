@@ -12,30 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler_svc.engine.core import CoreConfig
+from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import FrontendConfig
-from scheduler_svc.frontend.openai.config import HttpLimits
-from scheduler_svc.frontend.validation import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_svc.process.grpc_transport import WorkerLinkConfig
 from stepahead.serving import MetricsEndpoint, TlsFiles
 
 DEFAULT_GRACE_S = 10.0  # --grace: in-flight requests get this long on SIGTERM
 DEFAULT_METRICS_PORT = 9400
 IN_PROCESS = "in-process"  # the worker's address when its engine runs in the core's process
-
-
-@dataclass(frozen=True)
-class ClientApiConfig:
-    """What every frontend serves clients on: the gRPC API, and the HTTP API unless its port is 0."""
-
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000  # 0: no HTTP API
-    tls: TlsFiles = field(default_factory=TlsFiles)  # the same on both APIs
-    api_key: str | None = None  # None: no key asked
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    served_model_name: str | None = None  # None: the worker's model name
-    allowed_hosts: tuple[str, ...] = ()  # Host names the HTTP API answers; (): any
-    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from prometheus_client import generate_latest
 from scheduler_svc.frontend.frontend import Frontend
 from scheduler_svc.frontend.grpc_api import SERVICE_NAME, build_server, health_follows_worker
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
-from scheduler_svc.process.app import grpc_api_config, http_api, stop_apis
+from scheduler_svc.process.app import http_api, stop_apis
 from scheduler_svc.process.config import FrontendProcessConfig
 from scheduler_svc.process.link.frontend_side import RemoteCore
 from stepahead.serving import run_service, set_serving, setup_logging
@@ -33,9 +33,7 @@ async def serve(config: FrontendProcessConfig) -> int:
     api = config.api
     frontend = Frontend(config.frontend, FrontendTelemetry(config.frontend.mode, own_process=True))
     core = RemoteCore(config.core_socket, frontend, lambda: generate_latest(frontend.telemetry.registry))
-    server, port, health_servicer = await build_server(
-        frontend, api.host, api.port, grpc_api_config(api, share_port=True)
-    )
+    server, port, health_servicer = await build_server(frontend, api, share_port=True)
     http = http_api(frontend, api, share_port=True)
     health_follows_worker(frontend, health_servicer)
     stop = asyncio.Event()

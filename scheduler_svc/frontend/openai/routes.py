@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from scheduler_svc.contract import FinishReason, TokenLogprob
+from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import NO_WORKER, ApiError, Frontend
-from scheduler_svc.frontend.openai.config import HttpLimits, host_allowed
+from scheduler_svc.frontend.openai.config import host_allowed
 from scheduler_svc.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
@@ -43,7 +44,7 @@ from scheduler_svc.frontend.openai.protocol import (
     http_message,
 )
 from scheduler_svc.frontend.streams import Completions, OutputChunk
-from scheduler_svc.frontend.validation import DEFAULT_MAX_REQUEST_BYTES, ValidRequest
+from scheduler_svc.frontend.validation import ValidRequest
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
@@ -77,16 +78,7 @@ ERROR_TYPES = {
 }
 
 
-@dataclass(frozen=True)
-class HttpApiConfig:
-    api_key: str | None = None  # None: no key asked
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    served_model_name: str | None = None  # None: the worker's model name
-    body_pause_timeout_s: float = HttpLimits.body_pause_timeout_s
-    # Log-probabilities (each token's own and its alternatives) a whole, unstreamed response may
-    # hold: some 100 bytes of JSON each, so ~26 MB; a stream has no such bound.
-    max_whole_logprobs: int = 1 << 18
-    allowed_hosts: tuple[str, ...] = ()  # Host names answered (`config.allowed_hosts`); (): any
+DEFAULT_API = ClientApiConfig()
 
 
 class HttpError(Exception):
@@ -109,7 +101,7 @@ class HttpError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def build_app(frontend: Frontend, config: HttpApiConfig = HttpApiConfig()) -> FastAPI:
+def build_app(frontend: Frontend, config: ClientApiConfig = DEFAULT_API) -> FastAPI:
     app = FastAPI(title="Stepahead", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(frontend, config)
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -157,7 +149,7 @@ async def _routing_error_response(request: Request, exc: Exception) -> Response:
 
 
 class OpenAIApi:
-    def __init__(self, frontend: Frontend, config: HttpApiConfig) -> None:
+    def __init__(self, frontend: Frontend, config: ClientApiConfig) -> None:
         self._frontend = frontend
         self._config = config
         self._watchers: set[asyncio.Task[None]] = set()
@@ -324,7 +316,7 @@ class OpenAIApi:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, f"the body is larger than {limit} bytes")
         chunks, size = [], 0
-        body, pause_s = aiter(request.stream()), self._config.body_pause_timeout_s
+        body, pause_s = aiter(request.stream()), self._config.http_limits.body_pause_timeout_s
         while True:
             try:
                 async with asyncio.timeout(pause_s):
