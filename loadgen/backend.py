@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from functools import cached_property
+from typing import Any, Literal, Protocol
 
 from loadgen.timing import Clock, RequestTiming
 
 BackendName = Literal["grpc", "openai", "openai-chat"]
 BACKENDS: tuple[BackendName, ...] = ("grpc", "openai", "openai-chat")
+# What a constrained request's output is held to unless --json-schema gives a schema: small, so
+# that a model fills it in a few dozen tokens.
+SMALL_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+)
+SCHEMA_NAME = "loadgen"  # response_format.json_schema.name, which OpenAI requires
 
 
 class BackendError(RuntimeError):
@@ -50,10 +67,40 @@ class SamplingFeatures:
 
 
 @dataclass(frozen=True)
+class Constrained:
+    """Which requests ask for structured output, held to the JSON Schema `schema`: a `fraction` of
+    them, spread evenly over the indices (request i is when floor((i + 1) f) > floor(i f)), so
+    that request i is constrained or not whatever the load."""
+
+    fraction: float = 0.0
+    schema: str = SMALL_SCHEMA
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.fraction) and 0 <= self.fraction <= 1):
+            raise ValueError(f"constrained fraction must be in [0, 1], got {self.fraction}")
+        try:
+            parsed = json.loads(self.schema)
+        except ValueError as exc:
+            raise ValueError(f"the JSON Schema is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("a JSON Schema is a JSON object")
+
+    def applies(self, index: int) -> bool:
+        return math.floor((index + 1) * self.fraction) > math.floor(index * self.fraction)
+
+    @cached_property
+    def response_format(self) -> dict[str, Any]:
+        """OpenAI's `response_format` for a constrained request."""
+        schema = {"name": SCHEMA_NAME, "schema": json.loads(self.schema)}
+        return {"type": "json_schema", "json_schema": schema}
+
+
+@dataclass(frozen=True)
 class Sampling:
     temperature: float
     ignore_eos: bool
     features: SamplingFeatures = field(default_factory=SamplingFeatures)
+    constrained: Constrained = field(default_factory=Constrained)
 
 
 class Backend(Protocol):

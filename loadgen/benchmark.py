@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from loadgen.arrivals import check_arrival_params, send_offsets
-from loadgen.backend import BACKENDS, Backend, BackendName, Sampling, SamplingFeatures
+from loadgen.backend import BACKENDS, Backend, BackendName, Constrained, Sampling, SamplingFeatures
 from loadgen.client import GrpcBackend
 from loadgen.openai_client import OpenAIBackend, OpenAITarget, base_urls
 from loadgen.records import RequestRecord
@@ -46,6 +46,7 @@ class BenchmarkConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     features: SamplingFeatures = field(default_factory=SamplingFeatures)
+    constrained: Constrained = field(default_factory=Constrained)  # requests asking for structured output
     slos: Slos = field(default_factory=Slos)
     backend: BackendName = "grpc"
     base_url: str = DEFAULT_BASE_URL  # openai*, without /v1; replicas: comma-separated, taken in turn
@@ -147,7 +148,7 @@ async def run_benchmark(
 
 
 def open_backend(config: BenchmarkConfig) -> Backend:
-    sampling = Sampling(config.temperature, config.ignore_eos, config.features)
+    sampling = Sampling(config.temperature, config.ignore_eos, config.features, config.constrained)
     if config.backend == "grpc":
         return GrpcBackend(config.server, config.connection_limit or DEFAULT_CONNECTIONS, sampling)
     target = OpenAITarget(config.base_url, config.model, config.api_key, chat=config.backend == "openai-chat")

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from loadgen.backend import BACKENDS, BackendError, SamplingFeatures
+from loadgen.backend import BACKENDS, BackendError, Constrained, SamplingFeatures
 from loadgen.benchmark import (
     DEFAULT_BASE_URL,
     DEFAULT_CONNECTIONS,
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_args(parser)
     _add_dataset_args(parser)
     _add_sampling_args(parser)
+    _add_structured_args(parser)
     _add_output_args(parser)
     return parser
 
@@ -191,6 +192,25 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_structured_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured output")
+    group.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the fraction of requests whose output is held to a JSON Schema (grpc: json_schema; "
+        "openai*: response_format json_schema), spread evenly over them (default 0, or 1 with --json-schema)",
+    )
+    group.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the JSON Schema of the constrained requests (default: a small built-in one)",
+    )
+
+
 def _add_output_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("results")
     group.add_argument(
@@ -230,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         features=features_from_args(args),
+        constrained=constrained_from_args(args),
         slos=parse_slos(args.goodput),
     )
 
@@ -245,6 +266,22 @@ def features_from_args(args: argparse.Namespace) -> SamplingFeatures:
         logprobs=args.logprobs,
         logit_bias=parse_logit_bias(args.logit_bias),
     )
+
+
+def constrained_from_args(args: argparse.Namespace) -> Constrained:
+    """--json-schema without --constrained-fraction constrains every request."""
+    fraction: float | None = args.constrained_fraction
+    path: Path | None = args.json_schema
+    if path is None:
+        return Constrained() if fraction is None else Constrained(fraction)
+    try:
+        schema = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--json-schema: cannot read {path}: {exc}") from None
+    try:
+        return Constrained(1.0 if fraction is None else fraction, schema)
+    except ValueError as exc:
+        raise ValueError(f"--json-schema {path}: {exc}") from None
 
 
 def parse_logit_bias(entries: list[str]) -> dict[int, float]:
@@ -309,10 +346,12 @@ def describe(config: BenchmarkConfig) -> str:
     count = "unbounded" if config.num_prompts is None else str(config.num_prompts)
     limit = "" if config.duration_s is None else f" for {config.duration_s:g} s"
     concurrency = "" if config.max_concurrency is None else f", at most {config.max_concurrency} in flight"
+    fraction = config.constrained.fraction
+    constrained = f", {fraction * 100:g}% of them held to a JSON Schema" if fraction else ""
     return (
         f"Starting benchmark: {count} requests{limit} to {config.target} ({_api(config)}) over "
         f"{_connections(config)} at {config.request_rate:g} req/s (burstiness {config.burstiness:g})"
-        f"{concurrency}"
+        f"{concurrency}{constrained}"
     )
 
 

@@ -45,14 +45,17 @@ async def connect(channel: grpc.aio.Channel) -> None:
         state = channel.get_state(try_to_connect=True)
 
 
-def build_request(spec: PromptSpec, sampling_config: Sampling) -> pb.GenerateRequest:
-    """The request id is left to the server, so concurrent load generators never collide."""
+def build_request(spec: PromptSpec, sampling_config: Sampling, index: int = 0) -> pb.GenerateRequest:
+    """Request `index` of the run; its id is left to the server, so concurrent load generators
+    never collide."""
     sampling = pb.SamplingParams(
         max_new_tokens=spec.output_len,
         temperature=sampling_config.temperature,
         ignore_eos=sampling_config.ignore_eos,
     )
     _add_features(sampling, sampling_config.features)
+    if sampling_config.constrained.applies(index):
+        sampling.json_schema = sampling_config.constrained.schema
     if isinstance(spec.prompt, str):
         return pb.GenerateRequest(text=spec.prompt, sampling=sampling)
     return pb.GenerateRequest(input_ids=pb.TokenIds(ids=spec.prompt), sampling=sampling)
@@ -113,7 +116,7 @@ class GrpcBackend:
         await asyncio.gather(*(connect(channel) for channel in self.channels))
 
     async def send(self, timing: RequestTiming, clock: Clock) -> None:
-        request = build_request(timing.spec, self.sampling)
+        request = build_request(timing.spec, self.sampling, timing.index)
         stub = self.stubs[timing.index % len(self.stubs)]
         await send_request(stub, request, timing, clock)
 

@@ -142,7 +142,7 @@ class OpenAIBackend:
         if self.model is None:
             raise BackendError("send before connect: the model is not known yet")
         build = chat_body if self.target.chat else completion_body
-        return build(timing.spec, self.model, self.sampling)
+        return build(timing.spec, self.model, self.sampling, timing.index)
 
     async def close(self) -> None:
         await self.session.close()

@@ -21,14 +21,15 @@ class StreamError(ValueError):
     """A stream that does not follow the format."""
 
 
-def completion_body(spec: PromptSpec, model: str, sampling: Sampling) -> dict[str, object]:
-    """A token-id prompt goes as a list of ids, which /v1/completions accepts as well as text."""
+def completion_body(spec: PromptSpec, model: str, sampling: Sampling, index: int = 0) -> dict[str, object]:
+    """Request `index` of the run. A token-id prompt goes as a list of ids, which /v1/completions
+    accepts as well as text."""
     prompt = spec.prompt if isinstance(spec.prompt, str) else list(spec.prompt)
-    body = {"model": model, "prompt": prompt, "max_tokens": spec.output_len, **_common(sampling)}
+    body = {"model": model, "prompt": prompt, "max_tokens": spec.output_len, **_common(sampling, index)}
     return {**body, **sampling.features.openai_fields(chat=False)}
 
 
-def chat_body(spec: PromptSpec, model: str, sampling: Sampling) -> dict[str, object]:
+def chat_body(spec: PromptSpec, model: str, sampling: Sampling, index: int = 0) -> dict[str, object]:
     if not isinstance(spec.prompt, str):
         raise ValueError("a chat message must be text, not token ids")
     messages = [{"role": "user", "content": spec.prompt}]
@@ -36,18 +37,21 @@ def chat_body(spec: PromptSpec, model: str, sampling: Sampling) -> dict[str, obj
         "model": model,
         "messages": messages,
         "max_completion_tokens": spec.output_len,
-        **_common(sampling),
+        **_common(sampling, index),
         **sampling.features.openai_fields(chat=True),
     }
 
 
-def _common(sampling: Sampling) -> dict[str, object]:
-    return {
+def _common(sampling: Sampling, index: int) -> dict[str, object]:
+    common: dict[str, object] = {
         "temperature": sampling.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": sampling.ignore_eos,
     }
+    if sampling.constrained.applies(index):
+        common["response_format"] = sampling.constrained.response_format
+    return common
 
 
 class SseDecoder:

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from stepahead.protocol import WorkerInfo
+from stepahead.protocol import Constraint, WorkerInfo
 from stepahead.v1 import generation_pb2
 
 # How the engine core runs its steps: overlap (launch k+1, then process k) or serial. The frontends
@@ -55,6 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    # Structured output (compiled and checked by the frontend); the worker masks each draw with
+    # it, and the core ends the request (STOP) once it is finished.
+    constraint: Constraint | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -74,7 +77,8 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def stop_finishes(self, num_generated: int) -> bool:
-        """EOS, stop tokens and stop strings end the request only after min_tokens tokens."""
+        """EOS, stop tokens and stop strings end the request only after min_tokens tokens (a
+        finished grammar ends it whatever min_tokens says: no other token can follow)."""
         return num_generated >= self.min_tokens
 
 

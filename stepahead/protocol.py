@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from stepahead.v1 import worker_pb2
 
-PROTOCOL_VERSION = 2  # 2: Keepalive messages while a step computes
+PROTOCOL_VERSION = 3  # 2: Keepalive messages while a step computes; 3: grammar constraints
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -67,6 +67,28 @@ class LogitsProcessing:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+ConstraintKind = Literal["json", "regex", "choice", "grammar"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json", "regex", "choice", "grammar")
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a constraint's text (a schema, regex, choices or grammar)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint. `text`: a JSON Schema (JSON), a regex, the choices (a JSON
+    list of strings), or a Lark grammar. Compiled by `stepahead.grammars`."""
+
+    kind: ConstraintKind
+    text: str
+
+
+@dataclass(frozen=True)
+class GrammarConstraint:
+    """A slot's constraint, and the output tokens a recompute replays into its fresh matcher."""
+
+    constraint: Constraint
+    replay_ids: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """Per-request constants, sent once with the launch that first uses the slot."""
@@ -78,6 +100,7 @@ class NewRequest:
     seed: int
     processing: LogitsProcessing | None = None  # None: plain sampling
     prefix_kv_slots: tuple[int, ...] = ()  # KV of positions 0.. computed already (prefix cache)
+    grammar: GrammarConstraint | None = None  # None: unconstrained
 
 
 @dataclass
@@ -156,6 +179,7 @@ class StepResult:
     logprobs: StepLogprobs | None = None  # when any sampling row asked for them
     held_s: float = 0.0  # the worker's time from reading the launch to sending this result
     link_rtt_s: float | None = None  # set by the scheduler's transport: its wait minus held_s
+    grammar_finished: tuple[int, ...] = ()  # sampling rows whose grammar this step's token finished
 
     @property
     def forward_seconds(self) -> float:
@@ -269,6 +293,11 @@ def new_request_to_proto(r: NewRequest) -> worker_pb2.NewRequest:
         seed=r.seed,
         prefix_kv_slots=r.prefix_kv_slots,
     )
+    if r.grammar is not None:
+        c = r.grammar.constraint
+        msg.grammar.CopyFrom(
+            worker_pb2.GrammarConstraint(kind=c.kind, text=c.text, replay_ids=r.grammar.replay_ids)
+        )
     p = r.processing
     if p is not None:
         msg.processing.CopyFrom(
@@ -292,7 +321,21 @@ def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequest:
             logit_bias=tuple(zip(p.bias_ids, p.bias_values, strict=True)),
         )
     prefix = tuple(msg.prefix_kv_slots)
-    return NewRequest(msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing, prefix)
+    grammar = None
+    if msg.HasField("grammar"):
+        g = msg.grammar
+        # NOTE: the kind is checked with the rest of the launch (worker_svc/launch_check.py).
+        grammar = GrammarConstraint(Constraint(cast(ConstraintKind, g.kind), g.text), tuple(g.replay_ids))
+    return NewRequest(
+        msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing, prefix, grammar
+    )
+
+
+def constraint_of(kind: str, text: str) -> Constraint:
+    """A constraint read off the wire; ValueError for a kind it does not know."""
+    if kind not in CONSTRAINT_KINDS:
+        raise ValueError(f"constraint kind {kind!r}: one of {', '.join(CONSTRAINT_KINDS)}")
+    return Constraint(kind, text)
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
@@ -303,6 +346,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         forward_end_unix_s=result.forward_end,
         epoch=result.epoch,
         held_s=result.held_s,
+        grammar_finished=result.grammar_finished,
     )
     lp = result.logprobs
     if lp is not None:
@@ -319,4 +363,7 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
     ids = list(msg.token_ids)
     start, end = msg.forward_start_unix_s, msg.forward_end_unix_s
-    return StepResult(msg.step_id, ids, start, end, msg.epoch, logprobs, msg.held_s)
+    finished = tuple(msg.grammar_finished)
+    return StepResult(
+        msg.step_id, ids, start, end, msg.epoch, logprobs, msg.held_s, grammar_finished=finished
+    )

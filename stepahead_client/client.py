@@ -4,6 +4,8 @@ python -m stepahead_client --chat "What is the capital of France?"
 python -m stepahead_client "Hello, my name is" --max-new-tokens 32
 python -m stepahead_client "Hello" --server 10.0.0.1:50051,10.0.0.2:50051
 python -m stepahead_client "Hello" --server dns:///schedulers.internal:50051
+python -m stepahead_client --chat "Name a city, as JSON" --json-schema city.schema.json
+python -m stepahead_client "The answer is" --choice yes --choice no
 
 Several schedulers serving one model (replicas) are reached over one channel that balances
 calls over them with gRPC's `round_robin` policy (`stepahead/targets.py`, which loadgen's gRPC
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -55,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    _add_structured_args(p)
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
@@ -77,10 +81,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_new_tokens is None:
         args.max_new_tokens = CHAT_MAX_NEW_TOKENS if args.chat else TEXT_MAX_NEW_TOKENS
     try:
+        args.json_schema = _schema_text(args.json_schema)
+        args.grammar = _file_text(args.grammar, "--grammar")
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
         args.servers = split_servers(args.server)
     except ValueError as exc:
         p.error(f"--server: {exc}")
     return args
+
+
+def _add_structured_args(p: argparse.ArgumentParser) -> None:
+    """One constraint at most: the output is held to it (the server refuses one that does not
+    compile, naming its field)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema", metavar="FILE|JSON", help="a JSON Schema: a file, or the schema itself ({...})"
+    )
+    group.add_argument("--json-object", action="store_true", help="any JSON object")
+    group.add_argument("--regex", help="a regular expression the whole output matches")
+    group.add_argument("--choice", action="append", help="one of these strings (repeatable)")
+    group.add_argument("--grammar", metavar="FILE", help="a Lark grammar (llguidance's dialect)")
+
+
+def _schema_text(value: str | None) -> str | None:
+    """A schema given inline (it starts with `{`) or as a file."""
+    if value is None or value.lstrip().startswith("{"):
+        return value
+    return _file_text(value, "--json-schema")
+
+
+def _file_text(path: str | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc}") from None
 
 
 def open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
@@ -112,6 +150,7 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    _add_constraint(sampling, args)
     if not args.chat:
         return generation_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
     turns = [("system", args.system)] if args.system is not None else []
@@ -120,6 +159,19 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         messages=generation_pb2.ChatMessages(messages=messages), sampling=sampling
     )
+
+
+def _add_constraint(sampling: generation_pb2.SamplingParams, args: argparse.Namespace) -> None:
+    if args.json_schema is not None:
+        sampling.json_schema = args.json_schema
+    elif args.json_object:
+        sampling.json_object = True
+    elif args.regex is not None:
+        sampling.regex = args.regex
+    elif args.choice is not None:
+        sampling.choice.choices.extend(args.choice)
+    elif args.grammar is not None:
+        sampling.grammar = args.grammar
 
 
 async def stream_reply(args: argparse.Namespace) -> int:

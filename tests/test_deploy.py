@@ -489,6 +489,7 @@ SIM_WORKER = ["--model", "sim", "--sim-step-ms", "5", "--kv-slots", str(KV_SLOTS
 LOAD_REQUESTS = 40
 BURST = 4  # the first requests arrive together and need more KV than the pool has
 ARRIVAL_GAP_S = 0.12
+LOAD_REGEX = "[a-z ]{1,400}"  # longer than any request's output: it ends by length, EOS or abort
 SCRAPES_AFTER_LOAD = 3
 # Prometheus scrapes every 5 s, as deployed, and lets a scrape take that long: the scheduler's
 # /metrics waits up to 3 s for its frontend process's (scheduler_svc/process/link.py METRICS_TIMEOUT_S).
@@ -616,7 +617,8 @@ class LoadRequest:
 def load_request(i: int) -> LoadRequest:
     """Request i of the load. The first BURST (20 prompt + 150 output tokens each) outgrow the KV
     pool together; the others arrive one every ARRIVAL_GAP_S: every 5th is aborted after its
-    first tokens, every 4th may stop on the sim's EOS, the rest end at their length."""
+    first tokens, every 4th may stop on the sim's EOS, the rest end at their length; every 3rd
+    after the burst is held to a regex (the same one: the frontends' compile cache hits)."""
     if i < BURST:
         prompt, max_new, ignore_eos, abort = f"burst {i:02d} " * 2, 150, True, False
     else:
@@ -628,6 +630,8 @@ def load_request(i: int) -> LoadRequest:
         text=prompt,
         sampling=pb.SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos, seed=i),
     )
+    if i >= BURST and i % 3 == 0:
+        request.sampling.regex = LOAD_REGEX
     return LoadRequest(max(0, i - BURST) * ARRIVAL_GAP_S, request, abort)
 
 

@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from stepahead.protocol import Launch
-from tests.transfer_guard import guard_engine, run_back_to_back, sampled_rows, scripted_launches
-from worker_svc.backends import load_backend
+from tests.transfer_guard import (
+    constrained_launches,
+    guard_engine,
+    run_back_to_back,
+    sampled_rows,
+    scripted_launches,
+)
+from worker_svc.backends import Draw, load_backend
 from worker_svc.device_streams import (
     CpuStreams,
     HostStaging,
@@ -31,7 +37,6 @@ from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import KVCache
 from worker_svc.loading import build_tiny
-from worker_svc.logits_processors import Sampled
 
 CPU = torch.device("cpu")
 
@@ -50,6 +55,7 @@ class RecordingStreams(CpuStreams):
         super().__init__()
         self.transfers: list[Transfer] = []
         self.copied: list[torch.Tensor] = []
+        self.masks = 0  # host tensors moved by `tensor_to_device` (grammar masks)
         self._in_forward = False
 
     @contextlib.contextmanager
@@ -64,6 +70,10 @@ class RecordingStreams(CpuStreams):
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         self.transfers.append(Transfer(dtype, len(values), self._in_forward))
         return super().to_device(values, dtype)
+
+    def tensor_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        self.masks += 1
+        return super().tensor_to_device(host)
 
     def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
         self.copied.append(values)
@@ -104,6 +114,25 @@ def test_tiny_moves_host_values_only_through_the_streams(
     assert len(streams.transfers) == sum(expected_transfers(launch) for launch in launches)
     float_transfers = [t for t in streams.transfers if t.dtype == torch.float32]
     assert len(float_transfers) == sum(bool(launch.new_requests) for launch in launches)
+
+
+def test_constrained_rows_move_their_masks_only_through_the_streams(
+    recorded: tuple[WorkerEngine, RecordingStreams], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with constrained rows waits for its masks (by design) but reads nothing back from
+    the device and moves each mask by the streams' one path; back to back equals one at a time."""
+    engine, streams = recorded
+    launches = constrained_launches().launches
+    guard = guard_engine(engine, monkeypatch)
+    back_to_back = run_back_to_back(engine, launches)
+    assert not guard.violations, "\n".join(guard.violations)
+    masked_steps = sum(any(s in (0, 1, 2) for s in launch.row_req_slots) for launch in launches[1:])
+    assert streams.masks >= masked_steps
+    plain = tiny_engine(CpuStreams())
+    try:
+        assert back_to_back == [plain.submit(launch).result().token_ids for launch in launches]
+    finally:
+        plain.shutdown()
 
 
 def test_guarded_back_to_back_launches_equal_launches_one_at_a_time(
@@ -149,7 +178,7 @@ def test_the_guard_catches_each_kind_of_hidden_transfer(
     engine, _ = recorded
     compute = engine.backend.compute
 
-    def compute_with_a_hidden_transfer(batch: ForwardBatch, sampling: Any) -> Sampled:
+    def compute_with_a_hidden_transfer(batch: ForwardBatch, sampling: Any) -> Draw:
         with contextlib.suppress(Exception):  # synchronize() without CUDA, copy_ to meta
             hide(batch)
         return compute(batch, sampling)

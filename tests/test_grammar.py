@@ -143,11 +143,12 @@ def test_released_matchers_are_gone(byte_table: MatcherTable) -> None:
 @pytest.mark.parametrize(
     ("constraint", "says"),
     [
-        (Constraint("json", "{not json"), "json"),
-        (Constraint("json", json.dumps({"type": "nonsense"})), "json"),
-        (Constraint("regex", "a(b"), "regex"),
+        (Constraint("json", "{not json"), "Expecting property name"),
+        (Constraint("json", json.dumps({"type": "nonsense"})), "nonsense"),
+        (Constraint("json", "[1, 2]"), "a JSON Schema is an object"),
+        (Constraint("regex", "a(b"), "unclosed group"),
         (Constraint("choice", "[]"), "non-empty"),
-        (Constraint("grammar", "start: undefined_rule"), "grammar"),
+        (Constraint("grammar", "start: undefined_rule"), "undefined_rule"),
     ],
 )
 def test_bad_constraints_are_refused_with_a_reason(

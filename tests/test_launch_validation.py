@@ -12,7 +12,16 @@ from dataclasses import replace
 
 import pytest
 
-from stepahead.protocol import Launch, LogitsProcessing, NewRequest, launch_from_proto, launch_to_proto
+from stepahead.protocol import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    GrammarConstraint,
+    Launch,
+    LogitsProcessing,
+    NewRequest,
+    launch_from_proto,
+    launch_to_proto,
+)
 from stepahead.v1 import worker_pb2
 from tests.harness import make_engine
 from worker_svc.engine import LaunchError, WorkerEngine
@@ -197,6 +206,46 @@ def test_malformed_processing_is_refused_naming_its_field(changes: dict[str, obj
 )
 def test_well_formed_processing_passes(changes: dict[str, object]) -> None:
     check_launch(valid(**changes), LIMITS)
+
+
+def constrained(kind: str, text: str, replay: tuple[int, ...] = ()) -> dict[str, object]:
+    """Launch changes: slot 0 registered with this grammar, and a plain slot 3."""
+    grammar = GrammarConstraint(Constraint(kind, text), replay)  # type: ignore[arg-type]
+    return {"new_requests": [req(3), replace(req(0), grammar=grammar)]}
+
+
+GRAMMAR = r"new_requests\[1\]\.grammar\."
+BAD_GRAMMARS: list[tuple[str, dict[str, object], str]] = [
+    (
+        "unknown kind",
+        constrained("xml", "<a/>"),
+        GRAMMAR + r"kind: one of json, regex, choice, grammar, got 'xml'",
+    ),
+    (
+        "text over 64 KiB",
+        constrained("regex", "a" * (MAX_CONSTRAINT_BYTES + 1)),
+        GRAMMAR + r"text: at most 65536",
+    ),
+    (
+        "replay past the vocab",
+        constrained("regex", "a+", (97, 256)),
+        GRAMMAR + r"replay_ids\[1\]: 256 is outside",
+    ),
+    (
+        "replay past the context",
+        constrained("regex", "a+", (97,) * 33),
+        GRAMMAR + r"replay_ids: 33 is outside",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"), [c[1:] for c in BAD_GRAMMARS], ids=[c[0] for c in BAD_GRAMMARS]
+)
+def test_a_malformed_grammar_is_refused_naming_its_field(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(LaunchError, match=f"^{message}"):
+        check_launch(valid(**changes), LIMITS)
+    check_launch(valid(**constrained("regex", "a+", (97,) * 32)), LIMITS)  # at the limits: fine
 
 
 def test_bias_lists_of_different_lengths_do_not_convert() -> None:

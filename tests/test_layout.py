@@ -20,6 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_FACING = ("fastapi", "uvicorn", "starlette", "jinja2", "tokenizers", "grpc", "pydantic", "httptools")
+# Grammars are compiled by the frontends and run by the worker; the core only carries them.
+NOT_IN_THE_ENGINE = (*CLIENT_FACING, "llguidance")
 SERVICES = ("scheduler_svc", "worker_svc", "stepahead_client", "stepahead_colocated", "loadgen", "bench")
 
 
@@ -52,7 +54,7 @@ def breaking(folder: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_engine_imports_no_frontend_no_process_wiring_and_no_client_facing_library() -> None:
     assert files_under("scheduler_svc/engine")
-    forbidden = ("scheduler_svc.frontend", "scheduler_svc.process", *CLIENT_FACING)
+    forbidden = ("scheduler_svc.frontend", "scheduler_svc.process", *NOT_IN_THE_ENGINE)
     assert breaking("scheduler_svc/engine", forbidden) == []
 
 
@@ -64,7 +66,7 @@ def test_the_engine_loads_no_client_facing_library_even_through_what_it_imports(
     ]
     code = (
         f"import sys\nfor m in {modules!r}: __import__(m)\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {CLIENT_FACING!r}))"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_IN_THE_ENGINE!r}))"
     )
     loaded = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True

@@ -11,6 +11,7 @@ it catches the call that would be a hidden transfer or sync on CUDA.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import worker_svc.sampler
-from stepahead.protocol import Launch, NewRequest
+from stepahead.protocol import Constraint, GrammarConstraint, Launch, NewRequest
 from worker_svc.engine import WorkerEngine
 
 # Host data entering a tensor, or a device value read back to the host.
@@ -144,7 +145,7 @@ def guard_engine(engine: WorkerEngine, monkeypatch: pytest.MonkeyPatch) -> Trans
 
     monkeypatch.setattr(engine, "_enqueue", guarded_enqueue)
     streams = engine.streams
-    for method in ("to_device", "copy_to_host"):
+    for method in ("to_device", "tensor_to_device", "copy_to_host"):
         monkeypatch.setattr(streams, method, guard.allowing(getattr(streams, method)))
     # NOTE: the sampler reads a width back on the CPU only, where that costs no sync.
     monkeypatch.setattr(
@@ -244,6 +245,32 @@ def scripted_launches() -> Script:
     s.step([s.decode(2), s.decode(3), s.prefill(1, [40, 41, 42, 43])], new=[seeded(1)])
     s.step([s.decode(2), s.decode(3), s.decode(1)])
     s.step([s.decode(1), s.decode(2)], released=[3])
+    return s
+
+
+def constrained(request: NewRequest, constraint: Constraint) -> NewRequest:
+    return dataclasses.replace(request, grammar=GrammarConstraint(constraint))
+
+
+def constrained_launches() -> Script:
+    """Constrained rows (JSON Schema, regex, choice; greedy, seeded, filtered) among plain ones,
+    one of them prefilled in two chunks, a release and a slot reused by a new constrained one."""
+    schema = Constraint(
+        "json", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    )
+    regex, choice = Constraint("regex", "[a-z]{3,8}"), Constraint("choice", '["yes", "no"]')
+    s = Script()
+    s.step(
+        [s.prefill(0, [72, 101]), s.prefill(1, [1, 2, 3]), s.prefill(2, [9, 8, 7, 6], False)],
+        new=[constrained(greedy(0), schema), seeded(1), constrained(filtered(2), regex)],
+    )
+    s.step([s.decode(0), s.decode(1), s.prefill(2, [5, 4, 3])])
+    for _ in range(3):
+        s.step([s.decode(0), s.decode(1), s.decode(2)])
+    s.step([s.decode(0), s.decode(2)], released=[1])
+    s.step([s.decode(0), s.decode(2), s.prefill(1, [40, 41])], new=[constrained(seeded(1), choice)])
+    for _ in range(3):
+        s.step([s.decode(0), s.decode(1), s.decode(2)])
     return s
 
 

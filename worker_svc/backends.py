@@ -11,6 +11,7 @@ import torch
 from stepahead.protocol import TokenizerSpec
 from worker_svc.device_streams import DeviceStreams, SimDevice, SimStreams, make_streams
 from worker_svc.forward_batch import ForwardBatch
+from worker_svc.grammar import allowed, apply_bitmask
 from worker_svc.layers import KVCache, store_weights_input_major
 from worker_svc.loading import BYTE_TOKENIZER, TINY_CONFIG, load_llama
 from worker_svc.logits_processors import RowProcessing, Sampled, TokenLogprobs, process_logits, token_logprobs
@@ -34,6 +35,44 @@ class RowSampling:
     any_filter: bool
     processing: RowProcessing | None = None  # None: the model's logits are sampled as they are
     top_logprobs: int | None = None  # None: no log-probabilities; else that many alternatives a row
+    # Per row, on the host (for a subset's `all_greedy` / `any_filter`); empty: not known.
+    row_greedy: tuple[bool, ...] = ()
+    row_filtered: tuple[bool, ...] = ()
+
+    def subset(self, rows: list[int], index: torch.Tensor) -> RowSampling:
+        """Rows `rows` (on the device: `index`) of these, for a draw of their own (their
+        processing is in the logits already)."""
+        greedy = tuple(self.row_greedy[i] for i in rows) if self.row_greedy else ()
+        filtered = tuple(self.row_filtered[i] for i in rows) if self.row_filtered else ()
+        return RowSampling(
+            self.temperature.index_select(0, index),
+            self.top_p.index_select(0, index),
+            self.top_k.index_select(0, index),
+            self.seeds.index_select(0, index),
+            self.positions.index_select(0, index),
+            all_greedy=all(greedy) if greedy else self.all_greedy,
+            any_filter=any(filtered) if filtered else self.any_filter,
+            row_greedy=greedy,
+            row_filtered=filtered,
+        )
+
+
+class Draw(Protocol):
+    """A step's next-token distributions, computed (on the device) and ready to draw from."""
+
+    def sample(self) -> torch.Tensor:
+        """[R] ids, one per sampling row, drawn with no grammar mask."""
+        ...
+
+    def sample_masked(self, rows: list[int], index: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """[C] ids of sampling rows `rows` (on the device: `index`), each drawn among the tokens
+        its row of `bitmask` [C, words] int32 allows, with its own parameters: the same draw as
+        `sample` would make over those tokens alone."""
+        ...
+
+    def logprobs(self, ids: torch.Tensor) -> TokenLogprobs | None:
+        """Of the drawn `ids` [R], when the rows asked for them."""
+        ...
 
 
 class ModelBackend(Protocol):
@@ -51,28 +90,62 @@ class ModelBackend(Protocol):
         """The forward and copy streams this backend runs on."""
         ...
 
-    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Sampled:
-        """Sampled ids [R] of the batch's sampling rows, on the device, with their
-        log-probabilities when `sampling.top_logprobs` is set."""
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Draw:
+        """The batch's forward, queued on the device; its sampling rows' draws follow."""
         ...
 
 
-def sample_rows(logits: torch.Tensor, sampling: RowSampling) -> Sampled:
-    """Draws from the processed logits [R, V]; log-probabilities from the raw ones."""
-    processed = logits if sampling.processing is None else process_logits(logits, sampling.processing)
-    ids = sample(
-        processed,
-        sampling.temperature,
-        sampling.top_p,
-        sampling.top_k,
-        sampling.seeds,
-        sampling.positions,
-        all_greedy=sampling.all_greedy,
-        any_filter=sampling.any_filter,
+def draw(logits: torch.Tensor, sampling: RowSampling) -> Sampled:
+    """Every row drawn with no mask, with log-probabilities when asked (tests, references)."""
+    rows = LogitsDraw(logits, sampling)
+    ids = rows.sample()
+    return Sampled(ids, rows.logprobs(ids))
+
+
+class LogitsDraw:
+    """Draws from the processed logits [R, V] (penalties and logit_bias applied, then a row's
+    grammar mask, then temperature and top-k/top-p); log-probabilities from the raw ones."""
+
+    def __init__(self, logits: torch.Tensor, sampling: RowSampling) -> None:
+        self._logits = logits
+        self._sampling = sampling
+        self._processed = (
+            logits if sampling.processing is None else process_logits(logits, sampling.processing)
+        )
+
+    def sample(self) -> torch.Tensor:
+        return _sample(self._processed, self._sampling)
+
+    def sample_masked(self, rows: list[int], index: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        logits = self._processed.index_select(0, index)
+        apply_bitmask(logits, bitmask)
+        processing = self._sampling.processing
+        if processing is not None and processing.stop_mask is not None:
+            # NOTE: min_tokens holds back stop ids; where the grammar allows nothing else, the
+            # grammar wins: the row draws from its mask over the unprocessed logits (no device
+            # read decides it), and the stop id it may draw is then an ordinary token.
+            fallback = self._logits.index_select(0, index)
+            apply_bitmask(fallback, bitmask)
+            nothing_left = (logits == float("-inf")).all(dim=1, keepdim=True)
+            logits = torch.where(nothing_left, fallback, logits)
+        return _sample(logits, self._sampling.subset(rows, index))
+
+    def logprobs(self, ids: torch.Tensor) -> TokenLogprobs | None:
+        top = self._sampling.top_logprobs
+        return None if top is None else token_logprobs(self._logits, ids, top)
+
+
+def _sample(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
+    return sample(
+        logits,
+        s.temperature,
+        s.top_p,
+        s.top_k,
+        s.seeds,
+        s.positions,
+        all_greedy=s.all_greedy,
+        any_filter=s.any_filter,
     )
-    if sampling.top_logprobs is None:
-        return Sampled(ids)
-    return Sampled(ids, token_logprobs(logits, ids, sampling.top_logprobs))
 
 
 class LlamaBackend:
@@ -98,9 +171,9 @@ class LlamaBackend:
         weight = self.model.lm_head.weight
         self._kv = KVCache.allocate(self.model.config, num_slots, weight.dtype, weight.device)
 
-    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Sampled:
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Draw:
         assert self._kv is not None, "allocate_kv() first"
-        return sample_rows(self.model(batch, self._kv), sampling)
+        return LogitsDraw(self.model(batch, self._kv), sampling)
 
 
 SIM_EOS_EVERY = 61  # the sim emits EOS for about one token in 61
@@ -146,9 +219,9 @@ class SimBackend:
     deterministic printable tokens (EOS about one in 61) that depend on each row's
     last input token and position, so the FutureMap relay is exercised.
 
-    It has no logits: penalties, logit_bias and min_tokens are ignored, but
-    log-probabilities come back when asked (`sim_logprobs`), of the shape a model's
-    have, so that benchmarks carry them end to end."""
+    It has no logits: penalties, logit_bias and min_tokens are ignored, but grammar masks
+    are honoured (`SimDraw`) and log-probabilities come back when asked (`sim_logprobs`), of
+    the shape a model's have, so that benchmarks carry them end to end."""
 
     def __init__(self, step_ms: float, token_us: float) -> None:
         self.name = "sim"
@@ -168,15 +241,40 @@ class SimBackend:
     def allocate_kv(self, num_slots: int) -> None:
         """The sim keeps no KV: only the scheduler's slot accounting matters."""
 
-    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Sampled:
+    def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Draw:
         self._device.run(self._step_s + self._token_s * batch.num_tokens)
         last = batch.input_ids[batch.sample_token_index]
-        h = _mix32(last * 65536 + sampling.positions)
-        printable = 32 + h % 95
-        ids = torch.where(h % SIM_EOS_EVERY == 0, self.eos_token_ids[0], printable)
-        if sampling.top_logprobs is None:
-            return Sampled(ids)
-        return Sampled(ids, sim_logprobs(ids, sampling.top_logprobs, self.vocab_size))
+        return SimDraw(
+            _mix32(last * 65536 + sampling.positions), sampling, self.eos_token_ids[0], self.vocab_size
+        )
+
+
+class SimDraw:
+    """The sim's tokens: a hash `h` of each row's last token and position picks a printable
+    byte, or EOS when h % SIM_EOS_EVERY is 0. Under a grammar mask a row takes that token when
+    the mask allows it, else the allowed id at h modulo the count of allowed ids."""
+
+    def __init__(self, h: torch.Tensor, sampling: RowSampling, eos: int, vocab_size: int) -> None:
+        self._h, self._sampling, self._eos, self._vocab = h, sampling, eos, vocab_size
+
+    def sample(self) -> torch.Tensor:
+        h = self._h
+        return torch.where(h % SIM_EOS_EVERY == 0, self._eos, 32 + h % 95)
+
+    def sample_masked(self, rows: list[int], index: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        ok = allowed(bitmask, self._vocab)
+        free = self.sample().index_select(0, index)
+        h = self._h.index_select(0, index)
+        count = ok.sum(dim=1).clamp_(min=1)
+        # The (h mod count)-th allowed id, 0-based: where the running count of allowed ids
+        # first exceeds it.
+        nth = (ok.cumsum(dim=1) > (h % count)[:, None]) & ok
+        fallback = nth.int().argmax(dim=1)
+        return torch.where(ok.gather(1, free[:, None])[:, 0], free, fallback)
+
+    def logprobs(self, ids: torch.Tensor) -> TokenLogprobs | None:
+        top = self._sampling.top_logprobs
+        return None if top is None else sim_logprobs(ids, top, self._vocab)
 
 
 def load_backend(

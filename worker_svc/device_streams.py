@@ -67,6 +67,11 @@ class DeviceStreams(Protocol):
         """`values` as a tensor on the device, enqueued on the forward stream (inside `forward()`)."""
         ...
 
+    def tensor_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor (pinned where the device needs it: grammar masks) on the device,
+        enqueued on the forward stream without waiting."""
+        ...
+
 
 # NOTE: the streams whose forward is running on this thread, for code that has no
 # handle on them (the model); set by the engine around each step (`transfers_through`).
@@ -142,6 +147,9 @@ class CpuStreams:
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)
+
+    def tensor_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host
 
 
 class StagingEvent(Protocol):
@@ -338,6 +346,12 @@ class CudaStreams:
         host = self._staging.stage(values, dtype)
         return host.to(self.device, non_blocking=True)
 
+    def tensor_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # NOTE: `host` is pinned and never written again: torch's pinned allocator keeps it
+        # until the copy has run, and the copy does not block the forward thread.
+        assert host.is_pinned(), "a non-blocking copy needs pinned memory"
+        return host.to(self.device, non_blocking=True)
+
 
 class SimDevice:
     """The `sim` device's timeline: work queues on it like kernels on a GPU stream,
@@ -388,6 +402,9 @@ class SimStreams:
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)
+
+    def tensor_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host
 
 
 def make_streams(device: torch.device) -> DeviceStreams:

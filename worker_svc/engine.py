@@ -21,11 +21,18 @@ so batch k+1 sees batch k's tokens though the scheduler has not seen them yet
 Which rows are processed, masked (min_tokens) or get log-probabilities is
 decided on the host; while no live slot has processing, a step runs none of it.
 
+A step with a constrained sampling row (structured output) draws its other rows and stores
+them in the FutureMap at once, then waits for its constrained rows' grammar masks, which the
+grammar thread computes from each row's previous token while the forward runs, and draws those
+rows under their masks (worker_svc/structured.py).
+
 NOTE: the forward thread never waits for the device. Host values reach it only
 through `DeviceStreams.to_device` (the model's through `transfers_through`), and
 nothing on that thread reads a device value back (`.item()`, `.tolist()`,
 `.cpu()`, `int(t)`), except the FutureMap sentinel check that
-`--check-invariants` turns on, which synchronises by design.
+`--check-invariants` turns on, which synchronises by design. The one host wait
+on it is for grammar masks, and only in a step with a constrained row: they
+need the previous step's tokens, copied back by the copy thread.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import torch
 from stepahead.protocol import Launch, StepResult, WorkerInfo
 from stepahead.trace import NO_TRACE, Tracer
 from worker_svc.accounting import StepAccounting
-from worker_svc.backends import ModelBackend
+from worker_svc.backends import Draw, ModelBackend
 from worker_svc.device_streams import DeviceStreams, PendingCopy, transfers_through
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
 from worker_svc.logits_processors import Sampled, pack_for_host, unpack_from_host
@@ -57,6 +64,7 @@ from worker_svc.ranks import (
 from worker_svc.rows import BatchBuilder, device_rows, host_rows, plan_processing
 from worker_svc.session import EngineSession
 from worker_svc.slots import RequestSlots
+from worker_svc.structured import ConstrainedRows, GrammarStep, GrammarThread, SlotGrammars
 from worker_svc.telemetry import WorkerMetrics
 from worker_svc.tracking import track_prompt_sourced, track_sampled
 
@@ -89,6 +97,15 @@ class _Enqueued:
     copy: PendingCopy
     live_after: int  # request slots live once this launch has run
     epoch: int  # the session it ran in
+    grammar: GrammarStep | None  # its constrained rows, whose tokens the matchers take
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A launch's sampled ids, and its constrained rows' way through the grammar thread."""
+
+    sampled: Sampled | None
+    grammar: GrammarStep | None = None
 
 
 _FORWARD_THREAD = threading.local()
@@ -141,6 +158,18 @@ class WorkerEngine:
         self._session = EngineSession(
             config.kv_slots, config.request_slots, backend.max_context_len, backend.vocab_size
         )
+        self._grammars = SlotGrammars()
+        # NOTE: only rank 0 runs matchers; it shares its constrained rows' ids with the others.
+        self._grammar_thread = None
+        if ranks is None or ranks.is_leader:
+            self._grammar_thread = GrammarThread(
+                backend.tokenizer,
+                backend.vocab_size,
+                backend.eos_token_ids,
+                self.metrics,
+                pin_masks=device.type == "cuda",
+                check_invariants=config.check_invariants,
+            )
 
     @property
     def info(self) -> WorkerInfo:
@@ -170,6 +199,13 @@ class WorkerEngine:
             sentinel_reads=self._slots.future.sentinel_reads,
             live_request_slots=self._slots.live,
         )
+
+    def grammar_matchers(self) -> int:
+        """Live grammar matchers, once the launches run so far have released theirs (0 on a
+        rank other than 0, which runs none)."""
+        if self._grammar_thread is None:
+            return 0
+        return self._grammar_thread.live()
 
     @property
     def launch_limits(self) -> LaunchLimits:
@@ -209,6 +245,8 @@ class WorkerEngine:
             self._forward_thread.submit(self._lead, self.ranks.hand_stop).result()
         self._forward_thread.shutdown(wait=True, cancel_futures=True)
         self._copy_thread.shutdown(wait=True, cancel_futures=True)
+        if self._grammar_thread is not None:
+            self._grammar_thread.shutdown()
 
     def follow(self) -> None:
         """A rank other than 0: runs rank 0's commands, in its order, until it stops.
@@ -255,17 +293,32 @@ class WorkerEngine:
         # counts in the previous session and none after it does; and on the
         # forward stream (`RequestSlots.reset`), ordered with the steps.
         self._slots.reset(self.streams)
+        self._grammars.clear()
+        if self._grammar_thread is not None:
+            self._grammar_thread.clear()
         self._accounting.new_session()
         self._session.reset(limits)
         return self.info
 
     def _complete(self, launch: Launch, pending: concurrent.futures.Future[_Enqueued]) -> StepResult:
         enqueued = pending.result()
-        host, timing = enqueued.copy.wait()
+        grammar = enqueued.grammar
+        try:
+            host, timing = enqueued.copy.wait()
+        except BaseException as exc:
+            if grammar is not None:
+                grammar.fail(exc)
+            raise
         tokens, logprobs = unpack_from_host(host)
+        finished: tuple[int, ...] = ()
+        if grammar is not None:  # the matchers take the tokens; some may finish with them
+            grammar.tokens.set_result(tokens)
+            finished = grammar.finished.result()
         self._accounting.account(launch, timing, enqueued.live_after)
         start, end = timing.forward_start, timing.forward_end
-        return StepResult(launch.step_id, tokens, start, end, enqueued.epoch, logprobs)
+        return StepResult(
+            launch.step_id, tokens, start, end, enqueued.epoch, logprobs, grammar_finished=finished
+        )
 
     def _enqueue(self, launch: Launch, ticket: int) -> _Enqueued:
         if ticket != self._session.ticket:
@@ -285,29 +338,68 @@ class WorkerEngine:
         if self.ranks is not None:
             self.ranks.hand_launch(launch)
         with self.streams.forward(), transfers_through(self.streams):
-            sampled = self._run(launch)
-            packed = self._no_tokens if sampled is None else pack_for_host(sampled)
-            return _Enqueued(self.streams.copy_to_host(packed), self._slots.live, self._session.epoch)
+            ran = self._run(launch)
+            try:
+                packed = self._no_tokens if ran.sampled is None else pack_for_host(ran.sampled)
+                copy = self.streams.copy_to_host(packed)
+            except BaseException as exc:
+                if ran.grammar is not None:
+                    ran.grammar.fail(exc)
+                raise
+            return _Enqueued(copy, self._slots.live, self._session.epoch, ran.grammar)
 
-    def _run(self, launch: Launch) -> Sampled | None:
+    def _run(self, launch: Launch) -> _Ran:
         """The launch's slot deltas, then its forward unless it only releases slots."""
         self._slots.apply_deltas(launch, self.streams)
+        released, registered = self._grammars.apply(launch)
+        if self._grammar_thread is not None:
+            self._grammar_thread.deltas(released, registered)
         self._session.steps_executed += 1
-        return self._forward(launch) if launch.num_rows else None
+        return self._forward(launch) if launch.num_rows else _Ran(None)
 
-    def _forward(self, launch: Launch) -> Sampled:
-        """The launch's batch forward and sampled; its ids go to the FutureMap and the history."""
+    def _forward(self, launch: Launch) -> _Ran:
+        """The launch's batch forward and draws; its ids go to the FutureMap and the history."""
         rows = host_rows(launch)
         plan_processing(launch, rows, self._slots.table.processing)
         on_device = device_rows(launch, rows, self.streams)
         batch = self._batches.batch(launch, rows, on_device)
         if rows.tracked:
             track_prompt_sourced(self._slots.table.processing.history, batch, on_device)
-        sampled = self.backend.compute(batch, self._batches.sampling(rows, on_device))
+        draw = self.backend.compute(batch, self._batches.sampling(rows, on_device))
+        ids = draw.sample()
+        # NOTE: every row not constrained is final: in the FutureMap at once.
+        self._slots.future.store(on_device.sample_req_slots, ids)
+        constrained = self._grammars.rows(rows.sample_req_slots)
+        grammar = None
+        if constrained is not None:
+            grammar = self._draw_constrained(draw, constrained, ids, on_device.sample_req_slots)
         # NOTE: counted in the step that sampled them, before any later launch reads the history.
         if rows.tracked:
-            track_sampled(self._slots.table.processing.history, on_device, sampled.token_ids)
-        self._slots.future.store(on_device.sample_req_slots, sampled.token_ids)
+            track_sampled(self._slots.table.processing.history, on_device, ids)
         if self.ranks is not None and self.config.check_invariants:
-            self.ranks.check_same_ids(sampled.token_ids)
-        return sampled
+            self.ranks.check_same_ids(ids)
+        return _Ran(Sampled(ids, draw.logprobs(ids)), grammar)
+
+    def _draw_constrained(
+        self, draw: Draw, constrained: ConstrainedRows, ids: torch.Tensor, slots: torch.Tensor
+    ) -> GrammarStep | None:
+        """The constrained rows' ids, drawn under their masks, into `ids` and the FutureMap;
+        rank 0 hands their tokens on to its matchers (the returned step)."""
+        index = self.streams.to_device(constrained.rows)
+        grammar = self._grammar_thread
+        if grammar is None:  # another rank: rank 0 drew them
+            masked = torch.empty(len(constrained.rows), dtype=torch.int64, device=self.streams.device)
+        else:
+            waited = time.perf_counter()
+            bitmask = grammar.masks(constrained).result()
+            self.metrics.grammar_wait.inc(time.perf_counter() - waited)
+            masked = draw.sample_masked(constrained.rows, index, self.streams.tensor_to_device(bitmask))
+        if self.ranks is not None:
+            self.ranks.share_ids(masked)
+        ids.index_copy_(0, index, masked)
+        self._slots.future.store(slots.index_select(0, index), masked)
+        if grammar is None:
+            return None
+        step = GrammarStep(constrained)
+        grammar.advance(step)
+        return step

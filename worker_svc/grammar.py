@@ -1,80 +1,28 @@
-"""Structured outputs on the worker: one grammar matcher per constrained request slot, next to
-the sampler (llguidance). The worker sees token k the moment it samples it, so it advances the
-row's matcher then and has the row's mask for step k+1 before that step samples, with no round
-trip to the scheduler, at any overlap depth.
+"""Grammar matchers on the worker: one per constrained request slot, next to the sampler
+(llguidance), and the bitmasks they fill (one bit per token id, int32 words).
 
-A constraint is JSON Schema, a regex, a choice among strings, or a Lark grammar; its compiled
-form is cached by content (clients repeat their schemas). A matcher that has stopped (the
-grammar finished) takes no more tokens: advancing it is an error, not a no-op. A recomputed
-request replays its tokens into a fresh matcher.
+A matcher that has stopped (the grammar finished) takes no more tokens: advancing it is an
+error, not a no-op. A recomputed request replays its tokens into a fresh matcher. Constraints
+compile through `stepahead.grammars` (cached by content).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
 import llguidance
-import llguidance.torch
 import torch
 
-from stepahead.protocol import TokenizerSpec
+from stepahead.grammars import GrammarError, compile_constraint
+from stepahead.protocol import Constraint, TokenizerSpec
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
-
-ConstraintKind = Literal["json", "regex", "choice", "grammar"]
-GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept, by content
-# JSON as `json.dumps` writes it: free whitespace would let a sampler emit whitespace without end
-# (a vocabulary has thousands of whitespace tokens). A schema's `x-guidance` may say otherwise.
-JSON_LAYOUT: JsonCompileOptions = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
-
-
-class GrammarError(ValueError):
-    """A constraint that does not compile; the message says why."""
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """`text`: a JSON Schema (JSON), a regex, the choices (a JSON list of strings), or a Lark grammar."""
-
-    kind: ConstraintKind
-    text: str
-
-
-@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def compile_constraint(constraint: Constraint) -> str:
-    """llguidance's grammar for `constraint`, checked; raises GrammarError naming what is wrong."""
-    kind, text = constraint.kind, constraint.text
-    try:
-        if kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_LAYOUT)
-        elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(text)
-        elif kind == "choice":
-            grammar = llguidance.LLMatcher.grammar_from_regex(_choice_regex(text))
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    except (ValueError, TypeError) as exc:  # json.loads, or the schema compiler
-        raise GrammarError(f"{kind}: {exc}") from exc
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem and not problem.startswith("WARNING"):
-        raise GrammarError(f"{kind}: {problem}")
-    return grammar
-
-
-def _choice_regex(text: str) -> str:
-    choices = json.loads(text)
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise ValueError("the choices must be a non-empty JSON list of strings")
-    return "|".join(f"({re.escape(choice)})" for choice in choices)
+__all__ = [
+    "Constraint",
+    "GrammarError",
+    "MatcherTable",
+    "apply_bitmask",
+    "compile_constraint",
+    "grammar_tokenizer",
+    "new_bitmask",
+]
 
 
 def grammar_tokenizer(
@@ -111,6 +59,7 @@ class MatcherTable:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._matchers: dict[int, llguidance.LLMatcher] = {}
+        self._parallel: llguidance.LLExecutor | None = None
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -140,18 +89,46 @@ class MatcherTable:
         return self._matchers[slot].is_stopped()
 
     def fill_masks(self, slots: list[int], bitmask: torch.Tensor) -> None:
-        """Row i of `bitmask` (int32, one bit per token, on the host) gets slot i's allowed tokens."""
-        for row, slot in enumerate(slots):
-            llguidance.torch.fill_next_token_bitmask(self._matchers[slot], bitmask, row)
+        """Row i of `bitmask` (int32, one bit per token, on the host, contiguous) gets slot i's
+        allowed tokens; several rows are filled in parallel (llguidance's own threads)."""
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+        row_bytes = bitmask.shape[1] * 4
+        if len(slots) == 1:
+            self._matchers[slots[0]].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
+            return
+        matchers = [(self._matchers[slot], row) for row, slot in enumerate(slots)]
+        self._executor().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, len(slots))
+
+    def _executor(self) -> llguidance.LLExecutor:
+        if self._parallel is None:
+            self._parallel = llguidance.LLExecutor()
+        return self._parallel
 
     def release(self, slot: int) -> None:
         self._matchers.pop(slot, None)
 
+    def clear(self) -> None:
+        self._matchers.clear()
 
-def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def new_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """[rows, words] int32 on the host, every token allowed (pinned, for a non-blocking copy)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+
+
+def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] bool from a bitmask [rows, words] int32 (on any device; no transfer)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    unpacked = bitmask[:, :, None].bitwise_right_shift(bits).bitwise_and_(1)
+    return unpacked.flatten(1)[:, :vocab_size].bool()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens of each row to -inf, in place."""
-    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+    """Disallowed tokens of each row of `logits` [rows, V] to -inf, in place (plain tensor ops;
+    `bitmask` on the logits' device)."""
+    mask = allowed(bitmask, logits.shape[1])
+    logits.masked_fill_(~mask, float("-inf"))

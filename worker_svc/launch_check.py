@@ -13,7 +13,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stepahead.protocol import Launch, LogitsProcessing, NewRequest
+from stepahead.protocol import (
+    CONSTRAINT_KINDS,
+    MAX_CONSTRAINT_BYTES,
+    GrammarConstraint,
+    Launch,
+    LogitsProcessing,
+    NewRequest,
+)
 from worker_svc.logits_processors import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 # NOTE: the step budget when the scheduler announces none. A launch writes one
@@ -65,6 +72,21 @@ def check_launch(launch: Launch, limits: LaunchLimits) -> None:
         _check_prefix(i, request, limits)
         if request.processing is not None:
             _check_processing(f"new_requests[{i}].processing", request.processing, limits)
+        if request.grammar is not None:
+            _check_grammar(f"new_requests[{i}].grammar", request.grammar, limits)
+
+
+def _check_grammar(field: str, g: GrammarConstraint, limits: LaunchLimits) -> None:
+    """Its kind and size; the worker compiles it on its grammar thread (the frontend that
+    admitted the request compiled it already)."""
+    kind = g.constraint.kind
+    if kind not in CONSTRAINT_KINDS:
+        raise LaunchError(f"{field}.kind: one of {', '.join(CONSTRAINT_KINDS)}, got {kind!r}")
+    size = len(g.constraint.text.encode())
+    if size > MAX_CONSTRAINT_BYTES:
+        raise LaunchError(f"{field}.text: at most {MAX_CONSTRAINT_BYTES} bytes, got {size}")
+    _check_count(f"{field}.replay_ids", len(g.replay_ids), limits.max_context_len, "ids")
+    _check_range(f"{field}.replay_ids[{{}}]", g.replay_ids, limits.vocab_size, "the vocabulary")
 
 
 def _check_row_arrays(launch: Launch) -> None:

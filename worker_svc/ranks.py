@@ -106,6 +106,12 @@ class TensorParallelRanks:
         with _collective("all-reduce"):
             dist.all_reduce(tensor, op=op, group=self._model_group)
 
+    def share_ids(self, ids: torch.Tensor) -> None:
+        """Rank 0's `ids` into every rank's `ids` (the constrained rows, which only rank 0's
+        matchers mask): one small broadcast on the model's group, on the device's stream."""
+        with _collective("grammar ids broadcast"):
+            dist.broadcast(ids, src=0, group=self._model_group)
+
     def check_same_ids(self, ids: torch.Tensor) -> None:
         """--check-invariants: every rank sampled the same ids (synchronises the device)."""
         low, high = ids.clone(), ids.clone()

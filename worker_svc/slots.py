@@ -60,16 +60,20 @@ class SlotTable:
         top_logprobs: int | None = None,
     ) -> RowSampling:
         params = [self.host[s] for s in host_slots]
+        greedy = tuple(p.temperature <= 0 for p in params)
+        filtered = tuple(p.top_p < 1.0 or p.top_k > 0 for p in params)
         return RowSampling(
             self.temperature.index_select(0, slots),
             self.top_p.index_select(0, slots),
             self.top_k.index_select(0, slots),
             self.seed.index_select(0, slots),
             positions,
-            all_greedy=all(p.temperature <= 0 for p in params),
-            any_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
+            all_greedy=all(greedy),
+            any_filter=any(filtered),
             processing=processing,
             top_logprobs=top_logprobs,
+            row_greedy=greedy,
+            row_filtered=filtered,
         )
 
 

@@ -60,6 +60,42 @@ class WorkerMetrics:
         tokens = Counter(
             "stepahead_batch_tokens", "Tokens executed.", [*names, "forward_mode"], registry=self.registry
         )
+        self.grammar_mask_seconds = Histogram(
+            "stepahead_grammar_mask_seconds",
+            "Host time to fill one step's grammar masks (all its constrained rows), on the grammar "
+            "thread beside the forward.",
+            names,
+            buckets=GAP_BUCKETS,
+            registry=self.registry,
+        ).labels(*values)
+        self.grammar_masked_rows = counter(
+            "stepahead_grammar_masked_rows", "Sampling rows drawn under a grammar mask."
+        )
+        self.grammar_wait = counter(
+            "stepahead_grammar_wait_seconds",
+            "Time the forward thread waited for a step's grammar masks (after it queued the step's "
+            "forward and drew its other rows).",
+        )
+        self.grammar_compile_seconds = Histogram(
+            "stepahead_grammar_compile_seconds",
+            "Compiling one constraint (a cache miss) on the worker.",
+            names,
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        ).labels(*values)
+        self.grammar_compile_cache_hits = counter(
+            "stepahead_grammar_compile_cache_hits", "Constraints the worker found compiled already."
+        )
+        self.grammar_matchers = Gauge(
+            "stepahead_grammar_matchers",
+            "Live grammar matchers (constrained request slots).",
+            names,
+            registry=self.registry,
+        ).labels(*values)
+        self.grammar_violations = counter(
+            "stepahead_grammar_violations",
+            "Constrained rows that drew a token outside their mask (must stay 0); each was ended.",
+        )
         self.forward = {m: forward.labels(*values, m) for m in FORWARD_MODES}
         self.batches = {m: batches.labels(*values, m) for m in FORWARD_MODES}
         self.tokens = {m: tokens.labels(*values, m) for m in FORWARD_MODES}

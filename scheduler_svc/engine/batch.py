@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.engine.request import Request
-from stepahead.protocol import Launch, LogitsProcessing, NewRequest
+from stepahead.protocol import GrammarConstraint, Launch, LogitsProcessing, NewRequest
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,10 @@ class ScheduledBatch:
         p = req.params
         processing = logits_processing(req, eos_token_ids) if p.processes_logits else None
         prefix = tuple(req.kv_slots[: req.num_computed])  # a cached prefix, reused
+        # NOTE: a recompute replays the outputs its client has into the worker's fresh matcher.
+        grammar = None if p.constraint is None else GrammarConstraint(p.constraint, tuple(req.output_ids))
         self.launch.new_requests.append(
-            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing, prefix)
+            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing, prefix, grammar)
         )
 
     def _add_row(self, req: Request, start: int, n: int, from_future: bool, sample: bool) -> None:

@@ -209,11 +209,16 @@ class SchedulingPolicy:
     # ---- process -----------------------------------------------------------------------
 
     def update_from_result(
-        self, batch: ScheduledBatch, token_ids: list[int], logprobs: StepLogprobs | None = None
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: StepLogprobs | None = None,
+        grammar_finished: tuple[int, ...] = (),
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
-        them): new tokens and token-level finishes go to the outbox."""
-        self.results.apply(batch, token_ids, logprobs)
+        them): new tokens and token-level finishes (a finished grammar's among them) go to the
+        outbox."""
+        self.results.apply(batch, token_ids, logprobs, grammar_finished)
         self.update_gauges()
 
     def update_gauges(self) -> None:

@@ -36,13 +36,22 @@ class ResultProcessor:
         self.telemetry = telemetry
         self._end = end  # ends a finished request: its slots are freed, it leaves the table
 
-    def apply(self, batch: ScheduledBatch, token_ids: list[int], logprobs: StepLogprobs | None) -> None:
+    def apply(
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: StepLogprobs | None,
+        grammar_finished: tuple[int, ...] = (),
+    ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
-        them), row by row."""
+        them), row by row; rows in `grammar_finished` end their request (STOP) after their token."""
+        finished = set(grammar_finished)
         for i, (row, token) in enumerate(zip(batch.sampled, token_ids, strict=True)):
-            self._process_row(row, token, _row_logprob(logprobs, i, row.request))
+            self._process_row(row, token, _row_logprob(logprobs, i, row.request), i in finished)
 
-    def _process_row(self, row: SampledRow, token: int, logprob: TokenLogprob | None) -> None:
+    def _process_row(
+        self, row: SampledRow, token: int, logprob: TokenLogprob | None, grammar_done: bool
+    ) -> None:
         req = row.request
         if req.finished or row.attempt != req.attempt:
             # Finished (or preempted) while this batch was in flight: never streamed.
@@ -55,6 +64,8 @@ class ResultProcessor:
             self.slots.kv.keep(req, min(req.num_computed, req.num_known))
             req.prompt_kept = True
         finish = self._token_finish(req, token)
+        if grammar_done and finish is None:
+            finish = FinishReason.STOP  # no token can follow: the grammar has finished
         first = req.cached_prompt_tokens if len(req.output_ids) == 1 else None
         self.outbox.token(req, token, finish, logprob, first)
         if finish is not None:

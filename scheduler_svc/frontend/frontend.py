@@ -44,6 +44,7 @@ from scheduler_svc.frontend.validation import (
     NoChatTemplate,
     RequestLimits,
     ValidRequest,
+    needs_compiling,
     validate_request,
 )
 from stepahead.protocol import WorkerInfo
@@ -52,7 +53,8 @@ from stepahead.v1 import generation_pb2
 log = logging.getLogger("stepahead.frontend")
 
 # Requests this large (serialized) are checked and tokenized on a thread: ~10 ms of a fast
-# tokenizer's time; smaller ones cost less than the hop to the thread and back.
+# tokenizer's time; smaller ones cost less than the hop to the thread and back (unless their
+# constraint needs compiling).
 OFF_LOOP_INPUT_BYTES = 16 << 10
 TOKENIZER_THREADS = 2  # large inputs tokenized at once; more wait their turn
 
@@ -94,6 +96,11 @@ def completion_seed(seed: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
+def _cheap(request: generation_pb2.GenerateRequest) -> bool:
+    """Whether checking `request` costs less than the hop to a thread and back."""
+    return request.ByteSize() < OFF_LOOP_INPUT_BYTES and not needs_compiling(request.sampling)
+
+
 class Frontend:
     def __init__(self, config: FrontendConfig, telemetry: FrontendTelemetry | None = None) -> None:
         self.config = config
@@ -128,8 +135,9 @@ class Frontend:
         """Validate and tokenize, then hand the request's completions to the core; raises
         ApiError. With `open_ended`, max_new_tokens 0 asks for the rest of the context (the
         HTTP API's default); `check`, the caller's own, may refuse the valid request before it
-        is submitted (it raises). A large input is tokenized on a thread (the tokenizer lets go of
-        the GIL), so that the streams this frontend serves keep flowing meanwhile."""
+        is submitted (it raises). A large input is tokenized (the tokenizer lets go of the GIL), and
+        a constraint not in the cache compiled, on a thread, so that the streams this frontend
+        serves keep flowing meanwhile."""
         while True:
             info, tokenizer, chat = self.info, self.tokenizer, self.chat
             if info is None or tokenizer is None:
@@ -139,7 +147,7 @@ class Frontend:
                 validate_request, request, tokenizer, info, random_seed(), limits, chat, open_ended
             )
             try:
-                if request.ByteSize() < OFF_LOOP_INPUT_BYTES:
+                if _cheap(request):
                     valid = validate()
                 else:
                     valid = await asyncio.get_running_loop().run_in_executor(self._tokenizing(), validate)
@@ -147,11 +155,14 @@ class Frontend:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
             except NoChatTemplate as exc:
                 raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "input.messages") from exc
+            self.telemetry.compiled(valid.compiled)
             if self.info is info:  # else the worker changed meanwhile: check against the new one
                 if check is not None:
                     check(valid)
                 rid = request.request_id or uuid.uuid4().hex
-                return self.submit(rid, valid.prompt_ids, valid.params, valid.n)
+                completions = self.submit(rid, valid.prompt_ids, valid.params, valid.n)
+                self.telemetry.admitted(valid.params)
+                return completions
 
     def _tokenizing(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._tokenizer_threads is None:
@@ -265,7 +276,9 @@ class Frontend:
     ) -> None:
         self._note_token_time(client, now)
         client.num_generated += 1
-        if finish == FinishReason.STOP:  # EOS or a stop token: kept in token_ids, not in text
+        if finish == FinishReason.STOP and self._stop_token(client, token):
+            # EOS or a stop token: kept in token_ids, not in text. (A grammar's last token,
+            # which also ends its request with STOP, is text.)
             client.stream.put(token, "", logprob)
             self._end(client, finish)
             return
@@ -278,6 +291,11 @@ class Frontend:
                 self._abort_in_core(client)
         elif finish is not None:
             self._end(client, finish)
+
+    def _stop_token(self, client: ClientRequest, token: int) -> bool:
+        p = client.params
+        eos = self.info.eos_token_ids if self.info is not None else ()
+        return token in p.stop_token_ids or (not p.ignore_eos and token in eos)
 
     def _note_token_time(self, client: ClientRequest, now: float) -> None:
         t = self.telemetry

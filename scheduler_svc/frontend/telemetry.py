@@ -1,5 +1,6 @@
 """What a frontend reports: what its clients see (time to first token, between tokens, to the
-finish), the tokens it streamed, how requests ended, and its process's CPU time."""
+finish), the tokens it streamed, how requests ended, the structured-output constraints it
+admitted and compiled, and its process's CPU time."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from stepahead.metrics import FINISH_REASONS, LATENCY_BUCKETS
+from scheduler_svc.contract import SamplingParams
+from scheduler_svc.frontend.validation import Compiled
+from stepahead.metrics import FINISH_REASONS, LATENCY_BUCKETS, STEP_BUCKETS
+from stepahead.protocol import CONSTRAINT_KINDS
 
 
 class FrontendTelemetry:
@@ -32,7 +36,40 @@ class FrontendTelemetry:
         ).labels(*m)
         finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
         self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}
+        constrained = Counter(
+            "stepahead_constrained_requests",
+            "Admitted requests with a structured-output constraint.",
+            ["mode", "kind"],
+            registry=r,
+        )
+        self.constrained = {kind: constrained.labels(mode, kind) for kind in CONSTRAINT_KINDS}
+        self.compile_seconds = Histogram(
+            "stepahead_frontend_grammar_compile_seconds",
+            "Compiling one constraint (a cache miss) to check it before admission.",
+            ["mode"],
+            buckets=STEP_BUCKETS,  # as the worker's compiles
+            registry=r,
+        ).labels(*m)
+        self.compile_cache_hits = Counter(
+            "stepahead_frontend_grammar_compile_cache_hits",
+            "Constraints found compiled already when checked before admission.",
+            ["mode"],
+            registry=r,
+        ).labels(*m)
         r.register(_FrontendCpu(mode, own_process))
+
+    def compiled(self, compiled: Compiled | None) -> None:
+        """A valid request's constraint check: a compile, or a cache hit."""
+        if compiled is None:
+            return
+        if compiled.cached:
+            self.compile_cache_hits.inc()
+        else:
+            self.compile_seconds.observe(compiled.seconds)
+
+    def admitted(self, params: SamplingParams) -> None:
+        if params.constraint is not None:
+            self.constrained[params.constraint.kind].inc()
 
 
 class _FrontendCpu(Collector):

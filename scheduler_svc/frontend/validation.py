@@ -2,11 +2,15 @@
 
 Everything a client sends is bounded here before any work is spent on it: sizes are checked
 before text is tokenized and before ids are scanned, so a hostile request costs at most a parse.
+A structured-output constraint is compiled last, once every cheap check has passed: it is the
+costliest one (milliseconds, up to seconds for a large schema).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -22,7 +26,8 @@ from scheduler_svc.contract import (
 )
 from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from scheduler_svc.frontend.tokenizer import Tokenizer
-from stepahead.protocol import WorkerInfo
+from stepahead.grammars import ANY_JSON_OBJECT, GrammarError, compile_constraint, is_cached
+from stepahead.protocol import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind, WorkerInfo
 from stepahead.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 256
@@ -36,6 +41,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 MESSAGES_FIELD = "input.messages.messages"
 MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
 MAX_BIAS = 100.0
+MAX_CHOICES = 1024
+STRUCTURED_FIELD = "sampling.structured"
 
 M = TypeVar("M", bound=message.Message)
 
@@ -64,10 +71,20 @@ default_limits = RequestLimits()
 
 
 @dataclass(frozen=True)
+class Compiled:
+    """A request's constraint, compiled: what the frontend's metrics count."""
+
+    kind: ConstraintKind
+    seconds: float  # the compile's (a lookup's, when cached)
+    cached: bool
+
+
+@dataclass(frozen=True)
 class ValidRequest:
     prompt_ids: list[int]
     params: SamplingParams
     n: int = 1  # completions of the prompt
+    compiled: Compiled | None = None  # None: unconstrained
 
 
 def validate_request(
@@ -88,9 +105,12 @@ def validate_request(
     sampling = request.sampling
     if open_ended and sampling.max_new_tokens == 0:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
-    params = _sampling_params(sampling, info.vocab_size, seed)
+    requested = requested_constraint(sampling)
+    params = _sampling_params(sampling, info.vocab_size, seed, requested)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)
-    return ValidRequest(prompt_ids, params, _completions(sampling))
+    n = _completions(sampling)
+    compiled = None if requested is None else _compile(requested)  # the costliest check, last
+    return ValidRequest(prompt_ids, params, n, compiled)
 
 
 def _with_room_left(
@@ -195,7 +215,9 @@ def _check_in_vocab(ids: list[int], field: str, vocab: int) -> None:
             raise InvalidRequest(f"{field}[{i}]: {token} is outside the vocabulary (0..{vocab - 1})")
 
 
-def _sampling_params(p: generation_pb2.SamplingParams, vocab: int, seed: int) -> SamplingParams:
+def _sampling_params(
+    p: generation_pb2.SamplingParams, vocab: int, seed: int, requested: RequestedConstraint | None
+) -> SamplingParams:
     if p.max_new_tokens < 1:
         raise InvalidRequest("sampling.max_new_tokens: must be at least 1")
     if not math.isfinite(p.temperature) or p.temperature < 0:
@@ -221,6 +243,7 @@ def _sampling_params(p: generation_pb2.SamplingParams, vocab: int, seed: int) ->
         frequency_penalty=_output_penalty(p.frequency_penalty, "sampling.frequency_penalty"),
         min_tokens=_min_tokens(p),
         logit_bias=_logit_bias(dict(p.logit_bias), vocab),
+        constraint=None if requested is None else _bounded_constraint(requested, p),
     )
 
 
@@ -286,6 +309,80 @@ def _check_stop_strings(stops: list[str]) -> None:
             raise InvalidRequest(f"sampling.stop[{i}]: must not be empty")
         if len(stop) > MAX_STOP_CHARS:
             raise InvalidRequest(f"sampling.stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(stop)}")
+
+
+# ---- structured output ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestedConstraint:
+    """The constraint a request asks for, as sent (not checked yet), and the field that sends it."""
+
+    field: str  # as the checks name it: `sampling.structured.regex`
+    constraint: Constraint
+
+
+def constraint_field(which: str) -> str:
+    """The path the checks name a member of the `structured` oneof by (a choice: by its list)."""
+    path = f"{STRUCTURED_FIELD}.{which}"
+    return f"{path}.choices" if which == "choice" else path
+
+
+def requested_constraint(p: generation_pb2.SamplingParams) -> RequestedConstraint | None:
+    """The `structured` oneof as a Constraint; None when unset or `json_object` is false."""
+    which = p.WhichOneof("structured")
+    if which is None or (which == "json_object" and not p.json_object):
+        return None
+    field = constraint_field(which)
+    if which == "json_object":
+        return RequestedConstraint(field, Constraint("json", ANY_JSON_OBJECT))
+    if which == "choice":
+        return RequestedConstraint(field, Constraint("choice", json.dumps(list(p.choice.choices))))
+    if which == "json_schema":
+        return RequestedConstraint(field, Constraint("json", p.json_schema))
+    if which == "regex":
+        return RequestedConstraint(field, Constraint("regex", p.regex))
+    return RequestedConstraint(field, Constraint("grammar", p.grammar))
+
+
+def needs_compiling(p: generation_pb2.SamplingParams) -> bool:
+    """Whether checking `p` compiles a constraint (one not in the cache): milliseconds to seconds
+    of CPU, work for a thread rather than an event loop."""
+    requested = requested_constraint(p)
+    return requested is not None and not is_cached(requested.constraint)
+
+
+def _bounded_constraint(requested: RequestedConstraint, p: generation_pb2.SamplingParams) -> Constraint:
+    """Sizes checked before anything is compiled."""
+    field, constraint = requested.field, requested.constraint
+    if constraint.kind == "choice":
+        _check_choices(list(p.choice.choices), field)
+    elif not constraint.text:
+        raise InvalidRequest(f"{field}: must not be empty")
+    _check_text_size(len(constraint.text.encode()), field, MAX_CONSTRAINT_BYTES)
+    return constraint
+
+
+def _check_choices(choices: list[str], field: str) -> None:
+    if not choices:
+        raise InvalidRequest(f"{field}: must not be empty")
+    if len(choices) > MAX_CHOICES:
+        raise InvalidRequest(f"{field}: at most {MAX_CHOICES} choices, got {len(choices)}")
+    for i, choice in enumerate(choices):
+        if not choice:
+            raise InvalidRequest(f"{field}[{i}]: must not be empty")
+
+
+def _compile(requested: RequestedConstraint) -> Compiled:
+    """Compiled (or found in the cache) before admission, so that a constraint that does not compile
+    is refused naming its field rather than failing on the worker."""
+    cached = is_cached(requested.constraint)
+    start = time.perf_counter()
+    try:
+        compile_constraint(requested.constraint)
+    except GrammarError as exc:
+        raise InvalidRequest(f"{requested.field}: {str(exc).strip()}") from exc
+    return Compiled(requested.constraint.kind, time.perf_counter() - start, cached)
 
 
 def _check_fits(prompt_len: int, max_new_tokens: int, info: WorkerInfo) -> None:

@@ -4,13 +4,21 @@ GenerateRequest so that one set of checks serves both APIs; responses and errors
 Fields OpenAI defines and Stepahead does not implement are refused with 400 naming them,
 never silently ignored. `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
 `min_tokens` are accepted as the extra fields vLLM takes.
+
+Structured output, on both endpoints: OpenAI's `response_format` (`json_object`, or `json_schema`,
+whose output is held to the schema whatever `strict` says), vLLM's `structured_outputs` (`json`,
+`regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`: one constraint per request, mapped onto the GenerateRequest's
+`structured` oneof, whose checks (sizes, the compile) name the HTTP field that sent it.
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +30,7 @@ from scheduler_svc.contract import (
     FinishReason,
     TokenLogprob,
 )
+from scheduler_svc.frontend.validation import STRUCTURED_FIELD, constraint_field
 from stepahead.v1 import generation_pb2 as pb
 
 UINT32 = 1 << 32
@@ -52,6 +61,8 @@ HTTP_FIELDS = {
     "sampling": "",
 }
 TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
+JSON_SCHEMA_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for response_format.json_schema.name
+ANY_JSON = "{}"  # the schema of a json_schema response_format that gives none: any JSON (as vLLM)
 
 
 class FieldError(ValueError):
@@ -71,6 +82,104 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+
+
+# ---- structured output ---------------------------------------------------------------------------
+
+Structured = Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # the proto's oneof
+JsonSchema = dict[str, Any] | str  # vLLM's `json`: a schema, or the schema's JSON text
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=JSON_SCHEMA_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted either way: the output is always held to the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`; its options Stepahead does not implement (`structural_tag`,
+    `whitespace_pattern`, ...) are refused, as unknown keys."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: JsonSchema | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+@dataclass(frozen=True)
+class HttpConstraint:
+    """A constraint as the HTTP field `param` sends it, and the `structured` member it becomes."""
+
+    param: str
+    member: Structured
+    value: JsonSchema | list[str] | bool
+
+    def set_on(self, sampling: pb.SamplingParams) -> None:
+        value = self.value
+        if isinstance(value, bool):
+            sampling.json_object = value
+        elif isinstance(value, list):
+            sampling.choice.choices.extend(value)
+        elif isinstance(value, dict):
+            sampling.json_schema = json.dumps(value)
+        elif self.member == "json_schema":
+            sampling.json_schema = value
+        elif self.member == "regex":
+            sampling.regex = value
+        else:
+            sampling.grammar = value
+
+    def http_field(self, field: str) -> str:
+        """A check's field path under this constraint's member, as the HTTP API names it."""
+        return self.param + field.removeprefix(constraint_field(self.member))
+
+
+def _response_format(fmt: ResponseFormat) -> list[HttpConstraint]:
+    if fmt.type == "json_object":
+        return [HttpConstraint("response_format", "json_object", True)]
+    if fmt.type == "text":
+        return []
+    if fmt.json_schema is None:
+        raise FieldError("response_format.json_schema", "required when type is 'json_schema'")
+    schema = fmt.json_schema.schema_
+    value = ANY_JSON if schema is None else schema
+    return [HttpConstraint("response_format.json_schema.schema", "json_schema", value)]
+
+
+def _structured_outputs(so: StructuredOutputs) -> list[HttpConstraint]:
+    found = _present(
+        [
+            ("structured_outputs.json", "json_schema", so.json_),
+            ("structured_outputs.regex", "regex", so.regex),
+            ("structured_outputs.choice", "choice", so.choice),
+            ("structured_outputs.grammar", "grammar", so.grammar),
+            ("structured_outputs.json_object", "json_object", so.json_object or None),  # false: none
+        ]
+    )
+    if not found:
+        raise FieldError("structured_outputs", "set one of json, regex, choice, grammar or json_object")
+    return found
+
+
+Candidate = tuple[str, Structured, JsonSchema | list[str] | bool | None]  # (param, member, value)
+
+
+def _present(candidates: list[Candidate]) -> list[HttpConstraint]:
+    """The candidates the body sets."""
+    return [HttpConstraint(param, member, value) for param, member, value in candidates if value is not None]
 
 
 class SamplingFields(BaseModel):
@@ -95,10 +204,39 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0, lt=UINT32)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | None = None  # vLLM's older names of structured_outputs' members
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "only allowed when stream is true")
+
+    def constraints(self) -> list[HttpConstraint]:
+        """Every constraint the body asks for, in the order of its fields (one may be served)."""
+        found = [] if self.response_format is None else _response_format(self.response_format)
+        if self.structured_outputs is not None:
+            found += _structured_outputs(self.structured_outputs)
+        found += _present(
+            [
+                ("guided_json", "json_schema", self.guided_json),
+                ("guided_regex", "regex", self.guided_regex),
+                ("guided_choice", "choice", self.guided_choice),
+                ("guided_grammar", "grammar", self.guided_grammar),
+            ]
+        )
+        return found
+
+    def constraint(self) -> HttpConstraint | None:
+        """The one constraint the body asks for; FieldError naming the second when it asks for more."""
+        found = self.constraints()
+        if len(found) > 1:
+            names = ", ".join(c.param for c in found)
+            raise FieldError(found[1].param, f"one structured-output constraint per request, got {names}")
+        return found[0] if found else None
 
     def logprob_params(self) -> tuple[bool, int]:
         """(whether log-probabilities are asked for, how many alternatives per token)."""
@@ -132,6 +270,8 @@ class SamplingFields(BaseModel):
         sampling.logprobs, sampling.top_logprobs = self.logprob_params()
         if self.n is not None:
             sampling.n = _completions(self.n)
+        if (constraint := self.constraint()) is not None:
+            constraint.set_on(sampling)
         return sampling
 
     def _penalties(self, sampling: pb.SamplingParams) -> None:
@@ -218,7 +358,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -234,8 +373,6 @@ class ChatCompletionRequest(SamplingFields):
         super().check_supported()
         if self.tools:
             raise FieldError("tools", "tool calls are not supported")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise FieldError("response_format", "only type 'text' is supported")
 
     def to_proto(self) -> pb.GenerateRequest:
         self.check_supported()
@@ -301,6 +438,8 @@ def _token_ids(ids: list[int]) -> list[int]:
 
 def http_field(field: str, body: SamplingFields) -> str:
     """The HTTP API's name of a GenerateRequest field path (`sampling.temperature` -> temperature)."""
+    if field.startswith(STRUCTURED_FIELD + ".") and (constraint := body.constraint()) is not None:
+        return constraint.http_field(field)
     for path, name in HTTP_FIELDS.items():
         if field == path or field.startswith(path + "[") or field.startswith(path + "."):
             rest = field[len(path) :]

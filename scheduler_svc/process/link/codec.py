@@ -9,7 +9,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs, TokenLogprob
-from stepahead.protocol import WorkerInfo, info_to_proto, same_fields
+from stepahead.protocol import WorkerInfo, constraint_of, info_to_proto, same_fields
 from stepahead.v1 import core_pb2
 
 log = logging.getLogger("stepahead.link")
@@ -36,12 +36,15 @@ SAMPLING_FIELDS = (
 
 
 def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
-    return core_pb2.CoreSampling(
+    msg = core_pb2.CoreSampling(
         **same_fields(p, SAMPLING_FIELDS),
         stop_token_ids=sorted(p.stop_token_ids),
         bias_ids=[token for token, _ in p.logit_bias],
         bias_values=[bias for _, bias in p.logit_bias],
     )
+    if p.constraint is not None:
+        msg.constraint.CopyFrom(core_pb2.Constraint(kind=p.constraint.kind, text=p.constraint.text))
+    return msg
 
 
 def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
@@ -51,6 +54,7 @@ def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
         stop_token_ids=frozenset(m.stop_token_ids),
         stop=(),
         logit_bias=tuple(zip(m.bias_ids, m.bias_values, strict=True)),
+        constraint=constraint_of(m.constraint.kind, m.constraint.text) if m.HasField("constraint") else None,
     )
 
 
