@@ -13,13 +13,14 @@ from pathlib import Path
 from bench.configs import Configuration, Workload
 from bench.promtext import Labels, delta, scrape, total
 from loadgen import BenchmarkConfig, Summary, run_benchmark
-from loadgen.backend import SamplingFeatures
+from loadgen.backend import Constrained, SamplingFeatures
 from stepahead.processes import Service, serving_pair, spawn_scheduler_in_process, wait_serving
 
 # A hang guard, not an expectation: the last release reaches the worker milliseconds after the
 # last token, and a scrape takes at most a few seconds (see bench/promtext.py) on a slow machine.
 SETTLE_TIMEOUT_S = 120.0
 NO_FEATURES = SamplingFeatures()
+NO_CONSTRAINT = Constrained()
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -78,16 +79,18 @@ def measure(
     workload: Workload,
     connections: int = 1,
     features: SamplingFeatures = NO_FEATURES,
+    constrained: Constrained = NO_CONSTRAINT,
 ) -> Measurement:
     """Warm up, then one measured run between two scrapes of each process; both runs are
     loadgen's, over `connections` client connections (one reaches a single frontend, which is
-    all the scheduler runs by default), every request asking for the sampling `features`."""
-    run_loadgen(_warmup_config(endpoints.address, workload, connections, features))
+    all the scheduler runs by default), every request asking for the sampling `features`, the
+    `constrained` ones held to a JSON Schema."""
+    run_loadgen(_warmup_config(endpoints.address, workload, connections, features, constrained))
     settle(endpoints)
     scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
     children_before = _scheduler_children_cpu_s(endpoints)
     cpu_before = time.process_time()
-    summary = run_loadgen(_measured_config(endpoints.address, workload, connections, features))
+    summary = run_loadgen(_measured_config(endpoints.address, workload, connections, features, constrained))
     client_cpu_s = time.process_time() - cpu_before
     children_used = cpu_used(children_before, _scheduler_children_cpu_s(endpoints))
     settle(endpoints)
@@ -101,7 +104,7 @@ def measure(
 
 
 def _measured_config(
-    address: str, workload: Workload, connections: int, features: SamplingFeatures
+    address: str, workload: Workload, connections: int, features: SamplingFeatures, constrained: Constrained
 ) -> BenchmarkConfig:
     return BenchmarkConfig(
         server=address,
@@ -113,11 +116,12 @@ def _measured_config(
         seed=workload.seed,
         ignore_eos=True,
         features=features,
+        constrained=constrained,
     )
 
 
 def _warmup_config(
-    address: str, workload: Workload, connections: int, features: SamplingFeatures
+    address: str, workload: Workload, connections: int, features: SamplingFeatures, constrained: Constrained
 ) -> BenchmarkConfig:
     """Short requests at the measured concurrency: connections, first forwards, full batches."""
     return BenchmarkConfig(
@@ -129,6 +133,7 @@ def _warmup_config(
         seed=workload.seed + 1,
         ignore_eos=True,
         features=features,
+        constrained=constrained,
     )
 
 

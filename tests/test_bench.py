@@ -22,6 +22,7 @@ from bench import (
     prefix_cache,
     sampling_cost,
     smollm2_serving,
+    structured,
     tensor_parallel,
 )
 from bench import run as bench_run
@@ -39,6 +40,8 @@ from bench.save import finite, save
 from loadgen import BenchmarkConfig, Summary
 from loadgen.stats import Distribution
 from tests.live import wait_until
+from worker_svc.grammar import GrammarError, MatcherTable, grammar_tokenizer
+from worker_svc.loading import BYTE_TOKENIZER
 
 INF = math.inf
 BUCKETS = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (INF, 10.0)]  # 2 in (0, .1], 4 in (.1, .5], 2, 2 above 1
@@ -818,6 +821,130 @@ def test_sampling_cost_targets_are_unmeasured_without_their_rows_and_missed_belo
     assert "- target (penalties + logprobs <= 10%): not measured, no smollm2 rows at batch 64" in markdown
     assert "- target: device busy >= 0.98 with all features: least 0.970, not met" in markdown
     assert sampling_cost.engine_target_met(run.engine) is None
+
+
+# ---- structured outputs: grammar masks on the model and the services --------------------------
+
+
+def test_structured_decodes_tiny_with_every_row_held_and_no_grammar_finishing() -> None:
+    plan = structured.EnginePlan(("tiny",), (2,), steps=3, repeats=1)
+    rows = structured.measure_model(sampling_cost.load_model("tiny"), "tiny", plan)
+    assert [(r.model, r.batch, r.rows, r.constrained_rows) for r in rows] == [
+        ("tiny", 2, "none", 0),
+        ("tiny", 2, "all", 2),
+    ]
+    plain, held = (r.runs[0].grammar for r in rows)
+    assert (plain.masked_rows, plain.mask_steps, plain.wait_s, plain.steps) == (0, 0, 0.0, 3)
+    assert rows[0].mask_ms_per_step is None and rows[0].wait_ms_per_step == 0.0
+    assert (held.masked_rows, held.mask_steps, held.steps) == (6, 3, 3)  # decode steps alone
+    assert held.mask_s > 0 and rows[1].mask_us_per_row == pytest.approx(held.mask_s * 1e6 / 6)
+    mask_ms = rows[1].mask_ms_per_step
+    assert mask_ms is not None
+    assert structured.versus_plain(rows, rows[1]).mask_share == pytest.approx(mask_ms / rows[0].device_ms)
+
+
+def test_structured_schema_holds_every_request_past_its_length() -> None:
+    matchers = MatcherTable(grammar_tokenizer(BYTE_TOKENIZER, 258, (257,)), 258)
+    shortest = structured.shortest_output().encode()
+    matchers.start(0, structured.CONSTRAINT)
+    assert [matchers.advance(0, byte) for byte in shortest] == [False] * (len(shortest) - 1) + [True]
+    matchers.start(1, structured.CONSTRAINT)  # a record short: the array may not close
+    with pytest.raises(GrammarError):
+        for byte in structured.shortest_output(structured.MIN_ITEMS - 1).encode():
+            matchers.advance(1, byte)
+    longest_run = max(structured.SERVED_OUTPUT_LEN, structured.FULL.engine.steps + 1)
+    assert len(shortest) > longest_run  # on a byte tokenizer, a byte is a token
+    assert structured.constrained_requests(0.25, 256) == 64
+    assert structured.constrained_requests(0.0, 256) == 0
+
+
+def serving_run(
+    device: str, mode: Mode, fraction: float, tokens_per_s: float, busy: float, repeat: int = 0
+) -> structured.ServingRow:
+    """A run of 64 requests of 10 tokens, 40 steps, every held request masked on each token (50 us a
+    row), the forward waiting 0.1 ms a step."""
+    case = Case(Configuration(SIM, mode, "grpc"), WORKLOAD)
+    f = replace(figures(case, measurement(tokens_per_s)), device_busy_fraction=busy, output_tokens=640)
+    held = structured.constrained_requests(fraction, 64)
+    grammar = structured.Grammar(held * 10 * 50e-6, 40 if held else 0, held * 10, 0.004 if held else 0.0, 40)
+    return structured.ServingRow(device, 64, mode, fraction, repeat, held, 10, f, grammar, {"LENGTH": 64})
+
+
+def engine_run(
+    model: str, batch: int, rows: structured.Rows, device_ms: float, mask_ms: float
+) -> structured.EngineRow:
+    """One run of 10 decode steps."""
+    held = batch if rows == "all" else 0
+    grammar = structured.Grammar(mask_ms * 10 / 1e3, 10 if held else 0, held * 10, mask_ms * 10 / 1e3, 10)
+    run = structured.DecodeRun(device_ms, device_ms * 10 / 1e3, batch * 10, grammar)
+    return structured.EngineRow(model, batch, rows, (run,))
+
+
+def structured_run() -> structured.StructuredRun:
+    engine = (engine_run("smollm2", 16, "none", 100.0, 0.0), engine_run("smollm2", 16, "all", 104.0, 2.0))
+    serving = (
+        serving_run("sim", "overlap", 0.0, 6000.0, 0.999),
+        serving_run("sim", "overlap", 0.25, 5800.0, 0.990),
+        serving_run("sim", "overlap", 0.0, 5900.0, 0.998, repeat=1),
+        serving_run("sim", "overlap", 0.25, 5500.0, 0.970, repeat=1),
+    )
+    started_at = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+    machine: Machine = {"nproc": 2}
+    return structured.StructuredRun(structured.FULL, started_at, machine, 2, (0.5, 1.0, 1.5), engine, serving)
+
+
+def test_structured_report_of_hand_made_results() -> None:
+    run = structured_run()
+    markdown = structured.to_markdown(run, "python -m bench.structured")
+    lines = markdown.splitlines()
+    assert (
+        lines[0] == "# Structured outputs: grammar masks on the model and the services, 2026-01-02 03:04 UTC"
+    )
+    engine_header = lines.index(structured.engine_table([])[0])
+    assert lines[engine_header + 2 : engine_header + 4] == [
+        "| smollm2 | 16 | 0 | 100.00 | 1.000x | 160.0 | 1.000x | — | — | — | 0.000 |",
+        "| smollm2 | 16 | 16 | 104.00 | 1.040x | 153.8 | 0.962x | 2.000 | 125.0 | 2.0% | 2.000 |",
+    ]
+    assert (
+        "- target (mask time per step < 10% of a plain decode step) on smollm2 at batch 16: 2.0%, met"
+        in lines
+    )
+    serving_header = lines.index(structured.serving_table([])[0])
+    held = "50.0 | 0.200 | 0.100 | yes |"  # mask us/row, ms/masked step, wait ms/step, to length
+    assert lines[serving_header + 2 : serving_header + 6] == [
+        "| sim | 64 | overlap | 0% | 0 | 6,000.0 | 1.000x | 0.999 | 300.0 | 15.00 | — | — | 0.000 | yes |",
+        f"| sim | 64 | overlap | 25% | 0 | 5,800.0 | 0.967x | 0.990 | 290.0 | 15.00 | {held}",
+        "| sim | 64 | overlap | 0% | 1 | 5,900.0 | 1.000x | 0.998 | 295.0 | 15.00 | — | — | 0.000 | yes |",
+        f"| sim | 64 | overlap | 25% | 1 | 5,500.0 | 0.932x | 0.970 | 275.0 | 15.00 | {held}",
+    ]
+    assert (
+        "- target (sim, overlap, 25% constrained, the best run of each fraction): tok/s >= 0.95 of 0%'s: "
+        "0.967x, met; device busy >= 0.98: 0.990, met"
+    ) in lines
+    assert "**" not in markdown  # no failure, every request to length, every held token masked
+    document = json.loads(json.dumps(finite(structured.to_json(run, "cmd")), allow_nan=False))
+    assert document["targets"]["engine"]["met"] is True
+    assert (
+        document["targets"]["serving"]["kept_met"] is True and document["targets"]["serving"]["busy"] == 0.99
+    )
+    assert document["serving"][1]["grammar"]["mask_us_per_row"] == pytest.approx(50.0)
+
+
+def test_structured_report_flags_runs_not_like_for_like_and_missed_targets() -> None:
+    short = serving_run("sim", "overlap", 0.25, 5000.0, 0.95)
+    short = replace(
+        short, finish_reasons={"LENGTH": 60, "STOP": 4}, grammar=replace(short.grammar, masked_rows=150)
+    )
+    run = replace(
+        structured_run(), engine=(), serving=(serving_run("sim", "overlap", 0.0, 6000.0, 0.999), short)
+    )
+    markdown = structured.to_markdown(run, "cmd")
+    unmeasured = "not measured, no smollm2 rows at batch 16"
+    assert f"- target (mask time per step < 10% of a plain decode step): {unmeasured}" in markdown
+    assert "tok/s >= 0.95 of 0%'s: 0.833x, not met; device busy >= 0.98: 0.950, not met" in markdown
+    assert "**not every request ran to length** in sim overlap, 25% constrained" in markdown
+    assert "**150 rows drawn under a mask, not 160**, in sim overlap, 25% constrained" in markdown
+    assert structured.engine_target_met(run.engine) is None
 
 
 # ---- prefix cache: a shared system prompt, cache on and off -----------------------------------

@@ -365,14 +365,19 @@ class WorkerEngine:
         batch = self._batches.batch(launch, rows, on_device)
         if rows.tracked:
             track_prompt_sourced(self._slots.table.processing.history, batch, on_device)
+        constrained = self._grammars.rows(rows.sample_req_slots)
+        masks = None
+        if constrained is not None and self._grammar_thread is not None:
+            # NOTE: asked before the forward: where the forward thread is the device (the CPU),
+            # the grammar thread fills the masks while it computes.
+            masks = self._grammar_thread.masks(constrained)
         draw = self.backend.compute(batch, self._batches.sampling(rows, on_device))
         ids = draw.sample()
         # NOTE: every row not constrained is final: in the FutureMap at once.
         self._slots.future.store(on_device.sample_req_slots, ids)
-        constrained = self._grammars.rows(rows.sample_req_slots)
         grammar = None
         if constrained is not None:
-            grammar = self._draw_constrained(draw, constrained, ids, on_device.sample_req_slots)
+            grammar = self._draw_constrained(draw, constrained, masks, ids, on_device.sample_req_slots)
         # NOTE: counted in the step that sampled them, before any later launch reads the history.
         if rows.tracked:
             track_sampled(self._slots.table.processing.history, on_device, ids)
@@ -381,17 +386,22 @@ class WorkerEngine:
         return _Ran(Sampled(ids, draw.logprobs(ids)), grammar)
 
     def _draw_constrained(
-        self, draw: Draw, constrained: ConstrainedRows, ids: torch.Tensor, slots: torch.Tensor
+        self,
+        draw: Draw,
+        constrained: ConstrainedRows,
+        masks: concurrent.futures.Future[torch.Tensor] | None,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
     ) -> GrammarStep | None:
-        """The constrained rows' ids, drawn under their masks, into `ids` and the FutureMap;
+        """The constrained rows' ids, drawn under their `masks`, into `ids` and the FutureMap;
         rank 0 hands their tokens on to its matchers (the returned step)."""
         index = self.streams.to_device(constrained.rows)
         grammar = self._grammar_thread
-        if grammar is None:  # another rank: rank 0 drew them
+        if grammar is None or masks is None:  # another rank: rank 0 drew them
             masked = torch.empty(len(constrained.rows), dtype=torch.int64, device=self.streams.device)
         else:
             waited = time.perf_counter()
-            bitmask = grammar.masks(constrained).result()
+            bitmask = masks.result()
             self.metrics.grammar_wait.inc(time.perf_counter() - waited)
             masked = draw.sample_masked(constrained.rows, index, self.streams.tensor_to_device(bitmask))
         if self.ranks is not None:
