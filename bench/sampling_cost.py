@@ -6,19 +6,19 @@ frequency 0.5), `logprobs` (the sampled token's log-probability and the top 5) a
 (penalties, logprobs top 5, min_tokens 8 with EOS as its stop id, and a logit_bias of 50
 random ids at random values in [-1, 1]).
 
-Part A, the model, in this process: a `WorkerEngine` over `tiny` and `smollm2` in float32 on
-the CPU (torch threads fixed, `--threads`). Per model, batch size B and feature set, a run
-starts a fresh engine session, registers B greedy requests of the set (one request slot each)
-with a prefill of B random prompts of 32 tokens, then launches D decode steps whose inputs the
-engine reads from its FutureMap, each launched one step ahead (step k+1 is submitted before
-step k's result is read, as the overlap loop does). Device ms per step: the mean of the decode
-steps' `forward_end - forward_start` (on the CPU, the forward thread's whole step: batch
-building, forward, logits processing, sampling, log-probabilities). Decode tok/s: B x D over
-the wall time from the first decode step's forward start to the last one's result in hand.
-After one untimed warmup round (2 decode steps per set), the feature sets run in turns (none,
-penalties, logprobs, all, none, ...) so that a competing load hits them alike; of the repeats
-the best counts (the least device ms, the most tok/s). Each figure is also given over `none`'s
-at the same model and batch size.
+Part A, the model, in this process (`bench.engine_decode`): a `WorkerEngine` over `tiny` and
+`smollm2` in float32 on the CPU (torch threads fixed, `--threads`). Per model, batch size B and
+feature set, a run starts a fresh engine session, registers B greedy requests of the set (one
+request slot each) with a prefill of B random prompts of 32 tokens, whose result it awaits, then
+launches D decode steps whose inputs the engine reads from its FutureMap, each launched one step
+ahead (step k+1 is submitted before step k's result is read, as the overlap loop does). Device ms
+per step: the mean of the decode steps' `forward_end - forward_start` (on the CPU, the forward
+thread's whole step: batch building, forward, logits processing, sampling, log-probabilities).
+Decode tok/s: B x D over the wall time from the first decode step's forward start to the last
+one's result in hand. After one untimed warmup round (2 decode steps per set), the feature sets
+run in turns (none, penalties, logprobs, all, none, ...) so that a competing load hits them
+alike; of the repeats the best counts (the least device ms, the most tok/s). Each figure is also
+given over `none`'s at the same model and batch size.
 
 Part B, the services: a `sim` worker (`--sim-step-ms 10 --sim-token-us 0`, the sim sweep's
 device) and an overlap scheduler over gRPC; a closed loop of loadgen requests at concurrency 64
@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -49,49 +45,49 @@ from typing import Any
 
 import torch
 
+from bench import engine_decode
 from bench.cells import NONE, number, percent, times
 from bench.configs import Case, Configuration, Workload, sim
+from bench.engine_decode import (
+    WARMUP_STEPS,
+    DecodeRun,
+    Progress,
+    Unwatched,
+    Variation,
+    find,
+    greedy,
+    run_engine_part,
+)
 from bench.envelope import Envelope, begin, load_clause
 from bench.figures import Figures, figures, ratio
 from bench.machine import Machine, load_average
 from bench.run import measure, serving
 from bench.save import RESULTS, command_line, publish
 from loadgen.backend import SamplingFeatures
-from stepahead.protocol import Launch, LogitsProcessing, NewRequest, StepResult
-from worker_svc.backends import ModelBackend, load_backend
-from worker_svc.device_streams import CpuStreams
-from worker_svc.engine import EngineConfig, WorkerEngine
+from stepahead.protocol import LogitsProcessing, NewRequest
+from worker_svc.backends import ModelBackend
+from worker_svc.engine import WorkerEngine
 from worker_svc.loading import TINY_CONFIG
 
 NAME = "sampling-cost"
 TITLE = "Sampling features: their cost on the model and the services"
-CPU = torch.device("cpu")
 FEATURE_SETS = ("none", "penalties", "logprobs", "all")
 MODELS = ("tiny", "smollm2")
 REPETITION, PRESENCE, FREQUENCY = 1.2, 0.5, 0.5
 TOP_LOGPROBS = 5
 MIN_TOKENS = 8
 BIAS_IDS = 50
-SEED = 0
-WARMUP_STEPS = 2
+SEED = 0  # of the logit_bias ids and values
 TARGET_MODEL, TARGET_BATCH, TARGET_OVERHEAD = "smollm2", 64, 0.10  # penalties + logprobs
 TARGET_BUSY, SERVING_STEP_MS = 0.98, 10.0
-
-Progress = Callable[[str], None]
 
 
 # ---- plans -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class EnginePlan:
-    models: tuple[str, ...]
-    batch_sizes: tuple[int, ...]
-    steps: int  # decode steps per run
-    repeats: int  # timed runs of each feature set; the best counts
-    feature_sets: tuple[str, ...] = FEATURE_SETS
-    prompt_len: int = 32
-    threads: int = 2  # torch CPU threads
+class EnginePlan(engine_decode.EnginePlan):
+    feature_sets: tuple[str, ...] = FEATURE_SETS  # the variants, in the order they run
 
 
 @dataclass(frozen=True)
@@ -162,36 +158,15 @@ def loadgen_features(features: str) -> SamplingFeatures:
     raise ValueError(f"the services run `none` or `all`, not {features!r}")
 
 
-# ---- part A: the model, in process -----------------------------------------------------------
+# ---- part A: the model, in process (`bench.engine_decode`) -----------------------------------
 
 
-@dataclass(frozen=True)
-class DecodeRun:
-    """One run's decode steps."""
-
-    device_ms: float  # mean forward_end - forward_start per decode step
-    wall_s: float  # first decode forward start to last decode result in hand
-    tokens: int  # batch x steps
+class EngineRow(engine_decode.EngineRow[str, DecodeRun]):
+    """A feature set's runs at a model and batch size."""
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s
-
-
-@dataclass(frozen=True)
-class EngineRow:
-    model: str
-    batch: int
-    features: str
-    runs: tuple[DecodeRun, ...]  # in the order they ran
-
-    @property
-    def device_ms(self) -> float:
-        return min(r.device_ms for r in self.runs)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return max(r.tokens_per_s for r in self.runs)
+    def features(self) -> str:
+        return self.variant
 
 
 @dataclass(frozen=True)
@@ -207,114 +182,28 @@ class VersusNone:
         return None if self.device_ms is None else (self.device_ms - 1.0) * 100.0
 
 
-class Decoder:
-    """Drives an engine as the overlap loop does: each launch is submitted before the previous
-    one's result is read."""
+class Features(Variation[str, DecodeRun, EngineRow]):
+    """Runs that differ in their requests' feature set, every request of a run asking for it."""
 
-    def __init__(self, engine: WorkerEngine, prompt_len: int, rng: random.Random) -> None:
-        self.engine = engine
-        self.prompt_len = prompt_len
-        self.rng = rng
+    def requests(self, variant: str, batch: int, prompt_len: int, backend: ModelBackend) -> list[NewRequest]:
+        p = processing(variant, prompt_len, backend)
+        return [greedy(slot, p) for slot in range(batch)]
 
-    def run(self, features: str, batch: int, steps: int) -> DecodeRun:
-        self.engine.begin_session().result()
-        width = self.prompt_len + steps
-        in_flight: deque[Future[StepResult]] = deque(
-            [self.engine.submit(self._prefill(features, batch, width))]
-        )
-        decoded: list[StepResult] = []
-        for k in range(1, steps + 1):
-            in_flight.append(self.engine.submit(self._decode(k, batch, width)))
-            decoded += self._read(in_flight.popleft())
-        decoded += self._read(in_flight.popleft())
-        done = time.time()
-        device_s = statistics.fmean(r.forward_seconds for r in decoded)
-        return DecodeRun(device_s * 1e3, done - decoded[0].forward_start, batch * steps)
+    def watch(self, engine: WorkerEngine, variant: str, batch: int, steps: int) -> Unwatched:
+        return Unwatched()
 
-    @staticmethod
-    def _read(future: Future[StepResult]) -> list[StepResult]:
-        """The result, kept only if it is a decode step's (the prefill is step 1)."""
-        result = future.result(timeout=600)
-        return [] if result.step_id == 1 else [result]
+    def row(self, model: str, batch: int, variant: str, runs: tuple[DecodeRun, ...]) -> EngineRow:
+        return EngineRow(model, batch, variant, runs)
 
-    def _prefill(self, features: str, batch: int, width: int) -> Launch:
-        n, backend = self.prompt_len, self.engine.backend
-        p = processing(features, n, backend)
-        ids = [self.rng.randrange(backend.vocab_size) for _ in range(batch * n)]
-        return Launch(
-            1,
-            new_requests=[NewRequest(slot, 0.0, 1.0, 0, 0, p) for slot in range(batch)],
-            row_req_slots=list(range(batch)),
-            row_start_pos=[0] * batch,
-            row_num_tokens=[n] * batch,
-            row_from_future=[False] * batch,
-            row_sample=[True] * batch,
-            prompt_ids=ids,
-            kv_slots=[slot * width + t for slot in range(batch) for t in range(n)],
-        )
-
-    def _decode(self, k: int, batch: int, width: int) -> Launch:
-        """Decode step k: every row's token k - 1 (read from the FutureMap) at position prompt + k - 1."""
-        position = self.prompt_len + k - 1
-        return Launch(
-            k + 1,
-            row_req_slots=list(range(batch)),
-            row_start_pos=[position] * batch,
-            row_num_tokens=[1] * batch,
-            row_from_future=[True] * batch,
-            row_sample=[True] * batch,
-            kv_slots=[slot * width + position for slot in range(batch)],
-        )
-
-
-def engine_for(backend: ModelBackend, plan: EnginePlan) -> WorkerEngine:
-    most = max(plan.batch_sizes)
-    config = EngineConfig(most * (plan.prompt_len + max(plan.steps, WARMUP_STEPS)), most)
-    return WorkerEngine(backend, config, CpuStreams())
-
-
-def measure_model(
-    backend: ModelBackend, model: str, plan: EnginePlan, progress: Progress = lambda line: None
-) -> list[EngineRow]:
-    """Every (batch size, feature set) of the plan on one model: rows by batch, then feature set."""
-    engine = engine_for(backend, plan)
-    decoder = Decoder(engine, plan.prompt_len, random.Random(SEED))
-    rows: list[EngineRow] = []
-    try:
-        for batch in plan.batch_sizes:
-            measured = measure_batch(decoder, model, batch, plan)
-            for row in measured:
-                progress(engine_progress_line(row, versus_none(measured, row)))
-            rows += measured
-    finally:
-        engine.shutdown()
-    return rows
-
-
-def measure_batch(decoder: Decoder, model: str, batch: int, plan: EnginePlan) -> list[EngineRow]:
-    for features in plan.feature_sets:
-        decoder.run(features, batch, WARMUP_STEPS)
-    runs: dict[str, list[DecodeRun]] = {features: [] for features in plan.feature_sets}
-    for _ in range(plan.repeats):
-        for features in plan.feature_sets:
-            runs[features].append(decoder.run(features, batch, plan.steps))
-    return [EngineRow(model, batch, features, tuple(r)) for features, r in runs.items()]
+    def progress_line(self, rows: Sequence[EngineRow], row: EngineRow) -> str:
+        return engine_progress_line(row, versus_none(rows, row))
 
 
 def versus_none(rows: Sequence[EngineRow], row: EngineRow) -> VersusNone:
-    none = next((r for r in rows if (r.model, r.batch, r.features) == (row.model, row.batch, "none")), None)
+    none = find(rows, row.model, row.batch, "none")
     if none is None:
         return VersusNone(None, None)
     return VersusNone(ratio(row.device_ms, none.device_ms), ratio(row.tokens_per_s, none.tokens_per_s))
-
-
-def load_model(model: str) -> ModelBackend:
-    return load_backend(model, CPU, torch.float32, 0.0, 0.0)
-
-
-def run_engine_part(plan: EnginePlan, progress: Progress) -> list[EngineRow]:
-    torch.set_num_threads(plan.threads)
-    return [row for model in plan.models for row in measure_model(load_model(model), model, plan, progress)]
 
 
 def engine_progress_line(row: EngineRow, vs: VersusNone) -> str:
@@ -379,7 +268,7 @@ def to_stderr(line: str) -> None:
 
 def run_plan(plan: Plan, progress: Progress = to_stderr) -> SamplingCostRun:
     (started_at, machine), before = begin(), load_average()
-    engine = run_engine_part(plan.engine, progress)
+    engine = run_engine_part(plan.engine, Features(plan.engine.feature_sets), progress)
     between = load_average()
     served = run_serving_part(plan.serving, progress)
     loads = (before, between, load_average())

@@ -47,13 +47,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -62,26 +57,33 @@ from typing import Any, Literal
 import torch
 from prometheus_client import generate_latest
 
+from bench import engine_decode
 from bench.cells import NONE, number, times
 from bench.configs import TINY, Case, Configuration, Device, Mode, Workload, sim
+from bench.engine_decode import (
+    WARMUP_STEPS,
+    DecodeRun,
+    EnginePlan,
+    Progress,
+    Variation,
+    find,
+    greedy,
+    run_engine_part,
+)
 from bench.envelope import Envelope, begin, load_clause
 from bench.figures import Figures, figures, ratio
 from bench.machine import Machine, load_average
 from bench.promtext import Samples, delta, parse, total
 from bench.run import Endpoints, measure, serving
-from bench.sampling_cost import load_model
 from bench.save import RESULTS, command_line, publish
 from loadgen.backend import Constrained
-from stepahead.protocol import Constraint, GrammarConstraint, Launch, NewRequest, StepResult
+from stepahead.protocol import Constraint, GrammarConstraint, NewRequest, StepResult
 from worker_svc.backends import ModelBackend
-from worker_svc.device_streams import CpuStreams
-from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.engine import WorkerEngine
 
 NAME = "structured"
 TITLE = "Structured outputs: grammar masks on the model and the services"
 MODELS = ("smollm2", "tiny")
-SEED = 0
-WARMUP_STEPS = 2
 MIN_ITEMS = 64  # records the schema asks for at least
 NAME_CHARS, TAG_CHARS, MAX_TAGS, MAX_ID = 12, 8, 3, 99_999
 FRACTIONS = (0.0, 0.25, 1.0)  # of the requests held to the schema, in part B
@@ -96,8 +98,6 @@ MASK = "stepahead_grammar_mask_seconds"
 MASKED_ROWS = "stepahead_grammar_masked_rows_total"
 WAIT = "stepahead_grammar_wait_seconds_total"
 BATCHES = "stepahead_batches_total"
-
-Progress = Callable[[str], None]
 Rows = Literal["none", "all"]  # a part A run's constrained rows: none of the batch, or all of it
 ROWS: tuple[Rows, ...] = ("none", "all")
 
@@ -144,16 +144,6 @@ CONSTRAINT = Constraint("json", SCHEMA)
 
 
 # ---- plans -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    models: tuple[str, ...]
-    batch_sizes: tuple[int, ...]
-    steps: int  # decode steps per run
-    repeats: int  # timed runs of each of `none` and `all`; the best counts
-    prompt_len: int = 32
-    threads: int = 2  # torch CPU threads
 
 
 @dataclass(frozen=True)
@@ -239,17 +229,10 @@ def grammar_of(worker: Samples, steps: int) -> Grammar:
 
 
 @dataclass(frozen=True)
-class DecodeRun:
-    """One run's decode steps."""
+class GrammarRun(DecodeRun):
+    """One run's decode steps and the grammar metrics over them."""
 
-    device_ms: float  # mean forward_end - forward_start per decode step
-    wall_s: float  # first decode forward start to last decode result in hand
-    tokens: int  # batch x steps
     grammar: Grammar
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s
 
 
 def best(values: Iterable[float | None], pick: Callable[[list[float]], float]) -> float | None:
@@ -257,24 +240,16 @@ def best(values: Iterable[float | None], pick: Callable[[list[float]], float]) -
     return pick(known) if known else None
 
 
-@dataclass(frozen=True)
-class EngineRow:
-    model: str
-    batch: int
-    rows: Rows
-    runs: tuple[DecodeRun, ...]  # in the order they ran
+class EngineRow(engine_decode.EngineRow[Rows, GrammarRun]):
+    """The runs of a model and batch size with none or all of the rows held to SCHEMA."""
+
+    @property
+    def rows(self) -> Rows:
+        return self.variant
 
     @property
     def constrained_rows(self) -> int:
         return self.batch if self.rows == "all" else 0
-
-    @property
-    def device_ms(self) -> float:
-        return min(r.device_ms for r in self.runs)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return max(r.tokens_per_s for r in self.runs)
 
     @property
     def mask_ms_per_step(self) -> float | None:
@@ -294,63 +269,26 @@ class GrammarFinished(RuntimeError):
     measured run: the figures would not be of every row held for every step."""
 
 
-class Decoder:
-    """Drives an engine as the overlap loop does: each decode launch is submitted before the
-    previous one's result is read; the prefill's result is awaited first."""
+class GrammarWatch:
+    """The engine's grammar metrics over a run's decode steps, from the prefill's result on: no
+    grammar may finish, and `masked_rows` rows must be drawn under a mask."""
 
-    def __init__(self, engine: WorkerEngine, prompt_len: int, rng: random.Random) -> None:
+    def __init__(self, engine: WorkerEngine, masked_rows: int, steps: int) -> None:
         self.engine = engine
-        self.prompt_len = prompt_len
-        self.rng = rng
+        self.masked_rows = masked_rows
+        self.steps = steps
+        self.before = self._metrics()
 
-    def run(self, rows: Rows, batch: int, steps: int) -> DecodeRun:
-        self.engine.begin_session().result()
-        width = self.prompt_len + steps
-        check_running(self.engine.submit(self._prefill(rows, batch, width)).result(timeout=600))
-        before = self._metrics()
-        in_flight: deque[Future[StepResult]] = deque([self.engine.submit(self._decode(1, batch, width))])
-        decoded: list[StepResult] = []
-        for k in range(2, steps + 1):
-            in_flight.append(self.engine.submit(self._decode(k, batch, width)))
-            decoded.append(check_running(in_flight.popleft().result(timeout=600)))
-        decoded.append(check_running(in_flight.popleft().result(timeout=600)))
-        done = time.time()
-        grammar = grammar_of(delta(before, self._metrics()), steps)
-        check_masked(grammar, batch * steps if rows == "all" else 0)
-        device_s = statistics.fmean(r.forward_seconds for r in decoded)
-        return DecodeRun(device_s * 1e3, done - decoded[0].forward_start, batch * steps, grammar)
+    def read(self, result: StepResult) -> StepResult:
+        return check_running(result)
+
+    def end(self, run: DecodeRun) -> GrammarRun:
+        grammar = grammar_of(delta(self.before, self._metrics()), self.steps)
+        check_masked(grammar, self.masked_rows)
+        return GrammarRun(run.device_ms, run.wall_s, run.tokens, grammar)
 
     def _metrics(self) -> Samples:
         return parse(generate_latest(self.engine.metrics.registry).decode())
-
-    def _prefill(self, rows: Rows, batch: int, width: int) -> Launch:
-        n, vocab = self.prompt_len, self.engine.backend.vocab_size
-        grammar = GrammarConstraint(CONSTRAINT) if rows == "all" else None
-        ids = [self.rng.randrange(vocab) for _ in range(batch * n)]
-        return Launch(
-            1,
-            new_requests=[NewRequest(slot, 0.0, 1.0, 0, 0, grammar=grammar) for slot in range(batch)],
-            row_req_slots=list(range(batch)),
-            row_start_pos=[0] * batch,
-            row_num_tokens=[n] * batch,
-            row_from_future=[False] * batch,
-            row_sample=[True] * batch,
-            prompt_ids=ids,
-            kv_slots=[slot * width + t for slot in range(batch) for t in range(n)],
-        )
-
-    def _decode(self, k: int, batch: int, width: int) -> Launch:
-        """Decode step k: every row's token k - 1 (read from the FutureMap) at position prompt + k - 1."""
-        position = self.prompt_len + k - 1
-        return Launch(
-            k + 1,
-            row_req_slots=list(range(batch)),
-            row_start_pos=[position] * batch,
-            row_num_tokens=[1] * batch,
-            row_from_future=[True] * batch,
-            row_sample=[True] * batch,
-            kv_slots=[slot * width + position for slot in range(batch)],
-        )
 
 
 def check_running(result: StepResult) -> StepResult:
@@ -366,38 +304,27 @@ def check_masked(grammar: Grammar, expected: int) -> None:
         raise GrammarFinished(f"{grammar.masked_rows} rows drawn under a mask, not {expected}")
 
 
-def engine_for(backend: ModelBackend, plan: EnginePlan) -> WorkerEngine:
-    most = max(plan.batch_sizes)
-    config = EngineConfig(most * (plan.prompt_len + max(plan.steps, WARMUP_STEPS)), most)
-    return WorkerEngine(backend, config, CpuStreams())
+class Held(Variation[Rows, GrammarRun, EngineRow]):
+    """Runs that differ in which rows are held to SCHEMA: none of the batch, then all of it."""
+
+    def __init__(self) -> None:
+        super().__init__(ROWS)
+
+    def requests(self, variant: Rows, batch: int, prompt_len: int, backend: ModelBackend) -> list[NewRequest]:
+        grammar = GrammarConstraint(CONSTRAINT) if variant == "all" else None
+        return [greedy(slot, grammar=grammar) for slot in range(batch)]
+
+    def watch(self, engine: WorkerEngine, variant: Rows, batch: int, steps: int) -> GrammarWatch:
+        return GrammarWatch(engine, batch * steps if variant == "all" else 0, steps)
+
+    def row(self, model: str, batch: int, variant: Rows, runs: tuple[GrammarRun, ...]) -> EngineRow:
+        return EngineRow(model, batch, variant, runs)
+
+    def progress_line(self, rows: Sequence[EngineRow], row: EngineRow) -> str:
+        return engine_progress_line(row, versus_plain(rows, row))
 
 
-def measure_model(
-    backend: ModelBackend, model: str, plan: EnginePlan, progress: Progress = lambda line: None
-) -> list[EngineRow]:
-    """`none` and `all` at every batch size of the plan on one model: rows by batch, then rows."""
-    engine = engine_for(backend, plan)
-    decoder = Decoder(engine, plan.prompt_len, random.Random(SEED))
-    measured: list[EngineRow] = []
-    try:
-        for batch in plan.batch_sizes:
-            rows = measure_batch(decoder, model, batch, plan)
-            for row in rows:
-                progress(engine_progress_line(row, versus_plain(rows, row)))
-            measured += rows
-    finally:
-        engine.shutdown()
-    return measured
-
-
-def measure_batch(decoder: Decoder, model: str, batch: int, plan: EnginePlan) -> list[EngineRow]:
-    for rows in ROWS:
-        decoder.run(rows, batch, WARMUP_STEPS)
-    runs: dict[Rows, list[DecodeRun]] = {rows: [] for rows in ROWS}
-    for _ in range(plan.repeats):
-        for rows in ROWS:
-            runs[rows].append(decoder.run(rows, batch, plan.steps))
-    return [EngineRow(model, batch, rows, tuple(r)) for rows, r in runs.items()]
+HELD = Held()
 
 
 @dataclass(frozen=True)
@@ -410,8 +337,7 @@ class VersusPlain:
 
 
 def versus_plain(rows: Sequence[EngineRow], row: EngineRow) -> VersusPlain:
-    key = (row.model, row.batch, "none")
-    plain = next((r for r in rows if (r.model, r.batch, r.rows) == key), None)
+    plain = find(rows, row.model, row.batch, "none")
     if plain is None:
         return VersusPlain(None, None, None)
     return VersusPlain(
@@ -419,11 +345,6 @@ def versus_plain(rows: Sequence[EngineRow], row: EngineRow) -> VersusPlain:
         ratio(row.tokens_per_s, plain.tokens_per_s),
         ratio(row.mask_ms_per_step, plain.device_ms),
     )
-
-
-def run_engine_part(plan: EnginePlan, progress: Progress) -> list[EngineRow]:
-    torch.set_num_threads(plan.threads)
-    return [row for model in plan.models for row in measure_model(load_model(model), model, plan, progress)]
 
 
 def engine_progress_line(row: EngineRow, vs: VersusPlain) -> str:
@@ -534,7 +455,7 @@ def to_stderr(line: str) -> None:
 
 def run_plan(plan: Plan, progress: Progress = to_stderr) -> StructuredRun:
     (started_at, machine), before = begin(), load_average()
-    engine = run_engine_part(plan.engine, progress)
+    engine = run_engine_part(plan.engine, HELD, progress)
     between = load_average()
     served = run_serving_part(plan.serving, progress)
     loads = (before, between, load_average())
@@ -547,8 +468,7 @@ def run_plan(plan: Plan, progress: Progress = to_stderr) -> StructuredRun:
 
 
 def engine_target_row(rows: Sequence[EngineRow]) -> EngineRow | None:
-    key = (TARGET_MODEL, TARGET_BATCH, "all")
-    return next((r for r in rows if (r.model, r.batch, r.rows) == key), None)
+    return find(rows, TARGET_MODEL, TARGET_BATCH, "all")
 
 
 def mask_share_at_target(rows: Sequence[EngineRow]) -> float | None:

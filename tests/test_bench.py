@@ -17,6 +17,7 @@ import pytest
 
 from bench import (
     core_cpu,
+    engine_decode,
     link_delay,
     overlap_depth,
     prefix_cache,
@@ -725,8 +726,8 @@ def test_smollm2_report_names_the_best_threads_and_is_strict_json() -> None:
 
 def test_sampling_cost_decodes_each_feature_set_on_tiny_and_compares_it_with_none() -> None:
     plan = sampling_cost.EnginePlan(("tiny",), (2,), steps=2, repeats=1, feature_sets=("none", "all"))
-    backend = sampling_cost.load_model("tiny")
-    rows = sampling_cost.measure_model(backend, "tiny", plan)
+    backend = engine_decode.load_model("tiny")
+    rows = engine_decode.measure_model(backend, "tiny", plan, sampling_cost.Features(plan.feature_sets))
     assert [(r.model, r.batch, r.features, len(r.runs)) for r in rows] == [
         ("tiny", 2, "none", 1),
         ("tiny", 2, "all", 1),
@@ -748,7 +749,7 @@ def test_sampling_cost_decodes_each_feature_set_on_tiny_and_compares_it_with_non
 
 def decode_row(model: str, batch: int, features: str, *device_ms: float) -> sampling_cost.EngineRow:
     """Runs of batch x 10 tokens, each taking 10 steps of its device time."""
-    runs = tuple(sampling_cost.DecodeRun(ms, ms * 10 / 1e3, batch * 10) for ms in device_ms)
+    runs = tuple(engine_decode.DecodeRun(ms, ms * 10 / 1e3, batch * 10) for ms in device_ms)
     return sampling_cost.EngineRow(model, batch, features, runs)
 
 
@@ -827,8 +828,8 @@ def test_sampling_cost_targets_are_unmeasured_without_their_rows_and_missed_belo
 
 
 def test_structured_decodes_tiny_with_every_row_held_and_no_grammar_finishing() -> None:
-    plan = structured.EnginePlan(("tiny",), (2,), steps=3, repeats=1)
-    rows = structured.measure_model(sampling_cost.load_model("tiny"), "tiny", plan)
+    plan = engine_decode.EnginePlan(("tiny",), (2,), steps=3, repeats=1)
+    rows = engine_decode.measure_model(engine_decode.load_model("tiny"), "tiny", plan, structured.HELD)
     assert [(r.model, r.batch, r.rows, r.constrained_rows) for r in rows] == [
         ("tiny", 2, "none", 0),
         ("tiny", 2, "all", 2),
@@ -876,7 +877,7 @@ def engine_run(
     """One run of 10 decode steps."""
     held = batch if rows == "all" else 0
     grammar = structured.Grammar(mask_ms * 10 / 1e3, 10 if held else 0, held * 10, mask_ms * 10 / 1e3, 10)
-    run = structured.DecodeRun(device_ms, device_ms * 10 / 1e3, batch * 10, grammar)
+    run = structured.GrammarRun(device_ms, device_ms * 10 / 1e3, batch * 10, grammar)
     return structured.EngineRow(model, batch, rows, (run,))
 
 

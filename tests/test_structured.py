@@ -307,3 +307,32 @@ def test_a_token_drawn_outside_its_mask_is_caught(
         assert engine.metrics.grammar_violations._value.get() == 1
     finally:
         engine.shutdown()
+
+
+def test_a_step_that_fails_after_its_draws_leaves_the_grammar_thread_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A constrained step that fails once its rows are drawn (here: its log-probabilities) never
+    hands its tokens to the grammar thread, which would wait for them forever: the next
+    session's constrained requests run (a hang guard, not a timing)."""
+    engine = make_engine("sim", kv_slots=64, request_slots=4, sim_step_ms=0.0)
+    logprobs = SimDraw.logprobs
+
+    def failing(self: SimDraw, ids: torch.Tensor) -> object:
+        raise RuntimeError("a fault after the draws")
+
+    try:
+        engine.begin_session().result()
+        monkeypatch.setattr(SimDraw, "logprobs", failing)
+        with pytest.raises(RuntimeError, match="a fault after the draws"):
+            engine.submit(prefill(1, 0, [72, 73], [0, 1], new_requests=[choice_request(0, ["ok"])])).result()
+        monkeypatch.setattr(SimDraw, "logprobs", logprobs)
+        engine.begin_session().result(timeout=60)
+        first = engine.submit(prefill(1, 0, [72, 73], [0, 1], new_requests=[choice_request(0, ["ok"])]))
+        second = engine.submit(decode(2, [0], [2], [2]))
+        assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == [
+            [ord("o")],
+            [ord("k")],
+        ]
+    finally:
+        engine.shutdown()

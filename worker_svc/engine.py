@@ -339,14 +339,13 @@ class WorkerEngine:
             self.ranks.hand_launch(launch)
         with self.streams.forward(), transfers_through(self.streams):
             ran = self._run(launch)
-            try:
-                packed = self._no_tokens if ran.sampled is None else pack_for_host(ran.sampled)
-                copy = self.streams.copy_to_host(packed)
-            except BaseException as exc:
-                if ran.grammar is not None:
-                    ran.grammar.fail(exc)
-                raise
-            return _Enqueued(copy, self._slots.live, self._session.epoch, ran.grammar)
+            packed = self._no_tokens if ran.sampled is None else pack_for_host(ran.sampled)
+            copy = self.streams.copy_to_host(packed)
+        if ran.grammar is not None and self._grammar_thread is not None:
+            # NOTE: handed on only once nothing of the step can fail here (the copy thread
+            # always answers it), and before the next launch's deltas and masks: launch order.
+            self._grammar_thread.advance(ran.grammar)
+        return _Enqueued(copy, self._slots.live, self._session.epoch, ran.grammar)
 
     def _run(self, launch: Launch) -> _Ran:
         """The launch's slot deltas, then its forward unless it only releases slots."""
@@ -394,7 +393,7 @@ class WorkerEngine:
         slots: torch.Tensor,
     ) -> GrammarStep | None:
         """The constrained rows' ids, drawn under their `masks`, into `ids` and the FutureMap;
-        rank 0 hands their tokens on to its matchers (the returned step)."""
+        on rank 0, the step that hands their tokens on to its matchers."""
         index = self.streams.to_device(constrained.rows)
         grammar = self._grammar_thread
         if grammar is None or masks is None:  # another rank: rank 0 drew them
@@ -410,6 +409,4 @@ class WorkerEngine:
         self._slots.future.store(slots.index_select(0, index), masked)
         if grammar is None:
             return None
-        step = GrammarStep(constrained)
-        grammar.advance(step)
-        return step
+        return GrammarStep(constrained)
