@@ -3,12 +3,14 @@ against transformers' tokenizer of the same GGUF, and the sandbox's and error pa
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
-from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError, tools_fallback
 from scheduler_svc.frontend.tokenizer import HFTokenizer
+from scheduler_svc.frontend.tools import Tool, ToolCall, render_call, tools_system_prompt
 from worker_svc.gguf import GGUFModel
 
 SYSTEM = ChatMessage("system", "You are a terse assistant.")
@@ -187,3 +189,104 @@ def test_an_unsafe_attribute_alone_renders_empty_as_in_transformers(
     source = "[{{ ''.__class__ }}{{ messages[0].__class__ }}]"
     expected = smollm2_tokenizer.apply_chat_template(to_dicts([USER]), chat_template=source, tokenize=False)
     assert ChatTemplate(source, {}).render([USER]) == expected == "[]"
+
+
+# ---- tools ----------------------------------------------------------------------------------
+
+# A template that knows tools, in the shape the open chat models' templates have (tools listed
+# in the system turn, calls and tool results as turns of their own).
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{{ messages[0].content if messages[0].role == 'system' else '' }}
+# Tools
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}{% continue %}{% endif %}
+{%- if message.tool_calls %}<|im_start|>assistant
+{{ message.content or '' }}{% for call in message.tool_calls -%}
+{% set written = {'name': call.function.name, 'arguments': call.function.arguments} -%}
+<tool_call>{{ written | tojson }}</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>tool ({{ message.tool_call_id }})
+{{ message.content }}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER_TOOL = Tool(
+    "get_weather",
+    "The weather in a city",
+    '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}',
+)
+CALL = ToolCall("get_weather", '{"city": "Paris"}', "call_1")
+WITH_CALLS = [
+    SYSTEM,
+    ChatMessage("user", "Weather in Paris?"),
+    ChatMessage("assistant", "", (CALL,)),
+    ChatMessage("tool", '{"celsius": 21}', tool_call_id="call_1"),
+]
+
+
+# WITH_CALLS as an OpenAI client sends it, and transformers takes it (arguments as an object).
+WITH_CALLS_AS_SENT: list[dict[str, Any]] = [
+    {"role": "system", "content": SYSTEM.content},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": '{"celsius": 21}', "tool_call_id": "call_1"},
+]
+
+
+def test_a_template_that_knows_tools_gets_them_as_transformers_passes_them(smollm2_tokenizer: Any) -> None:
+    template = ChatTemplate(TOOL_TEMPLATE, smollm2_tokenizer.special_tokens_map)
+    assert template.knows_tools
+    rendered = template.render(WITH_CALLS, tools=[WEATHER_TOOL])
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": WEATHER_TOOL.name,
+                "description": WEATHER_TOOL.description,
+                "parameters": json.loads(WEATHER_TOOL.parameters),
+            },
+        }
+    ]
+    expected = smollm2_tokenizer.apply_chat_template(
+        WITH_CALLS_AS_SENT,
+        tools=tools,
+        chat_template=TOOL_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered == expected
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+
+
+def test_a_template_that_knows_no_tools_gets_them_in_the_system_turn(
+    smollm2: GGUFModel, smollm2_tokenizer: Any
+) -> None:
+    template = smollm2_template(smollm2, smollm2_tokenizer)
+    assert not template.knows_tools
+    rendered = template.render(WITH_CALLS, tools=[WEATHER_TOOL])
+    fallback = tools_fallback(WITH_CALLS, [WEATHER_TOOL])
+    assert rendered == smollm2_tokenizer.apply_chat_template(
+        to_dicts(fallback), tokenize=False, add_generation_prompt=True
+    )
+    system = fallback[0]
+    assert system.role == "system" and system.content.startswith(SYSTEM.content)
+    assert tools_system_prompt([WEATHER_TOOL]) in system.content
+    assert fallback[2].content == render_call(CALL)  # the history's call, written as the model writes calls
+    no_system = tools_fallback(WITH_CALLS[1:], [WEATHER_TOOL])
+    assert no_system[0] == ChatMessage("system", tools_system_prompt([WEATHER_TOOL]))

@@ -13,6 +13,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from scheduler_svc.frontend.tools import Tool, ToolCall, render_call, tools_system_prompt
+
 
 class ChatTemplateError(ValueError):
     """The template cannot render these messages (its raise_exception, or a template error)."""
@@ -22,6 +24,8 @@ class ChatTemplateError(ValueError):
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # a "tool" turn: the call it answers
 
 
 # Errors a template's own expressions raise on some input (`{{ 1 // 0 }}`, `{{ 'a' + 1 }}`, a macro
@@ -35,18 +39,32 @@ class ChatTemplate:
         are the template variables transformers passes: bos_token, eos_token, unk_token, pad_token
         (only the ones the tokenizer has)."""
         self._special_tokens = dict(special_tokens)
+        self._source = source
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template does not compile: {error}") from error
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the template reads `tools` (transformers passes them; the others get them in
+        a system turn, `tools_fallback`)."""
+        return "tools" in self._source
+
+    def render(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[Tool] = ()
+    ) -> str:
+        """As transformers' `apply_chat_template(messages, tools=...)`: a tool's `parameters` and
+        a call's `arguments` as objects. A template that knows no tools renders
+        `tools_fallback(messages, tools)` instead."""
+        if not self.knows_tools and (tools or any(m.tool_calls for m in messages)):
+            messages = tools_fallback(messages, tools)
         # NOTE: transformers defines `tools` and `documents` (as None) for every template.
         variables = {
             **self._special_tokens,
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "messages": [_message(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": [_tool(t) for t in tools] if tools and self.knows_tools else None,
             "documents": None,
         }
         try:
@@ -55,6 +73,47 @@ class ChatTemplate:
             raise
         except _RENDER_ERRORS as error:
             raise ChatTemplateError(f"chat template failed: {error}") from error
+
+
+def _message(m: ChatMessage) -> dict[str, object]:
+    message: dict[str, object] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["content"] = m.content or None  # OpenAI's assistant turn that only calls
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _tool(t: Tool) -> dict[str, object]:
+    function = {"name": t.name, "description": t.description, "parameters": json.loads(t.parameters)}
+    return {"type": "function", "function": function}
+
+
+def tools_fallback(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> list[ChatMessage]:
+    """For a template that knows no tools: the tools and their call format in the system turn
+    (after its own text; a system turn of their own first where there is none), each call of
+    the history written out as the model writes calls, after its turn's text."""
+    plain = [
+        ChatMessage(m.role, "\n".join(filter(None, [m.content, *map(render_call, m.tool_calls)])))
+        for m in messages
+    ]
+    if not tools:
+        return plain
+    prompt = tools_system_prompt(list(tools))
+    if plain and plain[0].role == "system":
+        return [
+            ChatMessage("system", f"{plain[0].content}\n\n{prompt}" if plain[0].content else prompt),
+            *plain[1:],
+        ]
+    return [ChatMessage("system", prompt), *plain]
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

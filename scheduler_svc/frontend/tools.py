@@ -63,6 +63,7 @@ class ToolChoice:
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI carries it
+    id: str = ""  # the call's id, as a response gave it (a history's turns carry it back)
 
 
 @dataclass(frozen=True)
