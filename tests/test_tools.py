@@ -14,6 +14,7 @@ import pytest
 
 from scheduler_svc.frontend.tools import (
     CALL_OPEN,
+    CallCapture,
     Tool,
     ToolCall,
     ToolChoice,
@@ -177,3 +178,21 @@ def test_good_definitions_pass_and_the_fallback_prompt_lists_them() -> None:
     check_tools([], ToolChoice("auto"))
     prompt = tools_system_prompt(TOOLS)
     assert "get_weather" in prompt and "add" in prompt and CALL_OPEN in prompt
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7], ids=lambda n: f"in {n}-character pieces")
+def test_the_capture_streams_the_content_and_never_a_call(pieces: int) -> None:
+    """Whatever the pieces the text arrives in: the content is streamed whole, no character
+    of a call ever is, and the calls come back parsed at the end."""
+    call = ToolCall("add", json.dumps({"a": 1, "b": 2}))
+    for content in ["", "Let me add them. ", "a < b <tool ", "<"]:
+        reply = content + render_call(call) + "\n" + render_call(call)
+        capture = CallCapture()
+        streamed = "".join(capture.push(reply[i : i + pieces]) for i in range(0, len(reply), pieces))
+        held, calls = capture.finish()
+        assert streamed + held == content, reply  # so not one character of a call
+        assert calls == (call, call)
+    plain = CallCapture()
+    text = "No call: a <tool but not a call <tool_cal"
+    streamed = "".join(plain.push(text[i : i + pieces]) for i in range(0, len(text), pieces))
+    assert streamed + plain.finish()[0] == text and plain.finish() == ("", ())

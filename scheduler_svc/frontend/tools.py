@@ -172,6 +172,38 @@ def parse_reply(text: str) -> Reply:
     return Reply(content, tuple(calls))
 
 
+class CallCapture:
+    """A reply's text stream split where its calls begin: the text before the first `<tool_call>`
+    is content, streamed as it comes (less a tail that may begin the trigger, held back as a
+    stop string's prefix is); everything from the trigger on is the calls' text, never streamed,
+    parsed once the reply ends."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self.calls_text: str | None = None  # None until the trigger is seen
+
+    def push(self, text: str) -> str:
+        """The content now safe to stream."""
+        if self.calls_text is not None:
+            self.calls_text += text
+            return ""
+        pending = self._held + text
+        start = pending.find(CALL_OPEN)
+        if start >= 0:
+            self._held, self.calls_text = "", pending[start:]
+            return pending[:start]
+        keep = next((n for n in range(len(CALL_OPEN) - 1, 0, -1) if pending.endswith(CALL_OPEN[:n])), 0)
+        self._held = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep]
+
+    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
+        """The content held back, and the reply's calls."""
+        held, self._held = self._held, ""
+        if self.calls_text is None:
+            return held, ()
+        return held, parse_reply(self.calls_text).calls
+
+
 def tools_system_prompt(tools: list[Tool]) -> str:
     """For a chat template that knows no tools: the tools and the call format, as a system turn."""
     listed = "\n".join(
