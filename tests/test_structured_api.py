@@ -32,18 +32,15 @@ from loadgen.client import build_request as loadgen_request
 from loadgen.openai_protocol import chat_body, completion_body
 from loadgen.workload import PromptSpec
 from scheduler_svc.frontend import validation
-from scheduler_svc.frontend.api_config import ClientApiConfig
-from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
-from scheduler_svc.frontend.grpc_api import build_server
+from scheduler_svc.frontend.frontend import ApiError, Frontend, FrontendConfig
 from scheduler_svc.frontend.openai.routes import build_app
 from scheduler_svc.frontend.validation import MAX_CHOICES
 from stepahead.grammars import ANY_JSON_OBJECT, GrammarError, compile_constraint, is_cached
 from stepahead.protocol import MAX_CONSTRAINT_BYTES, Constraint
 from stepahead.v1 import generation_pb2 as pb
-from stepahead.v1 import generation_pb2_grpc
 from stepahead_client.client import build_request as client_request
 from stepahead_client.client import parse_args as client_args
-from tests.live import CALL_TIMEOUT_S, unused_port
+from tests.live import CALL_TIMEOUT_S
 from tests.test_openai_api import assert_names, error_of
 from tests.test_openai_sampling import EOS, SCRIPTED_INFO, Scripted, ScriptedCore, steps_of
 
@@ -62,11 +59,13 @@ CONSTRAINED = "stepahead_constrained_requests_total"
 
 @dataclass
 class Served:
-    """One frontend over a scripted core, on both APIs."""
+    """One frontend over a scripted core: the HTTP API, and `Frontend.admit`, which the gRPC
+    API's Generate calls with the request as it arrives (an in-process gRPC server would bind
+    grpc.aio to each test's event loop; the gRPC wire itself is tested live, in
+    tests/test_structured_services.py)."""
 
     scripted: Scripted
     http: httpx2.AsyncClient
-    grpc: generation_pb2_grpc.GenerationAsyncStub
 
     @property
     def frontend(self) -> Frontend:
@@ -87,21 +86,14 @@ async def served() -> AsyncIterator[Served]:
     frontend = Frontend(FrontendConfig())
     frontend.core = core
     frontend.worker_state(SCRIPTED_INFO, True)
-    server, port, _ = await build_server(frontend, ClientApiConfig(port=unused_port(), http_port=0))
-    await server.start()
     transport = httpx2.ASGITransport(app=build_app(frontend))
-    try:
-        async with (
-            httpx2.AsyncClient(transport=transport, base_url="http://scripted") as http,
-            openai.AsyncOpenAI(
-                base_url="http://scripted/v1", api_key="unchecked", max_retries=0, http_client=http
-            ) as client,
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-        ):
-            scripted = Scripted(frontend, core, client)
-            yield Served(scripted, http, generation_pb2_grpc.GenerationStub(channel))
-    finally:
-        await server.stop(None)
+    async with (
+        httpx2.AsyncClient(transport=transport, base_url="http://scripted") as http,
+        openai.AsyncOpenAI(
+            base_url="http://scripted/v1", api_key="unchecked", max_retries=0, http_client=http
+        ) as client,
+    ):
+        yield Served(Scripted(frontend, core, client), http)
 
 
 async def constraint_served(s: Served, call: Awaitable[Any]) -> Constraint | None:
@@ -124,9 +116,13 @@ async def posted(s: Served, endpoint: str, body: dict[str, Any]) -> httpx2.Respo
     return response
 
 
-async def generate(s: Served, sampling: pb.SamplingParams) -> list[pb.GenerateResponse]:
-    request = pb.GenerateRequest(text="hi", sampling=sampling)
-    return [r async for r in s.grpc.Generate(request, timeout=CALL_TIMEOUT_S)]
+async def generate(s: Served, sampling: pb.SamplingParams) -> None:
+    """A GenerateRequest as the gRPC API admits it, read to its end; ApiError when refused."""
+    call = await s.frontend.admit(pb.GenerateRequest(text="hi", sampling=sampling))
+    async with asyncio.timeout(CALL_TIMEOUT_S):
+        while not call.done:
+            await call.ready.wait()
+            call.take()
 
 
 def sampling(**structured: Any) -> pb.SamplingParams:
@@ -329,10 +325,10 @@ GRPC_BAD: list[tuple[dict[str, Any], str]] = [
 async def test_a_bad_grpc_constraint_is_invalid_argument_naming_its_field(
     served: Served, structured: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
+    with pytest.raises(ApiError) as refused:
         await generate(served, sampling(**structured))
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (refused.value.details() or "").startswith(message), refused.value.details()
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(refused.value).startswith(message), str(refused.value)
     assert served.core.specs == []
     still = await grpc_constraint(served, sampling(regex="ok"))
     assert still == Constraint("regex", "ok")

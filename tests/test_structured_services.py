@@ -273,3 +273,23 @@ def test_a_worker_killed_mid_grammar_loses_nothing_and_changes_no_output() -> No
         assert scheduler.stop() == 0
     finally:
         stop_all(scheduler, worker)
+
+
+def test_over_the_wire_a_bad_constraint_is_invalid_argument_and_the_server_keeps_serving() -> None:
+    with serving_pair(["--model", "sim", "--sim-step-ms", "1", "--check-invariants"]) as (_, scheduler):
+
+        async def run() -> str:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=8, regex="a("))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    _ = [r async for r in stub.Generate(bad, timeout=CALL_TIMEOUT_S)]
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert (refused.value.details() or "").startswith("sampling.structured.regex: ")
+                good = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=8))
+                good.sampling.choice.choices.extend(["yes", "no"])
+                replies = [r async for r in stub.Generate(good, timeout=CALL_TIMEOUT_S)]
+                assert replies[-1].finish_reason == pb.FINISH_REASON_STOP
+                return "".join(r.text for r in replies)
+
+        assert asyncio.run(run()) in ("yes", "no")
