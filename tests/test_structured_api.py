@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 import httpx2
-import openai
 import pytest
 
 from loadgen import BenchmarkConfig
@@ -32,7 +31,7 @@ from loadgen.client import build_request as loadgen_request
 from loadgen.openai_protocol import chat_body, completion_body
 from loadgen.workload import PromptSpec
 from scheduler_svc.frontend import validation
-from scheduler_svc.frontend.frontend import ApiError, Frontend, FrontendConfig
+from scheduler_svc.frontend.frontend import ApiError, Frontend
 from scheduler_svc.frontend.openai.routes import build_app
 from scheduler_svc.frontend.validation import MAX_CHOICES
 from stepahead.grammars import ANY_JSON_OBJECT, GrammarError, compile_constraint, is_cached
@@ -42,7 +41,7 @@ from stepahead_client.client import build_request as client_request
 from stepahead_client.client import parse_args as client_args
 from tests.live import CALL_TIMEOUT_S
 from tests.test_openai_api import assert_names, error_of
-from tests.test_openai_sampling import EOS, SCRIPTED_INFO, Scripted, ScriptedCore, steps_of
+from tests.test_openai_sampling import EOS, Scripted, ScriptedCore, scripted, steps_of  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
 
@@ -81,19 +80,11 @@ class Served:
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    core = ScriptedCore()
-    frontend = Frontend(FrontendConfig())
-    frontend.core = core
-    frontend.worker_state(SCRIPTED_INFO, True)
-    transport = httpx2.ASGITransport(app=build_app(frontend))
-    async with (
-        httpx2.AsyncClient(transport=transport, base_url="http://scripted") as http,
-        openai.AsyncOpenAI(
-            base_url="http://scripted/v1", api_key="unchecked", max_retries=0, http_client=http
-        ) as client,
-    ):
-        yield Served(Scripted(frontend, core, client), http)
+async def served(scripted: Scripted) -> AsyncIterator[Served]:  # noqa: F811 (the imported fixture)
+    """test_openai_sampling's scripted frontend, with an HTTP client of its own for raw bodies."""
+    transport = httpx2.ASGITransport(app=build_app(scripted.frontend))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://scripted") as http:
+        yield Served(scripted, http)
 
 
 async def constraint_served(s: Served, call: Awaitable[Any]) -> Constraint | None:
