@@ -26,6 +26,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     STOP = 2
     ABORT = 3
+    TOOL_CALLS = 4  # a frontend's: a reply that made tool calls and ended (STOP in the core)
 
 
 MAX_COMPLETIONS = 16  # `n`: completions of one prompt in one call

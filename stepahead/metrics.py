@@ -29,7 +29,7 @@ METRICS_PATHS = frozenset({"/metrics", "/"})
 # The label values and histogram buckets of both services' metrics, each written once.
 FORWARD_MODES = ("prefill", "decode", "mixed")
 PHASES = ("pick", "launch", "wait", "process")
-FINISH_REASONS = ("length", "stop", "abort", "error")
+FINISH_REASONS = ("length", "stop", "tool_calls", "abort", "error")
 # seconds
 LINK_RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02, 0.05, 0.1, 0.25)
 LATENCY_BUCKETS = (

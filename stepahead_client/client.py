@@ -6,6 +6,10 @@ python -m stepahead_client "Hello" --server 10.0.0.1:50051,10.0.0.2:50051
 python -m stepahead_client "Hello" --server dns:///schedulers.internal:50051
 python -m stepahead_client --chat "Name a city, as JSON" --json-schema city.schema.json
 python -m stepahead_client "The answer is" --choice yes --choice no
+python -m stepahead_client --chat "Weather in Paris?" --tools tools.json --tool-choice required
+
+With --tools, the reply's calls are printed after its text, one JSON object a line
+({"id": ..., "name": ..., "arguments": ...}).
 
 Several schedulers serving one model (replicas) are reached over one channel that balances
 calls over them with gRPC's `round_robin` policy (`stepahead/targets.py`, which loadgen's gRPC
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -60,6 +65,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
     _add_structured_args(p)
     p.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="with --chat: tools the model may call, a JSON list as OpenAI's `tools` "
+        '([{"type": "function", "function": {"name": ..., "parameters": {...}}}]; bare functions too)',
+    )
+    p.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="none|auto|required|NAME",
+        help="with --tools: whether the reply may (auto, the default), must (required) or must not "
+        "(none) call, or must call the tool NAME",
+    )
+    p.add_argument("--no-parallel-tool-calls", action="store_true", help="with --tools: one call at most")
+    p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})",
@@ -80,9 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--system needs --chat")
     if args.max_new_tokens is None:
         args.max_new_tokens = CHAT_MAX_NEW_TOKENS if args.chat else TEXT_MAX_NEW_TOKENS
+    if (args.tools is not None or args.tool_choice is not None) and not args.chat:
+        p.error("--tools and --tool-choice need --chat")
     try:
         args.json_schema = _schema_text(args.json_schema)
         args.grammar = _file_text(args.grammar, "--grammar")
+        args.tools = _tools(args.tools)
     except ValueError as exc:
         p.error(str(exc))
     try:
@@ -121,6 +143,30 @@ def _file_text(path: str | None, flag: str) -> str | None:
         raise ValueError(f"{flag}: cannot read {path}: {exc}") from None
 
 
+def _tools(path: str | None) -> list[generation_pb2.Tool]:
+    text = _file_text(path, "--tools")
+    if text is None:
+        return []
+    try:
+        listed = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--tools: {path} is not JSON: {exc}") from None
+    if not isinstance(listed, list):
+        raise ValueError(f"--tools: {path} holds no list of tools")
+    tools = []
+    for i, item in enumerate(listed):
+        function = item.get("function", item) if isinstance(item, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"--tools: tool {i} of {path} has no function name")
+        tool = generation_pb2.Tool(name=function["name"], description=function.get("description") or "")
+        if function.get("parameters") is not None:
+            tool.parameters = json.dumps(function["parameters"])
+        if isinstance(function.get("strict"), bool):
+            tool.strict = function["strict"]
+        tools.append(tool)
+    return tools
+
+
 def open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
     """Raises ValueError when a server's name cannot be resolved."""
     if args.tls_ca is None:
@@ -156,9 +202,14 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
     turns = [("system", args.system)] if args.system is not None else []
     turns.append(("user", args.prompt))
     messages = [generation_pb2.ChatMessage(role=role, content=content) for role, content in turns]
-    return generation_pb2.GenerateRequest(
-        messages=generation_pb2.ChatMessages(messages=messages), sampling=sampling
-    )
+    chat = generation_pb2.ChatMessages(messages=messages, tools=args.tools)
+    if args.tool_choice in ("none", "auto", "required"):
+        chat.tool_choice.mode = args.tool_choice
+    elif args.tool_choice is not None:
+        chat.tool_choice.function = args.tool_choice
+    if args.no_parallel_tool_calls:
+        chat.parallel_tool_calls = False
+    return generation_pb2.GenerateRequest(messages=chat, sampling=sampling)
 
 
 def _add_constraint(sampling: generation_pb2.SamplingParams, args: argparse.Namespace) -> None:
@@ -183,13 +234,21 @@ async def stream_reply(args: argparse.Namespace) -> int:
     async with opened as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         last: generation_pb2.GenerateResponse | None = None
+        calls: dict[int, dict[str, str]] = {}
         try:
             async for last in stub.Generate(build_request(args), metadata=call_metadata(args)):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
+                for delta in last.tool_calls:
+                    call = calls.setdefault(
+                        delta.index, {"id": delta.id, "name": delta.name, "arguments": ""}
+                    )
+                    call["arguments"] += delta.arguments
         except grpc.aio.AioRpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    for index in sorted(calls):
+        print(("\n" if index == 0 else "") + json.dumps(calls[index], ensure_ascii=False))
     if last is not None:
         reason = generation_pb2.FinishReason.Name(last.finish_reason)
         print(

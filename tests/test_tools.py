@@ -14,12 +14,19 @@ import pytest
 
 from scheduler_svc.frontend.tools import (
     CALL_OPEN,
-    CallCapture,
+    DEFAULT_FORMAT,
+    HERMES_FORMAT,
+    CallDelta,
+    CallFormat,
+    CallStream,
+    Reply,
     Tool,
     ToolCall,
     ToolChoice,
     ToolError,
     check_tools,
+    compile_tools,
+    merge_deltas,
     parse_reply,
     render_call,
     tool_constraint,
@@ -134,34 +141,36 @@ def test_none_and_no_tools_constrain_nothing() -> None:
     assert tool_constraint([], ToolChoice("auto")) is None
 
 
-def test_a_reply_cut_short_keeps_its_complete_calls() -> None:
+def test_a_reply_cut_short_keeps_what_it_got_of_its_last_call() -> None:
+    """As a stream sent it: the call whose name is whole, with its arguments so far (the
+    finish reason says the reply was cut); a call cut before its name is whole is not one."""
     first = render_call(ToolCall("add", json.dumps({"a": 1, "b": 2})))
-    reply = parse_reply(f"Sure.{first}\n{CALL_OPEN}" + '{"name": "add", "argu')
+    reply = parse_reply(f"Sure.{first}\n{CALL_OPEN}" + '{"name": "add", "arguments": {"a": 3')
     assert reply.content == "Sure."
-    assert reply.calls == (ToolCall("add", json.dumps({"a": 1, "b": 2})),)
-    assert parse_reply("plain text") == parse_reply("plain text")
-    assert parse_reply("plain text").calls == ()
+    assert reply.calls == (ToolCall("add", json.dumps({"a": 1, "b": 2})), ToolCall("add", '{"a": 3'))
+    assert parse_reply(f"{CALL_OPEN}" + '{"name": "ad') == parse_reply("") == Reply("", ())
+    assert parse_reply("plain text <tool_c") == Reply("plain text <tool_c", ())
 
 
 @pytest.mark.parametrize(
     ("tools", "choice", "field", "says"),
     [
-        ([Tool("a b")], ToolChoice(), "tools[0].function.name", "must match"),
-        ([Tool("f"), Tool("f")], ToolChoice(), "tools[1].function.name", "defined twice"),
-        ([Tool("f", parameters="{not json")], ToolChoice(), "tools[0].function.parameters", "not JSON"),
+        ([Tool("a b")], ToolChoice(), "tools[0].name", "must match"),
+        ([Tool("f"), Tool("f")], ToolChoice(), "tools[1].name", "defined twice"),
+        ([Tool("f", parameters="{not json")], ToolChoice(), "tools[0].parameters", "not JSON"),
         (
             [Tool("f", parameters='{"type": "string"}')],
             ToolChoice(),
-            "tools[0].function.parameters",
+            "tools[0].parameters",
             "object",
         ),
         (
             [Tool("f", parameters='{"type": "object", "properties": {"x": {"type": "nonsense"}}}')],
             ToolChoice(),
-            "tools[0].function.parameters",
+            "tools[0].parameters",
             "nonsense",
         ),
-        ([Tool("f")], ToolChoice("named", "g"), "tool_choice.function.name", "names no tool"),
+        ([Tool("f")], ToolChoice("named", "g"), "tool_choice.function", "names no tool"),
         ([], ToolChoice("required"), "tool_choice", "at least one tool"),
     ],
 )
@@ -170,6 +179,9 @@ def test_bad_definitions_are_refused_naming_their_field(
 ) -> None:
     with pytest.raises(ToolError, match=says) as refused:
         check_tools(tools, choice)
+        constraint = tool_constraint(tools, choice)
+        assert constraint is not None
+        compile_tools(tools, constraint)
     assert refused.value.field == field
 
 
@@ -180,19 +192,60 @@ def test_good_definitions_pass_and_the_fallback_prompt_lists_them() -> None:
     assert "get_weather" in prompt and "add" in prompt and CALL_OPEN in prompt
 
 
-@pytest.mark.parametrize("pieces", [1, 2, 3, 7], ids=lambda n: f"in {n}-character pieces")
-def test_the_capture_streams_the_content_and_never_a_call(pieces: int) -> None:
-    """Whatever the pieces the text arrives in: the content is streamed whole, no character
-    of a call ever is, and the calls come back parsed at the end."""
-    call = ToolCall("add", json.dumps({"a": 1, "b": 2}))
+ARGUMENTS = json.dumps({"a": 'x}"{ ]\\', "b": [1, {"c": [2]}], "é": "ü"}, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("fmt", [DEFAULT_FORMAT, HERMES_FORMAT], ids=["default", "hermes"])
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7, 10_000], ids=lambda n: f"in {n}-character pieces")
+def test_the_stream_sends_the_content_whole_and_the_calls_as_deltas(pieces: int, fmt: CallFormat) -> None:
+    """Whatever the pieces the text arrives in: the content is streamed whole and no character
+    of a call's markup ever is; each call's first delta names it, and its deltas' arguments
+    join into exactly the text the model wrote (braces and quotes inside strings included)."""
+    call = ToolCall("add", ARGUMENTS)
     for content in ["", "Let me add them. ", "a < b <tool ", "<"]:
-        reply = content + render_call(call) + "\n" + render_call(call)
-        capture = CallCapture()
-        streamed = "".join(capture.push(reply[i : i + pieces]) for i in range(0, len(reply), pieces))
-        held, calls = capture.finish()
-        assert streamed + held == content, reply  # so not one character of a call
-        assert calls == (call, call)
-    plain = CallCapture()
+        reply = content + render_call(call, fmt) + fmt.separator + render_call(call, fmt)
+        stream = CallStream(fmt, new_id=lambda i: f"call-{i}")
+        streamed, deltas = "", list[CallDelta]()
+        for i in range(0, len(reply), pieces):
+            text, more = stream.push(reply[i : i + pieces])
+            streamed, deltas = streamed + text, deltas + more
+        assert streamed + stream.finish() == content, reply
+        assert stream.complete and not stream.broken and stream.named == 2
+        assert [(d.index, d.id, d.name) for d in deltas if d.name] == [
+            (0, "call-0", "add"),
+            (1, "call-1", "add"),
+        ]
+        assert merge_deltas(deltas) == [
+            ToolCall("add", ARGUMENTS, "call-0"),
+            ToolCall("add", ARGUMENTS, "call-1"),
+        ]
+        if pieces == 1:  # the arguments went out as they came, not at the end
+            assert sum(1 for d in deltas if d.arguments) == 2 * len(ARGUMENTS)
+    plain = CallStream(fmt)
     text = "No call: a <tool but not a call <tool_cal"
-    streamed = "".join(plain.push(text[i : i + pieces]) for i in range(0, len(text), pieces))
-    assert streamed + plain.finish()[0] == text and plain.finish() == ("", ())
+    streamed = "".join(plain.push(text[i : i + pieces])[0] for i in range(0, len(text), pieces))
+    assert streamed + plain.finish() == text and plain.named == 0 and not plain.complete
+
+
+def test_text_that_breaks_the_layout_ends_the_parse() -> None:
+    stream = CallStream()
+    content, deltas = stream.push('ok <tool_call>{"name": "f", "args": {}}</tool_call>')
+    assert content == "ok " and [d.name for d in deltas] == ["f"] and stream.broken
+    assert stream.push(" more")[0] == "" and stream.finish() == "" and not stream.complete
+
+
+def test_a_template_that_writes_hermes_calls_gets_their_layout(table: MatcherTable) -> None:
+    qwen_like = '{{- "<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args>}\\n</tool_call>" }}'
+    assert CallFormat.of_template(qwen_like) == HERMES_FORMAT
+    assert CallFormat.of_template("{{ messages[0].content }}") == DEFAULT_FORMAT
+    for mode in ["required", "auto"]:
+        constraint = tool_constraint(TOOLS, ToolChoice(mode), True, HERMES_FORMAT)  # type: ignore[arg-type]
+        assert constraint is not None
+        prefix = f"Checking. {HERMES_FORMAT.open}" if mode == "auto" else ""
+        words = [w for w in (walk(table, constraint, seed, prefix) for seed in range(10)) if w is not None]
+        assert len(words) >= 6
+        for word in words:
+            assert word.startswith(prefix + (HERMES_FORMAT.open if mode == "required" else ""))
+            reply = parse_reply(word, HERMES_FORMAT)
+            assert reply.calls, word
+            check_calls(reply.calls, set(SCHEMAS))

@@ -13,7 +13,14 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from scheduler_svc.frontend.tools import Tool, ToolCall, render_call, tools_system_prompt
+from scheduler_svc.frontend.tools import (
+    DEFAULT_FORMAT,
+    CallFormat,
+    Tool,
+    ToolCall,
+    render_call,
+    tools_system_prompt,
+)
 
 
 class ChatTemplateError(ValueError):
@@ -50,6 +57,11 @@ class ChatTemplate:
         """Whether the template reads `tools` (transformers passes them; the others get them in
         a system turn, `tools_fallback`)."""
         return "tools" in self._source
+
+    @property
+    def call_format(self) -> CallFormat:
+        """How the model writes tool calls: its template's format where it describes one."""
+        return CallFormat.of_template(self._source) if self.knows_tools else DEFAULT_FORMAT
 
     def render(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[Tool] = ()

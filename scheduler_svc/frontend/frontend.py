@@ -39,6 +39,7 @@ from scheduler_svc.frontend.streams import ClientRequest, Completions, OutputStr
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.frontend.text import RequestText
 from scheduler_svc.frontend.tokenizer import Tokenizer, load_tokenizer
+from scheduler_svc.frontend.tools import CallFormat, CallStream
 from scheduler_svc.frontend.validation import (
     InvalidRequest,
     NoChatTemplate,
@@ -98,7 +99,7 @@ def completion_seed(seed: int, index: int) -> int:
 
 def _cheap(request: generation_pb2.GenerateRequest) -> bool:
     """Whether checking `request` costs less than the hop to a thread and back."""
-    return request.ByteSize() < OFF_LOOP_INPUT_BYTES and not needs_compiling(request.sampling)
+    return request.ByteSize() < OFF_LOOP_INPUT_BYTES and not needs_compiling(request)
 
 
 class Frontend:
@@ -160,7 +161,7 @@ class Frontend:
                 if check is not None:
                     check(valid)
                 rid = request.request_id or uuid.uuid4().hex
-                completions = self.submit(rid, valid.prompt_ids, valid.params, valid.n)
+                completions = self.submit(rid, valid.prompt_ids, valid.params, valid.n, valid.calls)
                 self.telemetry.admitted(valid.params)
                 return completions
 
@@ -171,24 +172,35 @@ class Frontend:
             )
         return self._tokenizer_threads
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> Completions:
+    def submit(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        calls: CallFormat | None = None,
+    ) -> Completions:
         """A validated request: `n` completions, fanned out into one core request each (with
-        seeds of their own); the core may still refuse one (the call then fails)."""
+        seeds of their own); the core may still refuse one (the call then fails). With `calls`,
+        each completion's text is parsed for tool calls in that format."""
         if rid in self._by_rid:
             raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already live")
         completions = Completions(rid, prompt_ids, asyncio.Event())
         self._by_rid[rid] = completions
         for index in range(n):
             seeded = dataclasses.replace(params, seed=completion_seed(params.seed, index))
-            completions.clients.append(self._submit_one(completions, index, seeded))
+            completions.clients.append(self._submit_one(completions, index, seeded, calls))
         return completions
 
-    def _submit_one(self, completions: Completions, index: int, params: SamplingParams) -> ClientRequest:
+    def _submit_one(
+        self, completions: Completions, index: int, params: SamplingParams, calls: CallFormat | None
+    ) -> ClientRequest:
         assert self.core is not None and self.tokenizer is not None
         rid, prompt_ids = completions.rid, completions.prompt_ids
         stream = OutputStream(self.config.stream_interval, completions.ready)
         text = RequestText(self.tokenizer, params.stop)
         client = ClientRequest(next(self._handles), rid, prompt_ids, params, text, stream, index)
+        client.calls = None if calls is None else CallStream(calls)
         self.clients[client.handle] = client
         self.core.add(CoreRequestSpec(client.handle, rid, prompt_ids, params, client.arrival_time, index))
         return client
@@ -284,7 +296,7 @@ class Frontend:
             return
         match_stops = client.params.stop_finishes(client.num_generated - 1)
         text, stopped = client.text.push(token, match_stops)
-        client.stream.put(token, text, logprob)
+        client.stream.put(token, self._content(client, text), logprob)
         if stopped:
             self._end(client, FinishReason.STOP)
             if finish is None:
@@ -308,9 +320,21 @@ class Frontend:
 
     # ---- endings ---------------------------------------------------------------------------
 
+    def _content(self, client: ClientRequest, text: str) -> str:
+        """Of a completion's new text, what is content; its calls' pieces go to the stream."""
+        if client.calls is None:
+            return text
+        content, deltas = client.calls.push(text)
+        client.stream.put_calls(deltas)
+        return content
+
     def _end(self, client: ClientRequest, reason: FinishReason) -> None:
         if not (reason == FinishReason.STOP and client.text.stopped):
-            client.stream.put_text(client.text.finish())
+            client.stream.put_text(self._content(client, client.text.finish()))
+        if client.calls is not None:
+            client.stream.put_text(client.calls.finish())
+            if reason == FinishReason.STOP and client.calls.complete:
+                reason = FinishReason.TOOL_CALLS  # its calls are whole: the reply ended after them
         client.finish_reason = reason
         self._forget(client)
         client.stream.close(reason)

@@ -96,6 +96,10 @@ async def _stream(
                 logprobs=_logprobs_to_proto(chunk),
                 index=index,
                 cached_tokens=completions.clients[index].cached_tokens,
+                tool_calls=[
+                    generation_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+                    for d in chunk.tool_calls
+                ],
             )
 
 

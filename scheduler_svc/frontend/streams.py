@@ -12,6 +12,7 @@ import grpc
 
 from scheduler_svc.contract import FinishReason, SamplingParams, TokenLogprob
 from scheduler_svc.frontend.text import RequestText
+from scheduler_svc.frontend.tools import CallDelta, CallStream
 
 
 @dataclass
@@ -21,6 +22,7 @@ class OutputChunk:
     finish_reason: FinishReason | None
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
+    tool_calls: list[CallDelta] = field(default_factory=list)  # the calls' pieces, in order
 
 
 class OutputStream:
@@ -34,6 +36,7 @@ class OutputStream:
         self._ids: list[int] = []
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._calls: list[CallDelta] = []
         self._finish: FinishReason | None = None
         self._sent = 0
         self._interval = interval
@@ -43,7 +46,7 @@ class OutputStream:
 
     @property
     def has_news(self) -> bool:
-        return not self.done and bool(self._ids or self._text or self._finish is not None)
+        return not self.done and bool(self._ids or self._text or self._calls or self._finish is not None)
 
     def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> None:
         self._ids.append(token_id)
@@ -58,6 +61,9 @@ class OutputStream:
         if text:
             self._text.append(text)
 
+    def put_calls(self, deltas: list[CallDelta]) -> None:
+        self._calls += deltas
+
     def close(self, reason: FinishReason) -> None:
         self._finish = reason
         self.ready.set()
@@ -70,8 +76,9 @@ class OutputStream:
         """Everything pending, as one message."""
         self.ready.clear()
         self._sent += len(self._ids)
-        chunk = OutputChunk(self._ids, "".join(self._text), self._finish, self._sent, self._logprobs)
-        self._ids, self._text, self._logprobs = [], [], []
+        text = "".join(self._text)
+        chunk = OutputChunk(self._ids, text, self._finish, self._sent, self._logprobs, self._calls)
+        self._ids, self._text, self._logprobs, self._calls = [], [], [], []
         self.done = self._finish is not None
         return chunk
 
@@ -92,6 +99,7 @@ class ClientRequest:
     finish_reason: FinishReason | None = None
     num_generated: int = 0
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
+    calls: CallStream | None = None  # with tools: its text split into content and calls
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,17 @@ from scheduler_svc.contract import (
 )
 from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from scheduler_svc.frontend.tokenizer import Tokenizer
+from scheduler_svc.frontend.tools import (
+    ANY_ARGUMENTS,
+    CallFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolError,
+    check_tools,
+    compile_tools,
+    tool_constraint,
+)
 from stepahead.grammars import ANY_JSON_OBJECT, GrammarError, compile_constraint, is_cached
 from stepahead.protocol import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind, WorkerInfo
 from stepahead.v1 import generation_pb2
@@ -39,6 +50,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a whole request message or HTTP body
 MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MESSAGES_FIELD = "input.messages.messages"
+TOOLS_PREFIX = "input.messages."  # of the tools' fields: input.messages.tools[0].name
+CHOICE_MODES = ("none", "auto", "required")
 MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
 MAX_BIAS = 100.0
 MAX_CHOICES = 1024
@@ -85,6 +98,7 @@ class ValidRequest:
     params: SamplingParams
     n: int = 1  # completions of the prompt
     compiled: Compiled | None = None  # None: unconstrained
+    calls: CallFormat | None = None  # replies are parsed for tool calls in this format (None: not)
 
 
 def validate_request(
@@ -105,12 +119,15 @@ def validate_request(
     sampling = request.sampling
     if open_ended and sampling.max_new_tokens == 0:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
-    requested = requested_constraint(sampling)
+    tools = tool_request(request)
+    fmt = chat.call_format if chat is not None else None
+    requested = _one_constraint(requested_constraint(sampling), tools, fmt)
     params = _sampling_params(sampling, info.vocab_size, seed, requested)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)
     n = _completions(sampling)
     compiled = None if requested is None else _compile(requested)  # the costliest check, last
-    return ValidRequest(prompt_ids, params, n, compiled)
+    calls = fmt if requested is not None and requested.tools is not None else None
+    return ValidRequest(prompt_ids, params, n, compiled, calls)
 
 
 def _with_room_left(
@@ -150,7 +167,8 @@ def _prompt_ids(request: generation_pb2.GenerateRequest, source: PromptSource, v
     if which == "text":
         return _text_ids(request.text, source)
     if which == "messages":
-        return _chat_ids(list(request.messages.messages), source)
+        tools = tool_request(request)
+        return _chat_ids(list(request.messages.messages), source, () if tools is None else tools.tools)
     if not request.input_ids.ids:
         raise InvalidRequest("input.input_ids.ids: must not be empty")
     _check_prompt_length(len(request.input_ids.ids), "input.input_ids.ids", source.max_prompt_tokens)
@@ -170,13 +188,17 @@ def _text_ids(text: str, source: PromptSource) -> list[int]:
     return ids
 
 
-def _chat_ids(messages: list[generation_pb2.ChatMessage], source: PromptSource) -> list[int]:
+def _chat_ids(
+    messages: list[generation_pb2.ChatMessage], source: PromptSource, tools: tuple[Tool, ...] = ()
+) -> list[int]:
     """Checked before rendering: the sizes bound what the template is given."""
     if source.chat is None:
         raise NoChatTemplate("input.messages: the model has no chat template; send text or input_ids")
     checked = _check_chat_messages(messages, source.max_text_bytes)
+    tools_size = sum(len(t.name) + len(t.description.encode()) + len(t.parameters.encode()) for t in tools)
+    _check_text_size(tools_size, f"{TOOLS_PREFIX}tools", source.max_text_bytes)
     try:
-        text = source.chat.render(checked)
+        text = source.chat.render(checked, tools=tools)
     except ChatTemplateError as exc:
         raise InvalidRequest(f"input.messages: the chat template refused them: {exc}") from exc
     ids = source.tokenizer.encode(text, add_special_tokens=False)
@@ -195,8 +217,31 @@ def _check_chat_messages(messages: list[generation_pb2.ChatMessage], max_bytes: 
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequest(f"{field}[{i}].role: must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
-    _check_text_size(sum(len(m.content.encode()) for m in messages), field, max_bytes)
-    return [ChatMessage(m.role, m.content) for m in messages]
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequest(
+                f"{field}[{i}].tool_calls: only an assistant turn makes calls, not {m.role!r}"
+            )
+    size = sum(len(m.content.encode()) + sum(c.ByteSize() for c in m.tool_calls) for m in messages)
+    _check_text_size(size, field, max_bytes)
+    return [
+        ChatMessage(m.role, m.content, _history_calls(m.tool_calls, f"{field}[{i}]"), m.tool_call_id)
+        for i, m in enumerate(messages)
+    ]
+
+
+def _history_calls(calls: Iterable[generation_pb2.ToolCall], field: str) -> tuple[ToolCall, ...]:
+    """An assistant turn's calls, as the template gets them (their arguments as objects)."""
+    for j, call in enumerate(calls):
+        where = f"{field}.tool_calls[{j}]"
+        if not call.name:
+            raise InvalidRequest(f"{where}.name: must not be empty")
+        try:
+            arguments = json.loads(call.arguments)
+        except ValueError as exc:
+            raise InvalidRequest(f"{where}.arguments: not JSON: {exc}") from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(f"{where}.arguments: must be a JSON object")
+    return tuple(ToolCall(c.name, c.arguments, c.id) for c in calls)
 
 
 def _check_text_size(size: int, field: str, max_text_bytes: int) -> None:
@@ -320,6 +365,7 @@ class RequestedConstraint:
 
     field: str  # as the checks name it: `sampling.structured.regex`
     constraint: Constraint
+    tools: ToolRequest | None = None  # the tools whose calls `constraint` holds the reply to
 
 
 def constraint_field(which: str) -> str:
@@ -345,11 +391,13 @@ def requested_constraint(p: generation_pb2.SamplingParams) -> RequestedConstrain
     return RequestedConstraint(field, Constraint("grammar", p.grammar))
 
 
-def needs_compiling(p: generation_pb2.SamplingParams) -> bool:
-    """Whether checking `p` compiles a constraint (one not in the cache): milliseconds to seconds
-    of CPU, work for a thread rather than an event loop."""
-    requested = requested_constraint(p)
-    return requested is not None and not is_cached(requested.constraint)
+def needs_compiling(request: generation_pb2.GenerateRequest) -> bool:
+    """Whether checking `request` may compile a constraint (one not in the cache): milliseconds
+    to seconds of CPU, work for a thread rather than an event loop. Tools: always taken as so."""
+    requested = requested_constraint(request.sampling)
+    if requested is not None and not is_cached(requested.constraint):
+        return True
+    return request.WhichOneof("input") == "messages" and len(request.messages.tools) > 0
 
 
 def _bounded_constraint(requested: RequestedConstraint, p: generation_pb2.SamplingParams) -> Constraint:
@@ -379,10 +427,77 @@ def _compile(requested: RequestedConstraint) -> Compiled:
     cached = is_cached(requested.constraint)
     start = time.perf_counter()
     try:
-        compile_constraint(requested.constraint)
+        if requested.tools is not None:
+            compile_tools(list(requested.tools.tools), requested.constraint, TOOLS_PREFIX)
+        else:
+            compile_constraint(requested.constraint)
+    except ToolError as exc:
+        raise InvalidRequest(str(exc)) from exc
     except GrammarError as exc:
         raise InvalidRequest(f"{requested.field}: {str(exc).strip()}") from exc
     return Compiled(requested.constraint.kind, time.perf_counter() - start, cached)
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools a conversation offers and how the reply may call them, checked (not compiled)."""
+
+    tools: tuple[Tool, ...]
+    choice: ToolChoice
+    parallel: bool
+
+
+def tool_request(request: generation_pb2.GenerateRequest) -> ToolRequest | None:
+    """None when the input is no conversation, or one that offers no tools and sets no choice."""
+    if request.WhichOneof("input") != "messages":
+        return None
+    chat = request.messages
+    if not chat.tools and not chat.HasField("tool_choice"):
+        return None
+    tools = tuple(
+        Tool(t.name, t.description, t.parameters or ANY_ARGUMENTS, t.strict if t.HasField("strict") else True)
+        for t in chat.tools
+    )
+    choice = _tool_choice(chat)
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    try:
+        check_tools(list(tools), choice, TOOLS_PREFIX)
+    except ToolError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return ToolRequest(tools, choice, parallel)
+
+
+def _tool_choice(chat: generation_pb2.ChatMessages) -> ToolChoice:
+    which = chat.tool_choice.WhichOneof("choice")
+    if which is None:
+        return ToolChoice("auto")
+    if which == "function":
+        return ToolChoice("named", chat.tool_choice.function)
+    mode = chat.tool_choice.mode
+    if mode not in CHOICE_MODES:
+        raise InvalidRequest(
+            f"{TOOLS_PREFIX}tool_choice.mode: must be one of {', '.join(CHOICE_MODES)}; got {mode!r}"
+        )
+    return ToolChoice(mode)  # type: ignore[arg-type]
+
+
+def _one_constraint(
+    structured: RequestedConstraint | None, tools: ToolRequest | None, fmt: CallFormat | None
+) -> RequestedConstraint | None:
+    """The constraint the reply is held to: its `structured` one, or its tools' calls (one per
+    request: a reply is either)."""
+    calls = None if tools is None else tool_constraint(list(tools.tools), tools.choice, tools.parallel, fmt)
+    if calls is None:
+        return structured
+    if structured is not None:
+        raise InvalidRequest(
+            f"{structured.field}: a reply that may call tools is held to their calls already; "
+            "set tool_choice 'none' to constrain the reply otherwise"
+        )
+    return RequestedConstraint(f"{TOOLS_PREFIX}tools", calls, tools)
 
 
 def _check_fits(prompt_len: int, max_new_tokens: int, info: WorkerInfo) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from scheduler_svc.contract import (
     FinishReason,
     TokenLogprob,
 )
+from scheduler_svc.frontend.tools import CallDelta, ToolCall, merge_deltas
 from scheduler_svc.frontend.validation import STRUCTURED_FIELD, constraint_field
 from stepahead.v1 import generation_pb2 as pb
 
@@ -39,7 +41,12 @@ MAX_OPENAI_STOPS = 4  # OpenAI's own bound on `stop`
 UTF8_CONTINUATION = (0x80, 0xBF)  # the bytes that continue a character
 MIN_LOGPROB = -9999.0  # what a log-probability of -inf (or NaN) is sent as: JSON has neither
 
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.TOOL_CALLS: "tool_calls",
+}
 # The GenerateRequest fields the checks name, as the HTTP API names them.
 HTTP_FIELDS = {
     "input.text": "prompt",
@@ -60,6 +67,17 @@ HTTP_FIELDS = {
     "sampling.n": "n",
     "sampling": "",
 }
+# The tools' fields, where OpenAI nests them under `function`.
+TOOL_FIELDS = [
+    (re.compile(r"input\.messages\.tools\[(\d+)\]\.(\w+)"), r"tools[\1].function.\2"),
+    (re.compile(r"input\.messages\.tool_choice\.function"), "tool_choice.function.name"),
+    (re.compile(r"input\.messages\.tool_choice(\.mode)?"), "tool_choice"),
+    (re.compile(r"input\.messages\.(tools|parallel_tool_calls)"), r"\1"),
+    (
+        re.compile(r"input\.messages\.messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(name|arguments)"),
+        r"messages[\1].tool_calls[\2].function.\3",
+    ),
+]
 TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
 JSON_SCHEMA_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for response_format.json_schema.name
 ANY_JSON = "{}"  # the schema of a json_schema response_format that gives none: any JSON (as vLLM)
@@ -344,11 +362,59 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallIn(BaseModel):
+    """A call of an assistant turn of the history, as a response gave it."""
+
+    model_config = STRICT
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(BaseModel):
     model_config = STRICT
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -357,7 +423,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated forms of tools: refused
+    function_call: Any = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -371,8 +441,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise FieldError("tools", "tool calls are not supported")
+        for legacy in ("functions", "function_call"):
+            if getattr(self, legacy) is not None:
+                raise FieldError(legacy, "deprecated by OpenAI and not served: use tools and tool_choice")
 
     def to_proto(self) -> pb.GenerateRequest:
         self.check_supported()
@@ -381,10 +452,35 @@ class ChatCompletionRequest(SamplingFields):
         else:
             sampling = self.sampling(self.max_tokens, "max_tokens")
         request = pb.GenerateRequest(sampling=sampling)
-        request.messages.messages.extend(
-            pb.ChatMessage(role=_role(m.role), content=_content(m, i)) for i, m in enumerate(self.messages)
-        )
+        chat = request.messages
+        chat.messages.extend(_message(m, i) for i, m in enumerate(self.messages))
+        chat.tools.extend(_tool(t) for t in self.tools or [])
+        if isinstance(self.tool_choice, NamedToolChoice):
+            chat.tool_choice.function = self.tool_choice.function.name
+        elif self.tool_choice is not None:
+            chat.tool_choice.mode = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            chat.parallel_tool_calls = self.parallel_tool_calls
         return request
+
+
+def _message(m: ChatMessageIn, index: int) -> pb.ChatMessage:
+    calls = [
+        pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []
+    ]
+    return pb.ChatMessage(
+        role=_role(m.role), content=_content(m, index), tool_calls=calls, tool_call_id=m.tool_call_id or ""
+    )
+
+
+def _tool(t: ToolDef) -> pb.Tool:
+    f = t.function
+    tool = pb.Tool(name=f.name, description=f.description or "")
+    if f.parameters is not None:
+        tool.parameters = json.dumps(f.parameters)
+    if f.strict is not None:
+        tool.strict = f.strict
+    return tool
 
 
 def _role(role: str) -> str:
@@ -440,6 +536,9 @@ def http_field(field: str, body: SamplingFields) -> str:
     """The HTTP API's name of a GenerateRequest field path (`sampling.temperature` -> temperature)."""
     if field.startswith(STRUCTURED_FIELD + ".") and (constraint := body.constraint()) is not None:
         return constraint.http_field(field)
+    for pattern, name in TOOL_FIELDS:
+        if (match := pattern.match(field)) is not None:
+            return match.expand(name) + field[match.end() :]
     for path, name in HTTP_FIELDS.items():
         if field == path or field.startswith(path + "[") or field.startswith(path + "."):
             rest = field[len(path) :]
@@ -502,14 +601,23 @@ class ResponseIds:
         finish: FinishReason | None,
         chunk: bool,
         logprobs: dict[str, Any] | None = None,
+        calls: Sequence[CallDelta] = (),
     ) -> dict[str, Any]:
+        """A choice of a body (`calls`: all its calls' deltas) or of a chunk (those new)."""
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_name(finish)}
         if not self.chat:
             choice["text"] = text
         elif chunk:
-            choice["delta"] = {"content": text} if text else {}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = chunk_calls(calls)
+            choice["delta"] = delta
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:  # OpenAI's reply that only calls has content null
+                message["content"] = text or None
+                message["tool_calls"] = [whole_call(c) for c in merge_deltas(calls)]
+            choice["message"] = message
         return choice
 
     def body(self, choices: list[dict[str, Any]], counts: tuple[int, int, int]) -> dict[str, Any]:
@@ -525,6 +633,23 @@ class ResponseIds:
 
     def usage_chunk(self, counts: tuple[int, int, int]) -> dict[str, Any]:
         return {**self.head(True), "choices": [], "usage": usage(*counts)}
+
+
+def whole_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chunk_calls(deltas: Sequence[CallDelta]) -> list[dict[str, Any]]:
+    """A chunk's `delta.tool_calls`: one entry per call the deltas touch, in order; a call's
+    first entry carries its id, type and name, every entry a fragment of its arguments."""
+    entries: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        entry = entries.setdefault(d.index, {"index": d.index, "function": {"arguments": ""}})
+        if d.name:
+            entry.update({"id": d.id, "type": "function"})
+            entry["function"] = {"name": d.name, "arguments": entry["function"]["arguments"]}
+        entry["function"]["arguments"] += d.arguments
+    return list(entries.values())
 
 
 # ---- log-probabilities ---------------------------------------------------------------------

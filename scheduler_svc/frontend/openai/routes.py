@@ -44,6 +44,7 @@ from scheduler_svc.frontend.openai.protocol import (
     http_message,
 )
 from scheduler_svc.frontend.streams import Completions, OutputChunk
+from scheduler_svc.frontend.tools import CallDelta
 from scheduler_svc.frontend.validation import ValidRequest
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
@@ -447,6 +448,7 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)  # its tool calls' pieces
     finish: FinishReason | None = None
     completion_tokens: int = 0
 
@@ -454,12 +456,13 @@ class Choice:
         self.texts.append(chunk.text)
         self.token_ids += chunk.token_ids
         self.token_logprobs += chunk.logprobs
+        self.calls += chunk.tool_calls
         self.finish = chunk.finish_reason
         self.completion_tokens = chunk.completion_tokens
 
     @property
     def sendable(self) -> bool:
-        return any(self.texts) or self.finish is not None
+        return any(self.texts) or bool(self.calls) or self.finish is not None
 
     def take(self, ids: ResponseIds, chunk: bool) -> dict[str, Any]:
         """What is pending, as the choice of a body or of a chunk."""
@@ -467,8 +470,9 @@ class Choice:
         logprobs = (
             None if self.logprobs is None else self.logprobs.format(self.token_ids, self.token_logprobs)
         )
-        self.texts, self.token_ids, self.token_logprobs = [], [], []
-        return ids.choice(self.index, text, self.finish, chunk, logprobs)
+        calls = self.calls
+        self.texts, self.token_ids, self.token_logprobs, self.calls = [], [], [], []
+        return ids.choice(self.index, text, self.finish, chunk, logprobs, calls)
 
 
 SLICE_ENTRIES = 4096  # log-probabilities formatted between turns of the event loop (~25 ms)
@@ -482,7 +486,8 @@ async def _whole_body(ids: ResponseIds, choices: list[Choice], counts: tuple[int
     bodies, logprobs = [], {}
     for choice in choices:
         marker = f"{nonce}-{choice.index}"
-        bodies.append(ids.choice(choice.index, "".join(choice.texts), choice.finish, False, None))
+        text = "".join(choice.texts)
+        bodies.append(ids.choice(choice.index, text, choice.finish, False, None, choice.calls))
         if choice.logprobs is not None:
             bodies[-1]["logprobs"] = marker
             logprobs[_dumps(marker)] = await _logprobs_json(choice)
