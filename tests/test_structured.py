@@ -23,6 +23,14 @@ import torch
 
 from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.frontend.tools import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    Tool,
+    ToolChoice,
+    parse_reply,
+    tool_constraint,
+)
 from stepahead.protocol import (
     Constraint,
     GrammarConstraint,
@@ -67,12 +75,44 @@ LEVELS = {"enum": ["low", "mid", "high"]}
 REGEX = r"[a-c]{2,5}-[0-9]{1,4}"
 CHOICES = ["yes", "no", "maybe so"]
 SUMS = 'start: expr\nexpr: NUM | "(" expr "+" expr ")"\nNUM: /[0-9]{1,2}/\n'
+# Arguments of bounded length, so that a call ends within the budget its request gets.
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{0,3}$"}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [Tool("get_weather", "", json.dumps(WEATHER)), Tool("add", "", json.dumps(ADD))]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+def _tools(choice: ToolChoice, parallel: bool) -> tuple[Constraint, tuple[ToolChoice, bool]]:
+    constraint = tool_constraint(TOOLS, choice, parallel)
+    assert constraint is not None
+    return constraint, (choice, parallel)
+
+
+# Tool calling's grammars (scheduler_svc/frontend/tools.py): what a chat request with tools sends.
+TOOL_GRAMMARS = dict(
+    [
+        _tools(ToolChoice("required"), True),
+        _tools(ToolChoice("named", "add"), False),
+        _tools(ToolChoice("auto"), True),
+    ]
+)
 CONSTRAINTS = [
     Constraint("json", json.dumps(PERSON)),
     Constraint("json", json.dumps(LEVELS)),
     Constraint("regex", REGEX),
     Constraint("choice", json.dumps(CHOICES)),
     Constraint("grammar", SUMS),
+    *TOOL_GRAMMARS,
 ]
 
 
@@ -94,7 +134,35 @@ def is_sum(text: str) -> bool:
     return expr(0) == len(text)
 
 
+def valid_calls(constraint: Constraint, text: str) -> bool:
+    """Whether `text` is a reply a tool grammar allows: content (under `auto` only) and then
+    calls of the tools it may call, one at most without parallel calls, each call's arguments
+    valid for its tool's schema (jsonschema)."""
+    choice, parallel = TOOL_GRAMMARS[constraint]
+    reply = parse_reply(text)
+    if choice.mode != "auto" and (reply.content is not None or not reply.calls):
+        return False
+    if len(reply.calls) > 1 and not parallel:
+        return False
+    # The calls are the whole rest of the reply (their arguments as the model wrote them).
+    written = [
+        f'{CALL_OPEN}{{"name": "{c.name}", "arguments": {c.arguments}}}{CALL_CLOSE}' for c in reply.calls
+    ]
+    if text != (reply.content or "") + "\n".join(written):
+        return False
+    for call in reply.calls:
+        if choice.mode == "named" and call.name != choice.name:
+            return False
+        try:
+            jsonschema.validate(json.loads(call.arguments), TOOL_SCHEMAS[call.name])
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            return False
+    return True
+
+
 def is_valid(constraint: Constraint, text: str) -> bool:
+    if constraint in TOOL_GRAMMARS:
+        return valid_calls(constraint, text)
     if constraint.kind == "json":
         try:
             jsonschema.validate(json.loads(text), json.loads(constraint.text))
@@ -125,6 +193,9 @@ def accepted_prefix(constraint: Constraint, tokens: list[int]) -> bool:
     return True
 
 
+TOOL_CALL_BUDGET = 150
+
+
 def structured_workload(count: int, seed: int, *, sampled: bool) -> list[WorkItem]:
     """The sampling features' workload (every feature, stops, aborts, long prompts chunked,
     a forced preemption) with a constraint on about half the requests, and a constrained call
@@ -139,6 +210,8 @@ def structured_workload(count: int, seed: int, *, sampled: bool) -> list[WorkIte
         # A stop string or stop token may cut a word short (as the client asked): those are
         # tested on their own, so that every STOP here is the grammar's or EOS.
         p = replace(item.params, constraint=rng.choice(CONSTRAINTS), stop=(), stop_token_ids=frozenset())
+        if p.constraint in TOOL_GRAMMARS:  # room for a call or two (60 tokens each)
+            p = replace(p, max_new_tokens=max(p.max_new_tokens, TOOL_CALL_BUDGET))
         constrained.append(replace(item, params=p))
     letters = preempting_call("forced-preempt-constrained", POOL, sampled=sampled)
     long_word = replace(letters.params, constraint=Constraint("regex", "[a-z]{400}"))
@@ -146,7 +219,7 @@ def structured_workload(count: int, seed: int, *, sampled: bool) -> list[WorkIte
 
 
 def check_constrained(items: list[WorkItem], views: dict[str, ClientView]) -> None:
-    checked = 0
+    checked = calls = 0
     for key, item in completions(items):
         constraint, view = item.params.constraint, views[key]
         if constraint is None:
@@ -156,7 +229,10 @@ def check_constrained(items: list[WorkItem], views: dict[str, ClientView]) -> No
         if view.finish_reason == FinishReason.STOP:
             assert is_valid(constraint, view.text), (key, constraint.kind, view.text)
             checked += 1
+            calls += constraint in TOOL_GRAMMARS and bool(parse_reply(view.text).calls)
     assert checked >= 10, "the workload must finish constrained requests"
+    # A named tool without parallel calls ends its reply after one call, well within its budget.
+    assert calls >= 1, "the workload must finish tool calls"
 
 
 def check_run(
