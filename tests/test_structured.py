@@ -26,6 +26,7 @@ from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.frontend.tools import (
     CALL_CLOSE,
     CALL_OPEN,
+    CALL_SEPARATOR,
     Tool,
     ToolChoice,
     parse_reply,
@@ -148,7 +149,7 @@ def valid_calls(constraint: Constraint, text: str) -> bool:
     written = [
         f'{CALL_OPEN}{{"name": "{c.name}", "arguments": {c.arguments}}}{CALL_CLOSE}' for c in reply.calls
     ]
-    if text != (reply.content or "") + "\n".join(written):
+    if text != (reply.content or "") + CALL_SEPARATOR.join(written):
         return False
     for call in reply.calls:
         if choice.mode == "named" and call.name != choice.name:

@@ -145,7 +145,7 @@ def test_a_reply_cut_short_keeps_what_it_got_of_its_last_call() -> None:
     """As a stream sent it: the call whose name is whole, with its arguments so far (the
     finish reason says the reply was cut); a call cut before its name is whole is not one."""
     first = render_call(ToolCall("add", json.dumps({"a": 1, "b": 2})))
-    reply = parse_reply(f"Sure.{first}\n{CALL_OPEN}" + '{"name": "add", "arguments": {"a": 3')
+    reply = parse_reply(f"Sure.{first}{CALL_OPEN}" + '{"name": "add", "arguments": {"a": 3')
     assert reply.content == "Sure."
     assert reply.calls == (ToolCall("add", json.dumps({"a": 1, "b": 2})), ToolCall("add", '{"a": 3'))
     assert parse_reply(f"{CALL_OPEN}" + '{"name": "ad') == parse_reply("") == Reply("", ())

@@ -24,7 +24,15 @@ import pytest
 from scheduler_svc.contract import FinishReason, StepOutputs
 from scheduler_svc.frontend.frontend import ApiError
 from scheduler_svc.frontend.openai.routes import build_app
-from scheduler_svc.frontend.tools import CALL_OPEN, Tool, ToolCall, ToolChoice, render_call, tool_constraint
+from scheduler_svc.frontend.tools import (
+    CALL_OPEN,
+    CALL_SEPARATOR,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    render_call,
+    tool_constraint,
+)
 from stepahead.v1 import generation_pb2 as pb
 from stepahead_client.client import build_request as client_request
 from stepahead_client.client import parse_args as client_args
@@ -74,7 +82,7 @@ def tokens(text: str) -> list[int]:
 
 
 def calls_text(*calls: ToolCall) -> str:
-    return "\n".join(map(render_call, calls))
+    return CALL_SEPARATOR.join(map(render_call, calls))
 
 
 async def served_call(s: Scripted, create: Any, reply: str, finish: FinishReason = FinishReason.STOP) -> Any:

@@ -14,6 +14,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from scheduler_svc.frontend.tools import (
+    CALL_SEPARATOR,
     DEFAULT_FORMAT,
     CallFormat,
     Tool,
@@ -114,8 +115,7 @@ def tools_fallback(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> li
     (after its own text; a system turn of their own first where there is none), each call of
     the history written out as the model writes calls, after its turn's text."""
     plain = [
-        ChatMessage(m.role, "\n".join(filter(None, [m.content, *map(render_call, m.tool_calls)])))
-        for m in messages
+        ChatMessage(m.role, m.content + CALL_SEPARATOR.join(map(render_call, m.tool_calls))) for m in messages
     ]
     if not tools:
         return plain

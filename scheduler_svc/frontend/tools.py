@@ -7,8 +7,10 @@ call text reaches `content`. The default (for a chat template that defines none,
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
 A template that writes its calls as Hermes and Qwen do (`<tool_call>`, a newline, the JSON, a
-newline, `</tool_call>`) gets that layout (`CallFormat.of_template`). Several calls are
-separated by a newline. With `tool_choice`:
+newline, `</tool_call>`) gets that layout, calls separated by a newline
+(`CallFormat.of_template`). The default writes several calls one right after another: with a
+newline between them, a model that was not tuned on calls (SmolLM2) tends to write the same call
+again and again, where it ends its turn after `</tool_call>`. With `tool_choice`:
 - `none`: no grammar (the model answers in text);
 - `auto`: any text that does not contain `<tool_call>`, or text up to the first `<tool_call>`
   and then calls only: the trigger is a lazy lexeme, so free text costs nothing until the model
@@ -30,7 +32,7 @@ from typing import Any, Literal
 from stepahead.grammars import JSON_LAYOUT, GrammarError, compile_constraint
 from stepahead.protocol import Constraint
 
-CALL_OPEN, CALL_CLOSE, CALL_SEPARATOR = "<tool_call>", "</tool_call>", "\n"
+CALL_OPEN, CALL_CLOSE, CALL_SEPARATOR = "<tool_call>", "</tool_call>", ""
 # A template that writes `<tool_call>` then a newline (as a character, or as Jinja's escape).
 HERMES_CALL = re.compile(r"<tool_call>(\n|\\n)")
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
@@ -56,7 +58,7 @@ class CallFormat:
 
 
 DEFAULT_FORMAT = CallFormat()
-HERMES_FORMAT = CallFormat(CALL_OPEN + "\n", "\n" + CALL_CLOSE)
+HERMES_FORMAT = CallFormat(CALL_OPEN + "\n", "\n" + CALL_CLOSE, "\n")
 
 
 class ToolError(ValueError):
@@ -379,6 +381,6 @@ def tools_system_prompt(tools: list[Tool]) -> str:
     return (
         "You may call these tools. To call one, reply with\n"
         f"{example}\n"
-        "one call a line, and nothing after the calls. The tools:\n"
+        "(several calls one right after another), and nothing after the calls. The tools:\n"
         f"{listed}"
     )
