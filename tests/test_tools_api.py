@@ -249,6 +249,7 @@ async def test_a_turn_after_a_tool_result(s: Scripted) -> None:
 
 # ---- refusals -------------------------------------------------------------------------------------------
 
+HUGE_SCHEMA = {"type": "object", "properties": {"x": {"enum": [f"value {i}" for i in range(8000)]}}}
 BAD_SCHEMA = {"type": "object", "properties": {"x": {"type": "nonsense"}}}
 DUPLICATE = [TOOLS[0], TOOLS[0]]
 HTTP_BAD: list[tuple[dict[str, Any], str]] = [
@@ -269,6 +270,8 @@ HTTP_BAD: list[tuple[dict[str, Any], str]] = [
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": HUGE_SCHEMA}}]}, "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),
     (
         {

@@ -196,7 +196,8 @@ def _chat_ids(
         raise NoChatTemplate("input.messages: the model has no chat template; send text or input_ids")
     checked = _check_chat_messages(messages, source.max_text_bytes)
     tools_size = sum(len(t.name) + len(t.description.encode()) + len(t.parameters.encode()) for t in tools)
-    _check_text_size(tools_size, f"{TOOLS_PREFIX}tools", source.max_text_bytes)
+    # Their schemas become the grammar's text, bounded as a constraint's is.
+    _check_text_size(tools_size, f"{TOOLS_PREFIX}tools", MAX_CONSTRAINT_BYTES)
     try:
         text = source.chat.render(checked, tools=tools)
     except ChatTemplateError as exc:
