@@ -1191,3 +1191,17 @@ def test_frontend_stalls_smoke_run_prints_both_rows(capsys: pytest.CaptureFixtur
     assert printed.startswith("machine: ")
     rows = [line for line in printed.splitlines() if line.startswith(("| tokenize", "| build"))]
     assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
+
+
+def test_tool_masks_smoke_run_writes_every_state(tmp_path: Path) -> None:
+    """The tool-calling cost benchmark runs end to end (few repeats); its figures are the
+    benchmark's: here only that each state and step was measured."""
+    from bench import tool_masks
+
+    tool_masks.main(["--quick", "--out", str(tmp_path)])
+    document = json.loads((tmp_path / "latest-tool_masks.json").read_text())
+    assert list(document["mask_us_per_row"]) == [name for name, *_ in tool_masks.states()]
+    assert list(document["frontend_us_per_token"]) == ["detokenize + stop strings", "CallStream"]
+    assert all(
+        v > 0 for part in ("mask_us_per_row", "frontend_us_per_token") for v in document[part].values()
+    )
