@@ -14,7 +14,7 @@ again and again, where it ends its turn after `</tool_call>`. With `tool_choice`
 - `none`: no grammar (the model answers in text);
 - `auto`: any text that does not contain `<tool_call>`, or text up to the first `<tool_call>`
   and then calls only: the trigger is a lazy lexeme, so free text is held only against writing
-  the opening where no call follows (its masks cost a third of a JSON string's,
+  the opening where no call follows (its masks cost 0.4 of a JSON string's,
   `bench.tool_masks`), and from the opening on the call is held to its tool's schema;
 - `required`: calls only, at least one; a named function: calls of that function only.
 `parallel_tool_calls` false allows one call at most. Each call's `arguments` are held to the
