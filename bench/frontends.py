@@ -1,11 +1,15 @@
-"""python -m bench.frontends [--quick]: the scheduler with 0, 1 and 2 frontend processes, side by
-side, on the `sim` device in overlap mode under closed-loop decode load; where the CPU goes per
-generated token, and whether the machine's cores are the bound.
+"""python -m bench.frontends [--quick] [--baseline REF]: the scheduler with 0, 1 and 2 frontend
+processes, side by side, on the `sim` device in overlap mode under closed-loop decode load; where
+the CPU goes per generated token, how many messages the frontends stream, and whether the
+machine's cores are the bound. With `--baseline REF`, the same points are run on the code of
+commit REF too (a git worktree of it, `bench.baseline`), in turns with this checkout's, and the
+report gives each figure's ratio to the baseline's.
 
-Each (step time, frontend count) gets a fresh worker and scheduler, whose points run lowest
+Each (step time, frontend count, code) gets a fresh worker and scheduler, whose points run lowest
 concurrency first, each after a warmup and between two scrapes of both /metrics endpoints
-(`bench.run.measure`). The load is spread over several client connections (loadgen's
-`connections`), so that every frontend process gets some. Writes
+(`bench.run.measure`), over 1 and over 8 client connections (loadgen's `connections`; one
+connection reaches one frontend process). The machine's speed is printed as the time of a pure
+Python loop (`bench.machine.loop_calibration`). Writes
 bench/results/<UTC date-time>-frontends.{json,md} and prints the table.
 """
 
@@ -18,13 +22,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from bench.baseline import Baseline, checkout
 from bench.cells import NONE, number
 from bench.configs import Case, Configuration, Workload, sim, waves
 from bench.envelope import Envelope, begin
 from bench.figures import CPU, Figures, figures, ratio
-from bench.machine import Machine, load_average
+from bench.machine import Machine, load_average, loop_calibration
 from bench.promtext import total
 from bench.run import Endpoints, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
@@ -32,8 +37,9 @@ from bench.save import RESULTS, command_line, publish
 TITLE = "Stepahead frontends benchmark"
 FRONTEND_CPU = "stepahead_frontend_cpu_seconds_total"
 GENERATED = "stepahead_generation_tokens_total"
+MESSAGES = "stepahead_stream_messages_total"
 FRONTEND_COUNTS = (0, 1, 2)
-CONNECTIONS = 16  # client connections per run, whatever the frontend count
+CONNECTION_COUNTS = (1, 8)  # client connections per run, whatever the frontend count
 BOX_BOUND = 0.9  # all processes together at this fraction of the cores or more: the box is the bound
 
 Progress = Callable[[str], None]
@@ -45,7 +51,7 @@ class Point:
     concurrency: int
 
 
-POINTS = (Point(10, 64), Point(10, 128), Point(10, 256), Point(20, 256))
+POINTS = (Point(10, 8), Point(10, 64), Point(10, 128), Point(10, 256), Point(20, 256))
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class FrontendsPlan:
     frontend_counts: tuple[int, ...] = FRONTEND_COUNTS
     input_len: int = 16
     output_len: int = 128
-    connections: int = CONNECTIONS
+    connection_counts: tuple[int, ...] = CONNECTION_COUNTS
 
     @property
     def step_times(self) -> tuple[float, ...]:
@@ -73,7 +79,7 @@ class FrontendsPlan:
 
 
 FULL = FrontendsPlan("full", waves=16)
-QUICK = FrontendsPlan("quick", waves=2)
+QUICK = FrontendsPlan("quick", waves=2, frontend_counts=(1,))
 
 
 # ---- CPU per token ---------------------------------------------------------------------------
@@ -104,6 +110,8 @@ class CpuFigures:
     cpus_used: float | None  # CPU seconds of all the processes per wall second of the run
     cpus: int  # os.cpu_count()
     frontend_shares: tuple[float, ...] = ()  # each frontend process's part of their CPU, largest first
+    # Messages streamed to clients per second, per frontend (None: code that does not count them)
+    messages_per_s_per_frontend: float | None = None
 
     @property
     def box_bound(self) -> bool:
@@ -135,7 +143,14 @@ def cpu_figures(frontends: int, measured: Measurement, cpus: int | None = None) 
         cpus_used=ratio(s.total, measured.summary.duration_s),
         cpus=cpus or os.cpu_count() or 1,
         frontend_shares=cpu_shares(measured.scheduler_children_cpu_s),
+        messages_per_s_per_frontend=messages_per_s(measured, frontends),
     )
+
+
+def messages_per_s(measured: Measurement, frontends: int) -> float | None:
+    if not any(name == MESSAGES for name, _ in measured.scheduler):
+        return None
+    return ratio(total(measured.scheduler, MESSAGES), measured.summary.duration_s * max(frontends, 1))
 
 
 # ---- how the frontend processes split their CPU ----------------------------------------------
@@ -150,17 +165,29 @@ def cpu_shares(used: Mapping[int, float]) -> tuple[float, ...]:
 # ---- running ---------------------------------------------------------------------------------
 
 
+Code = Literal["current", "baseline"]
+
+
 @dataclass(frozen=True)
 class PointResult:
     case: Case
     figures: Figures  # bench.figures: throughput, device, latency, CPU per step
     cpu: CpuFigures
+    connections: int = 1
+    code: Code = "current"
 
     @property
-    def point(self) -> tuple[float, int, int]:
-        """(step ms, concurrency, frontends): the table's order."""
+    def point(self) -> tuple[float, int, int, int, bool]:
+        """(step ms, concurrency, frontends, connections, baseline first): the table's order."""
         c = self.case.configuration
-        return (c.device.sim_step_ms or 0.0, self.case.workload.concurrency, c.frontends)
+        step_ms = c.device.sim_step_ms or 0.0
+        return (
+            step_ms,
+            self.case.workload.concurrency,
+            c.frontends,
+            self.connections,
+            self.code == "current",
+        )
 
 
 @dataclass(frozen=True)
@@ -169,32 +196,54 @@ class FrontendsRun:
     started_at: datetime  # UTC
     machine: Machine
     load_average_after: float
-    results: tuple[PointResult, ...]  # by step time, concurrency, frontend count
+    results: tuple[PointResult, ...]  # by step time, concurrency, frontend count, connections, code
+    loop_s: float | None = None  # the machine's loop calibration (`bench.machine.loop_calibration`)
+    baseline: str | None = None  # the baseline's commit, when one ran
 
 
 def to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_plan(plan: FrontendsPlan, progress: Progress = to_stderr) -> FrontendsRun:
+def run_plan(
+    plan: FrontendsPlan, progress: Progress = to_stderr, baseline: Baseline | None = None
+) -> FrontendsRun:
     started_at, machine = begin()
+    loop_s = loop_calibration()
+    progress(f"loop calibration: {loop_s:.2f} s")
+    codes: list[tuple[Code, Path | None]] = [("current", None)]
+    if baseline is not None:
+        codes.insert(0, ("baseline", baseline.path))
     results = [
         result
         for step_ms in plan.step_times
         for frontends in plan.frontend_counts
+        for code, path in codes
         for result in run_pair(
-            plan, Configuration(sim(step_ms), "overlap", "grpc", frontends=frontends), progress
+            plan, Configuration(sim(step_ms), "overlap", "grpc", frontends=frontends), progress, code, path
         )
     ]
     ordered = tuple(sorted(results, key=lambda r: r.point))
-    return FrontendsRun(plan, started_at, machine, load_average(), ordered)
+    commit = None if baseline is None else baseline.commit
+    return FrontendsRun(plan, started_at, machine, load_average(), ordered, loop_s, commit)
 
 
-def run_pair(plan: FrontendsPlan, configuration: Configuration, progress: Progress) -> list[PointResult]:
-    """One worker and scheduler for every concurrency at this step time, lowest first."""
+def run_pair(
+    plan: FrontendsPlan,
+    configuration: Configuration,
+    progress: Progress,
+    code: Code = "current",
+    path: Path | None = None,
+) -> list[PointResult]:
+    """One worker and scheduler (of `code`, from `path`) for every concurrency and connection
+    count at this step time, lowest first."""
     step_ms = configuration.device.sim_step_ms or 0.0
-    with serving(configuration) as endpoints:
-        return [run_point(plan, configuration, endpoints, c, progress) for c in plan.concurrencies(step_ms)]
+    with serving(configuration, path) as endpoints:
+        return [
+            run_point(plan, configuration, endpoints, c, connections, progress, code)
+            for c in plan.concurrencies(step_ms)
+            for connections in plan.connection_counts
+        ]
 
 
 def run_point(
@@ -202,20 +251,24 @@ def run_point(
     configuration: Configuration,
     endpoints: Endpoints,
     concurrency: int,
+    connections: int,
     progress: Progress,
+    code: Code = "current",
 ) -> PointResult:
     case = Case(configuration, plan.workload(concurrency))
-    measured = measure(endpoints, case.workload, plan.connections)
-    result = PointResult(case, figures(case, measured), cpu_figures(configuration.frontends, measured))
+    measured = measure(endpoints, case.workload, connections)
+    cpu = cpu_figures(configuration.frontends, measured)
+    result = PointResult(case, figures(case, measured), cpu, connections, code)
     progress(progress_line(result))
     return result
 
 
 def progress_line(r: PointResult) -> str:
-    step_ms, concurrency, frontends = r.point
+    step_ms, concurrency, frontends, connections, _ = r.point
     return (
-        f"step {step_ms:g} ms, concurrency {concurrency:>3}, frontends {frontends}: "
-        f"{r.figures.output_tokens_per_s:8,.0f} tok/s, scheduler {number(r.cpu.scheduler_us_per_token, 1)} "
+        f"{r.code}: step {step_ms:g} ms, concurrency {concurrency:>3}, frontends {frontends}, "
+        f"connections {connections}: {r.figures.output_tokens_per_s:8,.0f} tok/s, busy "
+        f"{number(r.figures.device_busy_fraction, 3)}, scheduler {number(r.cpu.scheduler_us_per_token, 1)} "
         f"µs/token, CPUs used {number(r.cpu.cpus_used, 2)}, {r.figures.failed} failed"
     )
 
@@ -230,17 +283,21 @@ def envelope(run: FrontendsRun, command: str) -> Envelope:
 
 
 def to_json(run: FrontendsRun, command: str) -> dict[str, Any]:
-    return envelope(run, command).json({"points": [_point_json(r) for r in run.results]})
+    points = [_point_json(r) for r in run.results]
+    extra = {"loop_calibration_s": run.loop_s, "baseline_commit": run.baseline, "points": points}
+    return envelope(run, command).json(extra)
 
 
 def _point_json(r: PointResult) -> dict[str, Any]:
-    step_ms, concurrency, frontends = r.point
+    step_ms, concurrency, frontends, connections, _ = r.point
     w = r.case.workload
     return {
         "name": r.case.configuration.name,
+        "code": r.code,
         "step_ms": step_ms,
         "concurrency": concurrency,
         "frontends": frontends,
+        "connections": connections,
         "worker_args": list(r.case.configuration.device.worker_args),
         "scheduler_args": list(r.case.configuration.scheduler_args),
         "workload": {**asdict(w), "input_bounds": w.input_bounds, "output_bounds": w.output_bounds},
@@ -251,39 +308,78 @@ def _point_json(r: PointResult) -> dict[str, Any]:
 
 def to_markdown(run: FrontendsRun, command: str) -> str:
     return envelope(run, command).markdown(
-        [*table(run.results), "", *notes(run), *failure_lines(run.results)]
+        [*table(run.results), "", *ratio_table(run.results), *notes(run), *failure_lines(run.results)]
     )
 
 
 def table(results: Sequence[PointResult]) -> list[str]:
     cpus = results[0].cpu.cpus if results else os.cpu_count()
     header = (
-        "| step ms | concurrency | frontends | output tok/s | of ideal | device busy | core µs/tok "
-        f"| frontends µs/tok | scheduler µs/tok | worker µs/tok | loadgen µs/tok | CPUs used (of {cpus}) "
-        "| frontend CPU split |"
+        "| code | step ms | concurrency | frontends | connections | output tok/s | of ideal | device busy "
+        "| TTFT p50 ms | ITL p50 / p99 ms | core µs/tok | frontends µs/tok | scheduler µs/tok "
+        f"| worker µs/tok | loadgen µs/tok | msg/s a frontend | CPUs used (of {cpus}) | frontend CPU split |"
     )
-    return [header, "|" + "---:|" * 12 + "---|", *(_row(r) for r in results)]
+    return [header, "|---|" + "---:|" * 16 + "---|", *(_row(r) for r in results)]
 
 
 def _row(r: PointResult) -> str:
-    step_ms, concurrency, frontends = r.point
+    step_ms, concurrency, frontends, connections, _ = r.point
     f, c = r.figures, r.cpu
     cells = [
+        r.code,
         f"{step_ms:g}",
         str(concurrency),
         str(frontends),
+        str(connections),
         number(f.output_tokens_per_s, 0),
         number(f.fraction_of_ideal, 3),
         number(f.device_busy_fraction, 3),
+        number(f.ttft_p50_ms, 1),
+        f"{number(f.itl_p50_ms, 1)} / {number(f.itl_p99_ms, 1)}",
         number(c.core_us_per_token, 1),
         "in core" if frontends == 0 else number(c.frontends_us_per_token, 1),
         number(c.scheduler_us_per_token, 1),
         number(c.worker_us_per_token, 1),
         number(c.loadgen_us_per_token, 1),
+        number(c.messages_per_s_per_frontend, 0),
         number(c.cpus_used, 2) + (" †" if c.box_bound else ""),
         split(c.frontend_shares, frontends),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def ratio_table(results: Sequence[PointResult]) -> list[str]:
+    """Each point's figures over the baseline's at the same point (none without a baseline)."""
+    baseline = {r.point[:4]: r for r in results if r.code == "baseline"}
+    pairs = [(r, baseline[r.point[:4]]) for r in results if r.code == "current" and r.point[:4] in baseline]
+    if not pairs:
+        return []
+    header = (
+        "| step ms | concurrency | frontends | connections | scheduler µs/tok | core µs/tok "
+        "| device busy | TTFT p50 | ITL p50 | ITL p99 |"
+    )
+    rows = [header, "|" + "---:|" * 10]
+    for new, old in pairs:
+        step_ms, concurrency, frontends, connections, _ = new.point
+        cells = [
+            f"{step_ms:g}",
+            str(concurrency),
+            str(frontends),
+            str(connections),
+            _times(new.cpu.scheduler_us_per_token, old.cpu.scheduler_us_per_token),
+            _times(new.cpu.core_us_per_token, old.cpu.core_us_per_token),
+            _times(new.figures.device_busy_fraction, old.figures.device_busy_fraction),
+            _times(new.figures.ttft_p50_ms, old.figures.ttft_p50_ms),
+            _times(new.figures.itl_p50_ms, old.figures.itl_p50_ms),
+            _times(new.figures.itl_p99_ms, old.figures.itl_p99_ms),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return ["Current over baseline, point by point:", "", *rows, ""]
+
+
+def _times(new: float | None, old: float | None) -> str:
+    r = ratio(new, old)
+    return NONE if r is None else f"{r:.2f}x"
 
 
 def split(shares: Sequence[float], frontends: int) -> str:
@@ -294,10 +390,17 @@ def split(shares: Sequence[float], frontends: int) -> str:
 
 def notes(run: FrontendsRun) -> list[str]:
     p = run.plan
+    connections = " or ".join(map(str, p.connection_counts))
+    calibration = NONE if run.loop_s is None else f"{run.loop_s:.2f} s"
+    baseline = [] if run.baseline is None else [f"- baseline: commit {run.baseline}, run the same way"]
     return [
+        f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes {calibration}",
+        *baseline,
         f"- each point: {p.waves} x concurrency requests, {p.input_len}-token prompts, exactly "
-        f"{p.output_len} new tokens (ignore_eos), a closed loop over {p.connections} client connections; "
+        f"{p.output_len} new tokens (ignore_eos), a closed loop over {connections} client connections; "
         f"warmup: concurrency x 8 tokens; overlap mode; ideal = concurrency x 1000 / step ms",
+        "- msg/s a frontend: messages streamed to clients per second (gRPC responses, server-sent "
+        "events), per frontend process (the core's own with 0)",
         "- µs/tok: CPU time per token streamed to clients (Δ stepahead_generation_tokens_total); core: "
         "the engine core's process (with 0 frontends it serves the clients too); scheduler: core + "
         "frontends; loadgen: the bench process",
@@ -312,11 +415,12 @@ def failure_lines(results: Sequence[PointResult]) -> Iterator[str]:
     """Figures cover completed requests only: a point with failures is flagged."""
     for r in results:
         if r.figures.failed:
-            step_ms, concurrency, frontends = r.point
+            step_ms, concurrency, frontends, connections, _ = r.point
             yield ""
             yield (
                 f"**{r.figures.failed} of {r.figures.failed + r.figures.completed} requests failed** at "
-                f"step {step_ms:g} ms, concurrency {concurrency}, frontends {frontends}."
+                f"step {step_ms:g} ms, concurrency {concurrency}, frontends {frontends}, connections "
+                f"{connections} ({r.code})."
             )
 
 
@@ -329,13 +433,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help=f"{QUICK.waves} waves per point instead of {FULL.waves}"
     )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
+    p.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run every point on the code of this commit (a git worktree of it), side by side",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = command_line("bench.frontends", argv)
-    run = run_plan(QUICK if args.quick else FULL)
+    baseline = None if args.baseline is None else checkout(args.baseline)
+    run = run_plan(QUICK if args.quick else FULL, baseline=baseline)
     publish("frontends", run.started_at, to_json(run, command), to_markdown(run, command), args.out)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -40,6 +41,16 @@ def measured_on(
         f"`{command}`{planned} on {m.get('nproc')} CPUs ({m.get('cpu_model')}), {versions}, "
         f"commit {str(m.get('git_commit'))[:10]}{dirty}"
     )
+
+
+def loop_calibration() -> float:
+    """Seconds a pure Python loop takes here (`for i in range(10**7): s += i*i`): machines of
+    one kind differ in it up to four-fold, and CPU figures with them."""
+    start = time.perf_counter()
+    s = 0
+    for i in range(10**7):
+        s += i * i
+    return time.perf_counter() - start
 
 
 def load_average() -> float:

@@ -50,12 +50,13 @@ class Measurement:
 
 
 @contextmanager
-def serving(configuration: Configuration) -> Iterator[Endpoints]:
-    """Fresh processes for the configuration, SERVING; stopped on exit."""
+def serving(configuration: Configuration, code: Path | None = None) -> Iterator[Endpoints]:
+    """Fresh processes for the configuration, SERVING; stopped on exit. `code`: run from that
+    source tree (a baseline's checkout) instead of this one (gRPC transport only)."""
     worker_args = list(configuration.device.worker_args)
     scheduler_args = list(configuration.scheduler_args)
     if configuration.transport == "grpc":
-        with serving_pair(worker_args, scheduler_args) as (worker, scheduler):
+        with serving_pair(worker_args, scheduler_args, code=code) as (worker, scheduler):
             yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url, scheduler.proc.pid)
         return
     with _in_process(worker_args, scheduler_args) as scheduler:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -70,8 +71,8 @@ class Service:
             raise
 
 
-def spawn_worker(args: list[str], port: int = 0) -> Service:
-    return _spawn("worker_svc", _with_free_metrics_port(args), port)
+def spawn_worker(args: list[str], port: int = 0, code: Path | None = None) -> Service:
+    return _spawn("worker_svc", _with_free_metrics_port(args), port, code=code)
 
 
 def spawn_scheduler(
@@ -80,12 +81,13 @@ def spawn_scheduler(
     port: int = 0,
     api_key: str | None = None,
     fd_limit: int | None = None,
+    code: Path | None = None,
 ) -> Service:
     """`api_key` reaches the scheduler in its environment, as an operator should pass it;
     `fd_limit` lowers its limit on open files (`ulimit -n`), and its frontends'."""
     flags = ["--worker", worker_address, *_with_http_off(_with_free_metrics_port(args))]
     env = {API_KEY_ENV: api_key} if api_key else {}
-    return _spawn("scheduler_svc", flags, port, env, fd_limit=fd_limit)
+    return _spawn("scheduler_svc", flags, port, env, fd_limit=fd_limit, code=code)
 
 
 def spawn_scheduler_in_process(worker_args: list[str], args: list[str], port: int = 0) -> Service:
@@ -116,8 +118,13 @@ def _spawn(
     extra_env: dict[str, str] | None = None,
     name: str = "",
     fd_limit: int | None = None,
+    code: Path | None = None,
 ) -> Service:
+    """`code`: run the service from this source tree (another checkout of the project, e.g. a
+    benchmark's baseline) instead of this one."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
 
     def limit_files() -> None:
         if fd_limit is not None:
@@ -129,6 +136,7 @@ def _spawn(
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        cwd=code,
         preexec_fn=None if fd_limit is None else limit_files,
     )
     lines: list[str] = []
@@ -138,8 +146,8 @@ def _spawn(
     if match := next((m for line in list(lines) if (m := LISTEN_RE.search(line))), None):
         return Service(proc, int(match.group(1)), lines, name or module.removesuffix("_svc"))
     proc.kill()
-    code = proc.wait()
-    why = f"exited with {code}" if listening.is_set() else f"did not start within {START_TIMEOUT_S:g}s"
+    exit_code = proc.wait()
+    why = f"exited with {exit_code}" if listening.is_set() else f"did not start within {START_TIMEOUT_S:g}s"
     raise RuntimeError(f"{module} {why}:\n{''.join(lines)}")
 
 
@@ -218,14 +226,16 @@ def serving_pair(
     worker_credentials: grpc.ChannelCredentials | None = None,
     scheduler_credentials: grpc.ChannelCredentials | None = None,
     api_key: str | None = None,
+    code: Path | None = None,
 ) -> Iterator[tuple[Service, Service]]:
     """A worker and a scheduler connected to it, both SERVING; stopped on exit. The credentials
-    are what a client needs to reach each one when it serves TLS (health checks need no key)."""
-    worker = spawn_worker(worker_args)
+    are what a client needs to reach each one when it serves TLS (health checks need no key);
+    `code`: both run from that source tree."""
+    worker = spawn_worker(worker_args, code=code)
     scheduler = None
     try:
         wait_serving(worker.address, credentials=worker_credentials)
-        scheduler = spawn_scheduler(worker.address, list(scheduler_args), api_key=api_key)
+        scheduler = spawn_scheduler(worker.address, list(scheduler_args), api_key=api_key, code=code)
         wait_serving(
             scheduler.address,
             credentials=scheduler_credentials,

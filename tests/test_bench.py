@@ -29,8 +29,8 @@ from bench import (
 from bench import run as bench_run
 from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
 from bench.figures import Figures, busy_fraction, figures, ratio
+from bench.frontends import MESSAGES, Code, PointResult, cpu_figures, cpu_shares, ratio_table
 from bench.frontends import QUICK as QUICK_FRONTENDS
-from bench.frontends import PointResult, cpu_figures, cpu_shares
 from bench.frontends import table as frontends_table
 from bench.harness import CaseResult, RunResult, run_plan
 from bench.machine import Machine
@@ -576,11 +576,11 @@ def test_measure_drives_both_runs_over_the_given_connections_and_reads_the_child
     child = subprocess.Popen([sys.executable, "-c", BUSY_CHILD])
     try:
         endpoints = Endpoints("127.0.0.1:1", "scheduler", "worker", scheduler_pid=os.getpid())
-        measured = measure(endpoints, WORKLOAD, QUICK_FRONTENDS.connections)
+        measured = measure(endpoints, WORKLOAD, QUICK_FRONTENDS.connection_counts[-1])
     finally:
         child.kill()
         child.wait()
-    assert [c.connections for c in configs] == [QUICK_FRONTENDS.connections] * 2 == [16, 16]
+    assert [c.connections for c in configs] == [QUICK_FRONTENDS.connection_counts[-1]] * 2 == [8, 8]
     assert [c.num_prompts for c in configs] == [WORKLOAD.warmup_prompts, WORKLOAD.num_prompts]
     assert measured.summary == summary(1000.0)
     assert measured.scheduler_children_cpu_s[child.pid] > 0
@@ -601,8 +601,26 @@ def test_frontends_table_row() -> None:
     result = PointResult(case, figures(case, measured), cpu_figures(0, measured, cpus=2))
     assert case.workload.num_prompts == 2 * 16 and case.workload.output_bounds == (128, 128)
     assert frontends_table([result])[2] == (
-        "| 10 | 16 | 0 | 1,000 | 0.625 | 0.750 | 50.0 | in core | 80.0 | 60.0 | 20.0 | 2.00 † | — |"
+        "| current | 10 | 16 | 0 | 1 | 1,000 | 0.625 | 0.750 | 20.0 | 10.5 / 14.0 | 50.0 | in core | 80.0 "
+        "| 60.0 | 20.0 | — | 2.00 † | — |"
     )
+
+
+def test_frontends_messages_per_frontend_and_the_ratios_to_a_baseline() -> None:
+    """Messages per second per frontend come from the frontends' counter (none from code that
+    lacks it); each current point is set over the baseline's at the same point."""
+    case = Case(Configuration(SIM, "overlap", "grpc", frontends=2), QUICK_FRONTENDS.workload(16))
+    old = frontends_measurement()
+    core_cpu = next(key for key in old.scheduler if key[0] == "process_cpu_seconds_total")
+    scheduler = {**old.scheduler, (MESSAGES, frozenset({("mode", "overlap")})): 6000.0, core_cpu: 0.25}
+    new = replace(old, scheduler=scheduler)
+    assert cpu_figures(2, old).messages_per_s_per_frontend is None
+    assert cpu_figures(2, new).messages_per_s_per_frontend == pytest.approx(300.0)
+    runs: list[tuple[Measurement, Code]] = [(old, "baseline"), (new, "current")]
+    results = [PointResult(case, figures(case, m), cpu_figures(2, m), 8, code) for m, code in runs]
+    ratios = ratio_table(sorted(results, key=lambda r: r.point))
+    assert ratios[4] == "| 10 | 16 | 2 | 8 | 0.69x | 0.50x | 1.00x | 1.00x | 1.00x | 1.00x |"
+    assert ratio_table(results[1:]) == []
 
 
 # ---- engine core CPU per step ------------------------------------------------------------------

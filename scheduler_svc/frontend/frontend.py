@@ -35,6 +35,7 @@ from scheduler_svc.contract import (
     TokenLogprob,
 )
 from scheduler_svc.frontend.chat import ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.pacing import StreamPacer
 from scheduler_svc.frontend.streams import ClientRequest, Completions, OutputStream
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.frontend.text import RequestText
@@ -116,6 +117,8 @@ class Frontend:
         self.connected = False
         self.on_ready: Callable[[bool], None] = lambda ready: None
         self._tokenizer_threads: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
+        self.pacer = StreamPacer(self.telemetry.held_steps.inc)
+        self._due: list[OutputStream] = []  # streams with tokens due, in this step
 
     @property
     def name(self) -> str:
@@ -202,6 +205,7 @@ class Frontend:
         client = ClientRequest(next(self._handles), rid, prompt_ids, params, text, stream, index)
         client.calls = None if calls is None else CallStream(calls)
         self.clients[client.handle] = client
+        self.pacer.watch()
         self.core.add(CoreRequestSpec(client.handle, rid, prompt_ids, params, client.arrival_time, index))
         return client
 
@@ -273,6 +277,8 @@ class Frontend:
             client = clients.get(handle)
             if client is not None:
                 self._fail(client, grpc.StatusCode[code], message)
+        due, self._due = self._due, []
+        self.pacer.release(due)
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> None:
         for client in list(self.clients.values()):
@@ -296,7 +302,11 @@ class Frontend:
             return
         match_stops = client.params.stop_finishes(client.num_generated - 1)
         text, stopped = client.text.push(token, match_stops)
-        client.stream.put(token, self._content(client, text), logprob)
+        if client.stream.put(token, self._content(client, text), logprob):
+            if client.num_generated == 1:
+                client.stream.ready.set()  # a first token is never held
+            else:
+                self._due.append(client.stream)
         if stopped:
             self._end(client, FinishReason.STOP)
             if finish is None:
@@ -348,6 +358,8 @@ class Frontend:
 
     def _forget(self, client: ClientRequest) -> None:
         self.clients.pop(client.handle, None)
+        if not self.clients:
+            self.pacer.stop()
         completions = self._by_rid.get(client.rid)
         if completions is not None and client in completions.clients and completions.finished:
             self._forget_call(completions)

@@ -14,6 +14,7 @@ from scheduler_svc.contract import TokenLogprob
 from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import ApiError, Frontend
 from scheduler_svc.frontend.streams import Completions, OutputChunk
+from scheduler_svc.frontend.telemetry import Counting
 from scheduler_svc.frontend.validation import (
     UnparsableRequest,
     lenient_deserializer,
@@ -54,7 +55,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(exc.code, str(exc))
         await context.send_initial_metadata(((FRONTEND_METADATA, self._frontend.name),))
         try:
-            async for response in _stream(completions, context):
+            async for response in _stream(completions, context, self._frontend.telemetry.messages):
                 yield response
         finally:
             self._frontend.cancel(completions)  # a no-op once finished: else the client went away
@@ -78,7 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 async def _stream(
-    completions: Completions, context: Context
+    completions: Completions, context: Context, messages: Counting
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     prompt_tokens = len(completions.prompt_ids)
     while not completions.done:
@@ -86,6 +87,7 @@ async def _stream(
         if completions.error is not None:
             await context.abort(*completions.error)
         for index, chunk in completions.take():
+            messages.inc()
             yield generation_pb2.GenerateResponse(
                 request_id=completions.rid,
                 token_ids=chunk.token_ids,

@@ -28,8 +28,9 @@ class OutputChunk:
 class OutputStream:
     """Tokens not yet sent to the client, coalesced while the client lags.
 
-    `interval` (--stream-interval): the stream wakes its reader (`ready`, shared by the
-    completions of one request) once that many tokens are pending, or at the finish.
+    `interval` (--stream-interval): the stream is due to wake its reader (`ready`, shared by the
+    completions of one request) once that many tokens are pending (its frontend's pacer wakes
+    it, at once or a few steps later), and wakes it at the finish.
     """
 
     def __init__(self, interval: int = 1, ready: asyncio.Event | None = None) -> None:
@@ -48,14 +49,14 @@ class OutputStream:
     def has_news(self) -> bool:
         return not self.done and bool(self._ids or self._text or self._calls or self._finish is not None)
 
-    def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> None:
+    def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> bool:
+        """Whether the stream is due a wake (its reader is the pacer's to wake, `StreamPacer`)."""
         self._ids.append(token_id)
         if logprob is not None:
             self._logprobs.append(logprob)
         if text:
             self._text.append(text)
-        if len(self._ids) >= self._interval:
-            self.ready.set()
+        return len(self._ids) >= self._interval
 
     def put_text(self, text: str) -> None:
         if text:

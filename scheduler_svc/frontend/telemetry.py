@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -15,6 +16,12 @@ from scheduler_svc.contract import SamplingParams
 from scheduler_svc.frontend.validation import Compiled
 from stepahead.metrics import FINISH_REASONS, LATENCY_BUCKETS, STEP_BUCKETS
 from stepahead.protocol import CONSTRAINT_KINDS
+
+
+class Counting(Protocol):
+    """A counter's child, as the streams count their messages."""
+
+    def inc(self, amount: float = 1) -> None: ...
 
 
 class FrontendTelemetry:
@@ -33,6 +40,18 @@ class FrontendTelemetry:
         self.e2e = latency("stepahead_e2e_request_latency_seconds", "Arrival to finish.")
         self.generation_tokens = Counter(
             "stepahead_generation_tokens", "Tokens streamed to clients.", ["mode"], registry=r
+        ).labels(*m)
+        self.messages = Counter(
+            "stepahead_stream_messages",
+            "Messages streamed to clients (gRPC responses and server-sent events with tokens).",
+            ["mode"],
+            registry=r,
+        ).labels(*m)
+        self.held_steps = Counter(
+            "stepahead_stream_held_steps",
+            "Steps whose due streams were held for a later message (the frontend fell behind).",
+            ["mode"],
+            registry=r,
         ).labels(*m)
         finished = Counter("stepahead_requests_finished", "Ended requests.", ["mode", "reason"], registry=r)
         self.finished = {reason: finished.labels(mode, reason) for reason in FINISH_REASONS}

@@ -44,6 +44,7 @@ from scheduler_svc.frontend.openai.protocol import (
     http_message,
 )
 from scheduler_svc.frontend.streams import Completions, OutputChunk
+from scheduler_svc.frontend.telemetry import Counting
 from scheduler_svc.frontend.tools import CallDelta
 from scheduler_svc.frontend.validation import ValidRequest
 
@@ -250,7 +251,7 @@ class OpenAIApi:
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return StreamingResponse(
-            _sse(completions, choices, ids, include_usage),
+            _sse(completions, choices, ids, include_usage, self._frontend.telemetry.messages),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(self._stream_ended, completions, watcher),
@@ -545,19 +546,25 @@ async def _collect(completions: Completions, choices: list[Choice]) -> None:
 
 
 async def _sse(
-    completions: Completions, choices: list[Choice], ids: ResponseIds, include_usage: bool
+    completions: Completions,
+    choices: list[Choice],
+    ids: ResponseIds,
+    include_usage: bool,
+    messages: Counting,
 ) -> AsyncIterator[str]:
     if ids.chat:
         for choice in choices:
             yield _event(ids.role_chunk(choice.index))
-    async for event in _chunks(completions, choices, ids):
+    async for event in _chunks(completions, choices, ids, messages):
         yield event
     if include_usage and completions.error is None:
         yield _event(ids.usage_chunk(_counts(completions, choices)))
     yield "data: [DONE]\n\n"
 
 
-async def _chunks(completions: Completions, choices: list[Choice], ids: ResponseIds) -> AsyncIterator[str]:
+async def _chunks(
+    completions: Completions, choices: list[Choice], ids: ResponseIds, messages: Counting
+) -> AsyncIterator[str]:
     while not completions.done:
         await completions.ready.wait()
         if completions.error is not None:
@@ -567,6 +574,7 @@ async def _chunks(completions: Completions, choices: list[Choice], ids: Response
             choice = choices[index]
             choice.add(chunk)
             if choice.sendable:
+                messages.inc()
                 yield _event(ids.chunk(choice.take(ids, chunk=True)))
 
 
