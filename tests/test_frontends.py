@@ -122,6 +122,17 @@ def test_when_the_core_dies_the_frontends_exit() -> None:
         wait_until(lambda: not any(alive(pid) for pid in pids), "the frontends gone")
 
 
+def test_the_frontends_run_below_the_core_s_priority() -> None:
+    """--frontend-nice (default 5): on a shared box the kernel runs the core's loop before its
+    frontends'; 0 keeps them level."""
+    for flags, added in ([], 5), (["--frontend-nice", "0"], 0), (["--frontend-nice", "11"], 11):
+        with serving_pair(SIM, [*frontend_flags(2), *flags]) as (_, scheduler):
+            core = os.getpriority(os.PRIO_PROCESS, scheduler.proc.pid)
+            pids = [p[0] for p in frontend_pids(scheduler).values()]
+            assert len(pids) == 2
+            assert [os.getpriority(os.PRIO_PROCESS, pid) - core for pid in pids] == [added, added]
+
+
 def test_duplicate_ids_and_aborts_work_across_frontends() -> None:
     with serving_pair(SIM, frontend_flags(2)) as (worker, scheduler):
         asyncio.run(wait_frontends_serving(scheduler.address, 2))

@@ -90,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             limits,
         ),
         frontends=args.frontends,
+        frontend_nice=args.frontend_nice,
         grace_s=args.grace,
         observability=Observability(metrics_endpoint(args), args.trace_file, args.log_level),
     )
@@ -107,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=SchedulerConfig.frontends,
         help="frontend processes serving the client API on --port (SO_REUSEPORT); 0: serve it from "
         "the engine core's own process",
+    )
+    p.add_argument(
+        "--frontend-nice",
+        type=_at_least(0),
+        default=SchedulerConfig.frontend_nice,
+        help="niceness the frontend processes add to theirs, so that on a shared box the engine "
+        "core's loop runs before them (0: the same priority)",
     )
     p.add_argument(
         "--stream-interval",

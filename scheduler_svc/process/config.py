@@ -51,6 +51,8 @@ class SchedulerConfig:
     frontend: FrontendConfig = field(default_factory=FrontendConfig)  # `index`: set per process
     api: ClientApiConfig = field(default_factory=ClientApiConfig)
     frontends: int = 1  # frontend processes; 0: the frontend runs in the core's process
+    # Niceness the frontend processes add to theirs: on a shared box the core's loop runs first
+    frontend_nice: int = 5
     grace_s: float = DEFAULT_GRACE_S
     observability: Observability = field(default_factory=Observability)
 
@@ -64,3 +66,4 @@ class FrontendProcessConfig:
     core_socket: str  # the core's link
     grace_s: float
     log_level: str
+    nice: int = 0  # added to the process's niceness as it starts (SchedulerConfig.frontend_nice)

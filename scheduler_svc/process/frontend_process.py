@@ -60,6 +60,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the core, which stops us
     config = pickle.load(sys.stdin.buffer)
     assert isinstance(config, FrontendProcessConfig)
+    if config.nice:
+        os.nice(config.nice)  # the core's loop before the frontends' on a shared box
     setup_logging(config.log_level)
     code: list[int] = []
 

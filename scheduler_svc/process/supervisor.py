@@ -110,6 +110,7 @@ class FrontendSupervisor:
             self._socket_path,
             config.grace_s,
             config.observability.log_level,
+            config.frontend_nice,
         )
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "scheduler_svc.process.frontend_process", stdin=asyncio.subprocess.PIPE
