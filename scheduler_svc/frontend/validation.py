@@ -115,11 +115,11 @@ def validate_request(
     _check_request_id(request.request_id)
     max_prompt_tokens = limits.max_prompt_tokens or info.max_context_len
     source = PromptSource(tokenizer, chat, limits.max_text_bytes, max_prompt_tokens)
-    prompt_ids = _prompt_ids(request, source, info.vocab_size)
+    tools = tool_request(request)  # checked once: they are rendered, then compiled
+    prompt_ids = _prompt_ids(request, source, info.vocab_size, tools)
     sampling = request.sampling
     if open_ended and sampling.max_new_tokens == 0:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
-    tools = tool_request(request)
     fmt = chat.call_format if chat is not None else None
     requested = _one_constraint(requested_constraint(sampling), tools, fmt)
     params = _sampling_params(sampling, info.vocab_size, seed, requested)
@@ -160,14 +160,15 @@ class PromptSource:
     max_prompt_tokens: int
 
 
-def _prompt_ids(request: generation_pb2.GenerateRequest, source: PromptSource, vocab: int) -> list[int]:
+def _prompt_ids(
+    request: generation_pb2.GenerateRequest, source: PromptSource, vocab: int, tools: ToolRequest | None
+) -> list[int]:
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidRequest("input: set text, input_ids or messages")
     if which == "text":
         return _text_ids(request.text, source)
     if which == "messages":
-        tools = tool_request(request)
         return _chat_ids(list(request.messages.messages), source, () if tools is None else tools.tools)
     if not request.input_ids.ids:
         raise InvalidRequest("input.input_ids.ids: must not be empty")
