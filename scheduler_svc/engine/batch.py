@@ -8,19 +8,16 @@ from scheduler_svc.engine.request import Request
 from stepahead.protocol import GrammarConstraint, Launch, LogitsProcessing, NewRequest
 
 
-@dataclass(frozen=True)
-class SampledRow:
-    """A row whose sampled token comes back; `attempt` tells a preempted
-    request's stale row from its current one."""
-
-    request: Request
-    attempt: int
-
-
 @dataclass
 class ScheduledBatch:
+    """The rows whose sampled token comes back are `sampled[i]`, in row order, with their
+    request slot and that slot's tag at launch (`rows.py`): a row whose request has since
+    ended, been preempted or been aborted no longer matches its slot's tag."""
+
     launch: Launch
-    sampled: list[SampledRow] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)
+    sampled_slots: list[int] = field(default_factory=list)
+    sampled_tags: list[int] = field(default_factory=list)
     epoch: int = 0  # the worker session it is launched in
     launched_at: float = 0.0  # time.monotonic() when it was sent
 
@@ -68,7 +65,25 @@ class ScheduledBatch:
         launch.row_from_future.append(from_future)
         launch.row_sample.append(sample)
         if sample:
-            self.sampled.append(SampledRow(req, req.attempt))
+            self.sampled.append(req)
+            self.sampled_slots.append(req.req_slot)  # type: ignore[arg-type]
+            self.sampled_tags.append(req.rows.tag[req.req_slot])  # type: ignore[union-attr,index]
+
+    def add_decodes(
+        self, reqs: list[Request], slots: list[int], tags: list[int], starts: list[int], kv: list[int]
+    ) -> None:
+        """One decode row for each of `reqs` (request slots `slots`, their tags, first
+        positions `starts`, one new KV slot each), in that order."""
+        launch, n = self.launch, len(reqs)
+        launch.row_req_slots.extend(slots)
+        launch.row_start_pos.extend(starts)
+        launch.row_num_tokens.extend([1] * n)
+        launch.row_from_future.extend([True] * n)
+        launch.row_sample.extend([True] * n)
+        launch.kv_slots.extend(kv)
+        self.sampled.extend(reqs)
+        self.sampled_slots.extend(slots)
+        self.sampled_tags.extend(tags)
 
 
 def logits_processing(req: Request, eos_token_ids: frozenset[int]) -> LogitsProcessing:

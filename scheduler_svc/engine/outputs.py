@@ -26,6 +26,15 @@ class Outbox:
     ) -> None:
         self._for(req.owner).add(req.handle, token, finish, logprob, cached)
 
+    def tokens(
+        self, owner: OutputSink | None, handles: list[int], tokens: list[int], finishes: list[int]
+    ) -> None:
+        """Plain rows of one owner: a token each, and a finish reason each (0: none)."""
+        outputs = self._for(owner)
+        outputs.handles.extend(handles)
+        outputs.token_ids.extend(tokens)
+        outputs.finish_reasons.extend(finishes)
+
     def finish(self, req: Request, reason: FinishReason) -> None:
         self._for(req.owner).add(req.handle, NO_TOKEN, reason)
 

@@ -16,6 +16,7 @@ from scheduler_svc.contract import FinishReason, SamplingParams
 if TYPE_CHECKING:
     from scheduler_svc.contract import OutputSink
     from scheduler_svc.engine.kv.radix_cache import RadixNode
+    from scheduler_svc.engine.rows import SlotRows
 
 
 @dataclass(eq=False)
@@ -36,18 +37,69 @@ class Request:
     handle: int = 0
     index: int = 0  # which of the client request's n completions
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    num_inflight: int = 0
     req_slot: int | None = None
     kv_slots: list[int] = field(default_factory=list)
     tree_slots: set[int] = field(default_factory=set)  # of kv_slots, those the prefix cache holds
     cache_node: RadixNode | None = None  # where its cached prefix ends (locked while it lives)
-    prompt_kept: bool = False  # this attempt's prefill is in the prefix cache
     cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     attempt: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None
+    # Progress while it holds no request slot; while it holds one, its row in `rows` (rows.py).
+    _computed: int = field(default=0, init=False)
+    _inflight: int = field(default=0, init=False)
+    _kept: bool = field(default=False, init=False)
+    rows: SlotRows | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_computed(self) -> int:
+        """Positions whose KV is computed (or launched to be)."""
+        rows = self.rows
+        return self._computed if rows is None else rows.computed[self.req_slot]  # type: ignore[index]
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        rows = self.rows
+        if rows is None:
+            self._computed = value
+        else:
+            rows.computed[self.req_slot] = value  # type: ignore[index]
+
+    @property
+    def num_inflight(self) -> int:
+        """Tokens sampled on the device that the CPU has not processed yet."""
+        rows = self.rows
+        return self._inflight if rows is None else rows.inflight[self.req_slot]  # type: ignore[index]
+
+    @num_inflight.setter
+    def num_inflight(self, value: int) -> None:
+        rows = self.rows
+        if rows is None:
+            self._inflight = value
+        else:
+            rows.inflight[self.req_slot] = value  # type: ignore[index]
+
+    @property
+    def prompt_kept(self) -> bool:
+        """This attempt's prefill is in the prefix cache."""
+        rows = self.rows
+        return self._kept if rows is None else bool(rows.kept[self.req_slot])  # type: ignore[index]
+
+    @prompt_kept.setter
+    def prompt_kept(self, value: bool) -> None:
+        rows = self.rows
+        if rows is None:
+            self._kept = value
+        else:
+            rows.kept[self.req_slot] = value  # type: ignore[index]
+
+    def add_output(self, token: int) -> None:
+        """A processed token joins the output."""
+        self.output_ids.append(token)
+        rows = self.rows
+        if rows is not None:
+            rows.known[self.req_slot] += 1  # type: ignore[index]
 
     @property
     def finished(self) -> bool:

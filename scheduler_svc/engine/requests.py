@@ -19,6 +19,7 @@ class RequestTable:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0
+        self.version = 0  # changes whenever the running list does
 
     def add(self, req: Request) -> None:
         """A new request, numbered in arrival order, at the tail of the waiting queue."""
@@ -44,20 +45,24 @@ class RequestTable:
         assert self.waiting[0] is req
         self.waiting.popleft()
         self.running.append(req)
+        self.version += 1
 
     def requeue(self, req: Request) -> None:
         """A running request goes back to the head of the waiting queue (to be recomputed)."""
         self.running.remove(req)
         self.waiting.appendleft(req)
+        self.version += 1
 
     def forget(self, req: Request) -> None:
         self.requests.pop(req.key, None)
         self._by_handle.pop((req.owner, req.handle), None)
         if req in self.running:
             self.running.remove(req)
+            self.version += 1
         elif req in self.waiting:
             self.waiting.remove(req)
 
     def clear_queues(self) -> None:
+        self.version += 1
         self.running.clear()
         self.waiting.clear()

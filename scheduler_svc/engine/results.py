@@ -6,13 +6,17 @@ tokens, log-probabilities and finishes go to the outbox. Stop strings are the fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
 from scheduler_svc.contract import FinishReason, TokenLogprob
-from scheduler_svc.engine.batch import SampledRow, ScheduledBatch
+from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.rows import Column
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from stepahead.protocol import StepLogprobs
@@ -39,27 +43,85 @@ class ResultProcessor:
     def apply(
         self,
         batch: ScheduledBatch,
-        token_ids: list[int],
+        token_ids: Sequence[int],
         logprobs: StepLogprobs | None,
         grammar_finished: tuple[int, ...] = (),
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
-        them), row by row; rows in `grammar_finished` end their request (STOP) after their token."""
+        them); rows in `grammar_finished` end their request (STOP) after their token.
+
+        Plain rows (a request still running since the batch was launched, past its first
+        token of this attempt, without log-probabilities or stop ids of its own) are applied a
+        column at a time; the others one by one (`_process_row`)."""
+        if len(token_ids) != len(batch.sampled):
+            raise ValueError(f"{len(token_ids)} sampled ids for {len(batch.sampled)} sampling rows")
+        if not token_ids:
+            return
+        rows = self.slots.rows
+        slots = np.array(batch.sampled_slots, np.int64)
+        tokens = np.array(token_ids, np.int64)
+        plain = (
+            (rows.tag_np[slots] == np.array(batch.sampled_tags, np.int64))
+            & (rows.plain_np[slots] == 1)
+            & (rows.kept_np[slots] == 1)
+        )
+        if grammar_finished:
+            plain[list(grammar_finished)] = False
+        if plain.all():
+            self._apply_plain(batch.sampled, slots, tokens)
+            return
+        index = np.flatnonzero(plain)
+        if len(index):
+            self._apply_plain([batch.sampled[i] for i in index.tolist()], slots[index], tokens[index])
         finished = set(grammar_finished)
-        for i, (row, token) in enumerate(zip(batch.sampled, token_ids, strict=True)):
-            self._process_row(row, token, _row_logprob(logprobs, i, row.request), i in finished)
+        for i in np.flatnonzero(~plain).tolist():
+            req = batch.sampled[i]
+            logprob = _row_logprob(logprobs, i, req)
+            slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
+            self._process_row(req, slot, tag, token_ids[i], logprob, i in finished)
+
+    def _apply_plain(self, reqs: list[Request], slots: Column, tokens: Column) -> None:
+        rows = self.slots.rows
+        rows.inflight_np[slots] -= 1
+        known = rows.known_np[slots] + 1
+        rows.known_np[slots] = known
+        token_list = tokens.tolist()
+        for req, token in zip(reqs, token_list, strict=True):
+            req.output_ids.append(token)
+        stop = (rows.eos_stops_np[slots] == 1) & self._is_eos(tokens) & (known >= rows.stop_from_np[slots])
+        length = known >= rows.limit_np[slots]
+        finish = np.where(stop, int(FinishReason.STOP), np.where(length, int(FinishReason.LENGTH), 0))
+        owners = rows.owner_np[slots]
+        handles = rows.handle_np[slots]
+        first_owner = int(owners[0])
+        if (owners == first_owner).all():
+            self.outbox.tokens(rows.owners[first_owner], handles.tolist(), token_list, finish.tolist())
+        else:
+            for owner in np.unique(owners).tolist():
+                mine = owners == owner
+                self.outbox.tokens(
+                    rows.owners[owner], handles[mine].tolist(), tokens[mine].tolist(), finish[mine].tolist()
+                )
+        for i in np.flatnonzero(finish).tolist():
+            self._end(reqs[i], FinishReason(int(finish[i])))
+
+    def _is_eos(self, tokens: Column) -> npt.NDArray[np.bool_]:
+        """Which of `tokens` are one of the model's EOS ids (a model has one or a few)."""
+        hit = np.zeros(len(tokens), bool)
+        for eos in self.slots.eos_token_ids:
+            hit |= tokens == eos
+        return hit
 
     def _process_row(
-        self, row: SampledRow, token: int, logprob: TokenLogprob | None, grammar_done: bool
+        self, req: Request, slot: int, tag: int, token: int, logprob: TokenLogprob | None, grammar_done: bool
     ) -> None:
-        req = row.request
-        if req.finished or row.attempt != req.attempt:
-            # Finished (or preempted) while this batch was in flight: never streamed.
+        if self.slots.rows.tag[slot] != tag:
+            # Ended, preempted or aborted while this batch was in flight: never streamed.
             self.stats.dropped_inflight_tokens += 1
             self.telemetry.dropped_inflight_tokens.inc()
             return
         req.num_inflight -= 1
-        req.output_ids.append(token)
+        req.add_output(token)
         if not req.prompt_kept:  # its prefill is computed: later arrivals may reuse it
             self.slots.kv.keep(req, min(req.num_computed, req.num_known))
             req.prompt_kept = True

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.requests import RequestTable
+from scheduler_svc.engine.rows import Column
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 
@@ -27,10 +30,14 @@ class RunningManager:
         self.slots = slots
         self.stats = stats
         self.telemetry = telemetry
+        self._slots_version = -1
+        self._slots_cache = np.zeros(0, np.int64)
 
     def pick(self, batch: ScheduledBatch, budget: int) -> bool:
         """Decode and continue prefills of running requests, under the token budget. Returns
         whether KV ran out and requests were preempted."""
+        if self._pick_decodes(batch, budget):
+            return False
         preempted = False
         for req in list(self.table.running):
             if budget <= batch.num_tokens:
@@ -49,6 +56,45 @@ class RunningManager:
                     break
             add_row(self.slots.kv, batch, req, need)
         return preempted
+
+    def _pick_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
+        """The common step, column by column: no running request continues a prefill, and every
+        decode row fits the budget and free KV slots (no eviction, no preemption). False when
+        the step is not that one: then the rows are picked one by one."""
+        running = self.table.running
+        if not running:
+            return True
+        rows = self.slots.rows
+        slots = self._running_slots()
+        computed = rows.computed_np[slots]
+        known = rows.known_np[slots]
+        pending = known + rows.inflight_np[slots]
+        if (computed < known).any():
+            return False
+        # wants_decode: its last sampled token is not in KV yet, and more tokens are allowed
+        want = (computed == pending - 1) & (pending < rows.limit_np[slots])
+        chosen = slots[want]
+        n = len(chosen)
+        if n > budget or n > self.slots.kv.num_free:
+            return False
+        if not n:
+            return True
+        reqs = list(running) if n == len(running) else [running[i] for i in np.flatnonzero(want).tolist()]
+        kv = self.slots.kv.allocate_each(reqs)
+        starts = computed[want].tolist()
+        rows.computed_np[chosen] += 1
+        rows.inflight_np[chosen] += 1
+        batch.add_decodes(reqs, chosen.tolist(), rows.tag_np[chosen].tolist(), starts, kv)
+        return True
+
+    def _running_slots(self) -> Column:
+        """The running requests' request slots, in running order (rebuilt when the list changes)."""
+        version = self.table.version
+        if self._slots_version != version:
+            running = self.table.running
+            self._slots_cache = np.fromiter((r.req_slot for r in running), np.int64, len(running))
+            self._slots_version = version
+        return self._slots_cache
 
     def _preempt_until_free(self, need: int, req: Request) -> bool:
         """Preempt the latest arrivals until `need` KV slots are free; False if

@@ -9,6 +9,7 @@ from __future__ import annotations
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.rows import SlotRows
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from stepahead.protocol import WorkerInfo
 
@@ -19,6 +20,7 @@ class SessionSlots:
         self._telemetry = telemetry
         self.kv = KvManager(0, prefix_cache, telemetry)  # the one owner of KV slots
         self.req_slots = SlotAllocator(0, "request slots")
+        self.rows = SlotRows(0)  # the running requests' per-step state, by request slot
         self.eos_token_ids: frozenset[int] = frozenset()
         self._pending_releases: list[int] = []
 
@@ -26,6 +28,7 @@ class SessionSlots:
         """Fresh slot accounting for a new worker session: the old one's KV is gone."""
         self.kv = KvManager(info.kv_slots, self._prefix_cache, self._telemetry)
         self.req_slots = SlotAllocator(request_slots, "request slots")
+        self.rows = SlotRows(request_slots)
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self._pending_releases = []
 
@@ -39,8 +42,10 @@ class SessionSlots:
         return released
 
     def assign(self, req: Request) -> None:
-        """A request slot for an admitted request (one is free: admission checked)."""
-        req.req_slot = self.req_slots.allocate_one()
+        """A request slot for an admitted request (one is free: admission checked), and its row."""
+        slot = self.req_slots.allocate_one()
+        self.rows.place(req, slot, req.num_computed, req.num_inflight, req.prompt_kept)
+        req.req_slot, req.rows = slot, self.rows
 
     def release(self, req: Request, computed: bool = True) -> None:
         """Free the request's slots now, even if a batch in flight still holds it; the prefix
@@ -50,6 +55,9 @@ class SessionSlots:
         that can reuse these slots runs after the in-flight ones that hold them.
         """
         if req.req_slot is not None:
+            rows, req.rows = req.rows, None
+            if rows is not None:
+                req.num_computed, req.num_inflight, req.prompt_kept = rows.clear(req.req_slot)
             self.req_slots.free([req.req_slot])
             self._pending_releases.append(req.req_slot)
             req.req_slot = None

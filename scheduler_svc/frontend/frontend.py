@@ -260,6 +260,7 @@ class Frontend:
         """One step's rows of this frontend's requests."""
         now = time.time()
         clients = self.clients
+        streamed = 0
         for entry, cached in zip(outputs.cached_entries, outputs.cached_tokens, strict=True):
             if (client := clients.get(outputs.handles[entry])) is not None:
                 client.cached_tokens = cached
@@ -270,6 +271,7 @@ class Frontend:
             if client is None:  # ended here already: a stop string, or the client left
                 continue
             if token >= 0:
+                streamed += 1
                 self._on_token(client, token, FinishReason(finish) if finish else None, now, logprob)
             elif finish:
                 self._end(client, FinishReason(finish))
@@ -277,6 +279,8 @@ class Frontend:
             client = clients.get(handle)
             if client is not None:
                 self._fail(client, grpc.StatusCode[code], message)
+        if streamed:
+            self.telemetry.generation_tokens.inc(streamed)
         due, self._due = self._due, []
         self.pacer.release(due)
 
@@ -326,7 +330,6 @@ class Frontend:
         else:
             t.itl.observe(now - client.last_token_time)
         client.last_token_time = now
-        t.generation_tokens.inc()
 
     # ---- endings ---------------------------------------------------------------------------
 

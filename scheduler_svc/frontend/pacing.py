@@ -21,7 +21,7 @@ BEHIND_S = 0.004  # a smoothed lag above this: behind, coalesce more
 CAUGHT_UP_S = 0.001  # below this for CALM_PROBES probes in a row: coalesce less
 CALM_PROBES = 10
 SMOOTHING = 0.3  # weight of the newest probe in the smoothed lag
-MAX_FACTOR = 8  # steps whose tokens one message may carry
+MAX_FACTOR = 16  # steps whose tokens one message may carry
 MAX_HOLD_S = 0.2  # a held stream is woken after this, steps or not
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 
 class SlotAllocator:
     """Hands out integer slots 0..capacity-1; a double free is a bug, not a no-op.
@@ -20,6 +22,7 @@ class SlotAllocator:
         # Popping from the end hands out low slots first.
         self._free = array("q", range(capacity - 1, -1, -1))
         self._in_use = bytearray(capacity)
+        self._in_use_np = np.frombuffer(self._in_use, dtype=np.uint8) if capacity else np.zeros(0, np.uint8)
 
     @property
     def num_free(self) -> int:
@@ -37,16 +40,24 @@ class SlotAllocator:
             raise MemoryError(f"{self.name}: {n} slots asked, {len(self._free)} free")
         slots = self._free[len(self._free) - n :].tolist()
         del self._free[len(self._free) - n :]
-        for slot in slots:
-            self._in_use[slot] = 1
+        if n > 8:
+            self._in_use_np[slots] = 1  # a column at a time
+        else:
+            for slot in slots:
+                self._in_use[slot] = 1
         return slots
 
     def allocate_one(self) -> int:
         return self.allocate(1)[0]
 
     def free(self, slots: list[int]) -> None:
-        for slot in slots:
-            if not self._in_use[slot]:
-                raise ValueError(f"{self.name}: slot {slot} freed twice")
-            self._in_use[slot] = 0
+        if len(slots) > 8 and self._in_use_np[slots].all() and len(set(slots)) == len(slots):
+            self._in_use_np[slots] = 0  # the common case, a column at a time
+        else:
+            for i, slot in enumerate(slots):
+                if not self._in_use[slot]:
+                    for freed in slots[:i]:  # nothing freed in vain: the call changes nothing
+                        self._in_use[freed] = 1
+                    raise ValueError(f"{self.name}: slot {slot} freed twice")
+                self._in_use[slot] = 0
         self._free.extend(slots)

@@ -82,6 +82,13 @@ class KvManager:
         req.kv_slots.extend(slots)
         return slots
 
+    def allocate_each(self, reqs: list[Request]) -> list[int]:
+        """One new slot for each of `reqs`' next position (`num_free` covers them)."""
+        slots = self._slots.allocate(len(reqs))
+        for req, slot in zip(reqs, slots, strict=True):
+            req.kv_slots.append(slot)
+        return slots
+
     def keep(self, req: Request, upto: int) -> None:
         """The prefix cache takes `req`'s KV of its first `upto` positions (computed ones)."""
         self._cache.keep(req, upto)

@@ -1,0 +1,124 @@
+"""The running requests' per-step state as arrays, indexed by request slot: what every step
+reads and writes for every row (positions computed, tokens in flight, tokens known) and what
+its checks compare them with (length limits, where stop tokens start to count, whose row it is).
+
+A request holds a row while it holds a request slot (`SessionSlots.assign` to `release`); its
+`num_computed`, `num_inflight` and `prompt_kept` read and write that row then, and its own
+fields otherwise (`request.py`). The pick and the result processing of plain decode rows work on
+whole columns at once (`running.py`, `results.py`), so a step costs a few array operations
+plus one tight loop per row (its KV slot, its token) rather than a walk of Python objects.
+
+Each assignment of a slot gets a fresh `tag`: a batch records its rows' tags, and a row whose
+slot has since been released (the request ended, was preempted or aborted) or given to another
+request no longer matches, so its token is dropped, never applied to the wrong request.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from scheduler_svc.contract import OutputSink
+    from scheduler_svc.engine.request import Request
+
+Column = npt.NDArray[np.int64]
+NO_TAG = -1
+
+
+class SlotRows:
+    # The columns, one entry per request slot. `array` for scalar access (Python ints, no
+    # boxing of numpy scalars), numpy views of the same memory for the per-step column work.
+    COLUMNS = (
+        "computed",  # positions whose KV is computed or launched (num_computed)
+        "inflight",  # tokens sampled on the device, not processed yet (num_inflight)
+        "known",  # prompt + processed output tokens (num_known)
+        "prompt_len",
+        "limit",  # prompt_len + max_new_tokens: no more tokens once known + inflight reach it
+        "stop_from",  # prompt_len + min_tokens + 1: a stop token ends it from this length on
+        "eos_stops",  # 1: the model's EOS ids end it (not ignore_eos)
+        "plain",  # 1: its results need nothing but the columns (no logprobs, no stop ids)
+        "kept",  # 1: this attempt's prefill is in the prefix cache (prompt_kept)
+        "tag",  # this assignment of the slot (NO_TAG: free)
+        "handle",  # its name at its owner
+        "owner",  # its owner's number (`owner_ids`)
+    )
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._arrays: dict[str, array[int]] = {}
+        for name in self.COLUMNS:
+            a = array("q", bytes(8 * capacity))
+            self._arrays[name] = a
+            setattr(self, name, a)
+            view = np.frombuffer(a, dtype=np.int64) if capacity else np.zeros(0, np.int64)
+            setattr(self, name + "_np", view)
+        for slot in range(capacity):
+            self.tag[slot] = NO_TAG
+        self.requests: list[Request | None] = [None] * capacity
+        self.owners: list[OutputSink | None] = []  # by owner number
+        self._owner_ids: dict[int, int] = {}  # id(owner) -> owner number
+        self._next_tag = 0
+
+    # Typed views of the columns (set in __init__).
+    computed: array[int]
+    inflight: array[int]
+    known: array[int]
+    prompt_len: array[int]
+    limit: array[int]
+    stop_from: array[int]
+    eos_stops: array[int]
+    plain: array[int]
+    kept: array[int]
+    tag: array[int]
+    handle: array[int]
+    owner: array[int]
+    computed_np: Column
+    inflight_np: Column
+    known_np: Column
+    prompt_len_np: Column
+    limit_np: Column
+    stop_from_np: Column
+    eos_stops_np: Column
+    plain_np: Column
+    kept_np: Column
+    tag_np: Column
+    handle_np: Column
+    owner_np: Column
+
+    def owner_id(self, owner: OutputSink | None) -> int:
+        key = id(owner)
+        number = self._owner_ids.get(key)
+        if number is None:
+            number = self._owner_ids[key] = len(self.owners)
+            self.owners.append(owner)
+        return number
+
+    def place(self, req: Request, slot: int, computed: int, inflight: int, kept: bool) -> None:
+        """`req` takes the row of `slot`, with its progress so far."""
+        p = req.params
+        prompt_len = len(req.prompt_ids)
+        self.computed[slot] = computed
+        self.inflight[slot] = inflight
+        self.known[slot] = prompt_len + len(req.output_ids)
+        self.prompt_len[slot] = prompt_len
+        self.limit[slot] = prompt_len + p.max_new_tokens
+        self.stop_from[slot] = prompt_len + p.min_tokens + 1
+        self.eos_stops[slot] = not p.ignore_eos
+        self.plain[slot] = not (p.logprobs or p.stop_token_ids)
+        self.kept[slot] = kept
+        self.tag[slot] = self._next_tag
+        self._next_tag += 1
+        self.handle[slot] = req.handle
+        self.owner[slot] = self.owner_id(req.owner)
+        self.requests[slot] = req
+
+    def clear(self, slot: int) -> tuple[int, int, bool]:
+        """The row of `slot` is free again; returns what it held (computed, inflight, kept)."""
+        held = self.computed[slot], self.inflight[slot], bool(self.kept[slot])
+        self.tag[slot] = NO_TAG
+        self.requests[slot] = None
+        return held
