@@ -16,9 +16,15 @@ from stepahead.v1 import worker_pb2
 
 PROTOCOL_VERSION = 3  # 2: Keepalive messages while a step computes; 3: grammar constraints
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
+# No HTTP/2 BDP probing: it pings with every burst of data to size the flow-control window for
+# bulk transfers, and these streams carry small messages every step, where each ping and its
+# ack is one more write and wakeup on both ends (about a tenth of the core's and a frontend's
+# CPU per step, measured).
+NO_BDP_PROBE = ("grpc.http2.bdp_probe", 0)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    NO_BDP_PROBE,
 ]
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from stepahead.protocol import NO_BDP_PROBE
+
 # NOTE: these resolvers can name several addresses, so a target using one gets round_robin;
 # any other target keeps gRPC's default (pick_first), as a single scheduler always had.
 RESOLVER_SCHEMES = ("dns:", "ipv4:", "ipv6:")
@@ -112,7 +114,7 @@ def open_target(
     """A channel to one scheduler or round robin over replicas (`channel_target`), over TLS with
     `credentials`; `options` are added to the target's."""
     target = channel_target(servers)
-    every = [*target.options, *options]
+    every = [*target.options, NO_BDP_PROBE, *options]
     if credentials is None:
         return grpc.aio.insecure_channel(target.target, options=every)
     return grpc.aio.secure_channel(target.target, credentials, options=every)

@@ -20,6 +20,7 @@ from scheduler_svc.frontend.validation import (
     lenient_deserializer,
 )
 from stepahead.auth import BearerTokenInterceptor
+from stepahead.protocol import NO_BDP_PROBE
 from stepahead.serving import (
     NO_PORT_SHARING,
     PORT_SHARING,
@@ -160,7 +161,7 @@ async def build_server(
     sharing = PORT_SHARING if share_port else NO_PORT_SHARING
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", api.max_request_bytes), *sharing],
+        options=[("grpc.max_receive_message_length", api.max_request_bytes), NO_BDP_PROBE, *sharing],
     )
     add_generation_service(GenerationServicer(frontend), server)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAME)
