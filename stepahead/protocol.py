@@ -363,7 +363,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     return msg
 
 
-def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
+def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = None) -> StepResult:
     logprobs = None
     if msg.logprobs:
         logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
@@ -371,5 +371,13 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     start, end = msg.forward_start_unix_s, msg.forward_end_unix_s
     finished = tuple(msg.grammar_finished)
     return StepResult(
-        msg.step_id, ids, start, end, msg.epoch, logprobs, msg.held_s, grammar_finished=finished
+        msg.step_id,
+        ids,
+        start,
+        end,
+        msg.epoch,
+        logprobs,
+        msg.held_s,
+        grammar_finished=finished,
+        link_rtt_s=link_rtt_s,
     )

@@ -12,7 +12,7 @@ from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.results import ResultProcessor
 from scheduler_svc.engine.rows import SlotRows
 from scheduler_svc.engine.running import RunningManager
-from scheduler_svc.frontend.telemetry import LoopHistogram
+from stepahead.loop_metrics import LoopHistogram
 from stepahead.metrics import LATENCY_BUCKETS
 from tests.fake_worker import FakeWorker
 from tests.harness import mixed_workload, params, serve_workload, with_forced_scenarios
@@ -145,12 +145,15 @@ def test_a_double_free_of_many_slots_is_refused_and_changes_nothing() -> None:
 
 def test_the_loop_histogram_exposes_what_the_client_library_histogram_does() -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
-    loop = LoopHistogram("h_seconds", "A histogram.", "overlap", LATENCY_BUCKETS)
+    loop = LoopHistogram("h_seconds", "A histogram.", ("mode", "phase"), LATENCY_BUCKETS)
     ours.register(loop)
-    reference = Histogram("h_seconds", "A histogram.", ["mode"], buckets=LATENCY_BUCKETS, registry=theirs)
-    for value in (0.0, 0.001, 0.0011, 0.02, 0.5, 3.0, 1e6, LATENCY_BUCKETS[3]):
-        loop.observe(value)
-        reference.labels("overlap").observe(value)
+    reference = Histogram(
+        "h_seconds", "A histogram.", ["mode", "phase"], buckets=LATENCY_BUCKETS, registry=theirs
+    )
+    for i, value in enumerate((0.0, 0.001, 0.0011, 0.02, 0.5, 3.0, 1e6, LATENCY_BUCKETS[3])):
+        phase = ("pick", "wait")[i % 2]
+        loop.labels("overlap", phase).observe(value)
+        reference.labels("overlap", phase).observe(value)
 
     def lines(registry: CollectorRegistry) -> list[str]:
         return [ln for ln in generate_latest(registry).decode().splitlines() if "_created" not in ln]

@@ -175,7 +175,7 @@ class EngineCore:
         in_flight, handle = self.result_queue[0]
         worker_now = time.time() + self._worker_clock_offset
         delay = self.late_pick.delay(in_flight.num_tokens, worker_now, self.policy.next_step_id)
-        if delay > 0:
+        if delay > 0 and not handle.done():
             await asyncio.wait({handle}, timeout=delay)
 
     async def _wait_for_work(self) -> None:
@@ -261,6 +261,8 @@ class EngineCore:
         """The watchdog: the step's result, unless the worker falls silent (no result and no
         Keepalive) for --worker-step-timeout while it is pending. However long the step takes,
         a worker that keeps saying it is alive keeps its session."""
+        if handle.done():  # already here (the usual case at depth 1): no timer to set
+            return handle.result()
         timeout = self.config.worker_step_timeout_s
         session = self.session
         assert session is not None

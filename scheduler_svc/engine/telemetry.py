@@ -6,8 +6,9 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from stepahead.loop_metrics import LoopHistogram, LoopHistogramChild
 from stepahead.metrics import (
     BATCH_SIZE_BUCKETS,
     BATCH_TOKEN_BUCKETS,
@@ -31,8 +32,10 @@ class SchedulerTelemetry:
         self.registry: CollectorRegistry = new_registry({"mode": mode})
         r, m = self.registry, [mode]
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: str) -> Histogram:
-            return Histogram(name, doc, ["mode", extra], buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: str) -> LoopHistogram:
+            family = LoopHistogram(name, doc, ("mode", extra), buckets)
+            r.register(family)
+            return family
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["mode"], registry=r).labels(*m)
@@ -40,8 +43,10 @@ class SchedulerTelemetry:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, ["mode"], registry=r).labels(*m)
 
-        def latency(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=r).labels(*m)
+        def latency(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> LoopHistogramChild:
+            family = LoopHistogram(name, doc, ("mode",), buckets)
+            r.register(family)
+            return family.labels(*m)
 
         self.running = gauge("stepahead_requests_running", "Requests holding a request slot.")
         self.waiting = gauge("stepahead_requests_waiting", "Requests queued for admission.")
@@ -72,13 +77,11 @@ class SchedulerTelemetry:
         self.worker_latency = latency(
             "stepahead_worker_step_latency_seconds", "Launch sent to result received (device time included)."
         )
-        self.link_rtt = Histogram(
+        self.link_rtt = latency(
             "stepahead_worker_link_rtt_seconds",
             "Round trip of the worker link per step: the wait for a result less the worker's hold.",
-            ["mode"],
-            buckets=LINK_RTT_BUCKETS,
-            registry=r,
-        ).labels(*m)
+            LINK_RTT_BUCKETS,
+        )
         self.step_timeouts = counter(
             "stepahead_worker_step_timeouts",
             "Worker sessions ended by the watchdog: a step or handshake without an answer in time.",

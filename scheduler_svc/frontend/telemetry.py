@@ -4,22 +4,19 @@ admitted and compiled, and its process's CPU time."""
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import Callable, Iterator
-from typing import Protocol, cast
+from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from scheduler_svc.contract import SamplingParams
 from scheduler_svc.frontend.validation import Compiled
+from stepahead.loop_metrics import LoopHistogram, LoopHistogramChild
 from stepahead.metrics import FINISH_REASONS, LATENCY_BUCKETS, STEP_BUCKETS
 from stepahead.protocol import CONSTRAINT_KINDS
-
-_le = cast(Callable[[float], str], floatToGoString)  # a bucket bound as Prometheus writes it
 
 
 class Counting(Protocol):
@@ -36,10 +33,10 @@ class FrontendTelemetry:
         self.registry = CollectorRegistry()
         r, m = self.registry, [mode]
 
-        def latency(name: str, doc: str) -> LoopHistogram:
-            histogram = LoopHistogram(name, doc, mode, LATENCY_BUCKETS)
+        def latency(name: str, doc: str) -> LoopHistogramChild:
+            histogram = LoopHistogram(name, doc, ("mode",), LATENCY_BUCKETS)
             r.register(histogram)
-            return histogram
+            return histogram.labels(mode)
 
         self.ttft = latency("stepahead_time_to_first_token_seconds", "Arrival to first token.")
         self.itl = latency("stepahead_inter_token_latency_seconds", "Between consecutive tokens.")
@@ -95,35 +92,6 @@ class FrontendTelemetry:
     def admitted(self, params: SamplingParams) -> None:
         if params.constraint is not None:
             self.constrained[params.constraint.kind].inc()
-
-
-class LoopHistogram(Collector):
-    """A histogram observed by one event loop only (a frontend's, once per token streamed):
-    an observation is a bisection and two additions, with no lock. A scrape, from another
-    thread, reads a copy of the counts; the count it reports is theirs, so the `+Inf` bucket
-    and `_count` always agree (`_sum` may lag them by an observation in progress)."""
-
-    def __init__(self, name: str, documentation: str, mode: str, buckets: tuple[float, ...]) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._mode = mode
-        self._bounds = sorted(buckets)
-        self._counts = [0] * (len(self._bounds) + 1)  # the last one: above every bound
-        self._sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self._sum += value
-
-    def collect(self) -> Iterator[Metric]:
-        counts, total = list(self._counts), self._sum
-        cumulative, buckets = 0, []
-        for bound, count in zip([*self._bounds, float("inf")], counts, strict=True):
-            cumulative += count
-            buckets.append((_le(bound), float(cumulative)))
-        family = HistogramMetricFamily(self._name, self._documentation, labels=["mode"])
-        family.add_metric([self._mode], buckets, total)
-        yield family
 
 
 class _FrontendCpu(Collector):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -180,13 +179,13 @@ class GrpcWorkerSession:
             done.set_exception(WorkerStepError(message.error.step_id, message.error.message))
             self._fail_pending(WorkerUnavailable(f"step {message.error.step_id} failed on the worker"))
             return
-        result = result_from_proto(message.result)
+        rtt = max(time.monotonic() - sent_at - message.result.held_s, 0.0)  # the link's share of the wait
+        result = result_from_proto(message.result, link_rtt_s=rtt)
         if result.step_id != step_id:
             done.set_exception(WorkerUnavailable(f"result of step {result.step_id}, expected {step_id}"))
             self._fail_pending(WorkerUnavailable("results out of launch order"))
             return
-        rtt = max(time.monotonic() - sent_at - result.held_s, 0.0)  # the link's share of the wait
-        done.set_result(dataclasses.replace(result, link_rtt_s=rtt))
+        done.set_result(result)
 
     def _fail_pending(self, failure: WorkerUnavailable) -> None:
         self._failure = self._failure or failure
