@@ -1,6 +1,7 @@
-"""The core's per-step work a column at a time (`scheduler_svc/engine/rows.py`): the same
-outputs as the row-by-row path, stale rows never applied to a slot's next request, and the
-request fields that read through to the columns."""
+"""The CPU per token: the core's per-step work a column at a time (`scheduler_svc/engine/rows.py`:
+the same outputs as the row-by-row path, stale rows never applied to a slot's next request, the
+request fields that read through to the columns), histograms without a lock per observation, and
+a frontend's text made once a message."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.results import ResultProcessor
 from scheduler_svc.engine.rows import SlotRows
 from scheduler_svc.engine.running import RunningManager
+from scheduler_svc.frontend.streams import OutputStream
+from scheduler_svc.frontend.text import RequestText
+from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.loop_metrics import LoopHistogram
 from stepahead.metrics import LATENCY_BUCKETS
 from tests.fake_worker import FakeWorker
@@ -159,3 +163,35 @@ def test_the_loop_histogram_exposes_what_the_client_library_histogram_does() -> 
         return [ln for ln in generate_latest(registry).decode().splitlines() if "_created" not in ln]
 
     assert lines(ours) == lines(theirs)
+
+
+def test_text_without_stop_strings_is_made_once_a_message_and_is_the_per_token_text() -> None:
+    """A stream whose text nothing reads token by token (no stop strings, no tools) decodes a
+    message's tokens in one call when the message is taken; the text is what decoding each token
+    as it came gives, split characters (multi-byte UTF-8) included."""
+    tokenizer = ByteTokenizer()
+    tokens = list("héllo, wörld ✓ — 日本".encode())
+    eager_text = RequestText(tokenizer, ())
+    eager = "".join(eager_text.push(t)[0] for t in tokens) + eager_text.finish()
+
+    lazy_text = RequestText(tokenizer, ())
+    calls: list[int] = []
+
+    def counting(ids: list[int]) -> str:
+        calls.append(len(ids))
+        return lazy_text.push_ids(ids)
+
+    stream = OutputStream()
+    stream.decode_later(counting)
+    texts = []
+    for i, token in enumerate(tokens):
+        stream.put_id(token)
+        if i in (0, 7, 20):  # the client reads now and then
+            texts.append(stream.take().text)
+    stream.catch_up()
+    texts.append(lazy_text.finish())
+    texts.append(stream.take().text)
+    assert "".join(texts) == eager == "héllo, wörld ✓ — 日本"
+    assert len(calls) == 4 and sum(calls) == len(tokens)
+    with pytest.raises(AssertionError):
+        RequestText(tokenizer, ("stop",)).push_ids([65])  # stop strings are looked for token by token

@@ -204,6 +204,8 @@ class Frontend:
         text = RequestText(self.tokenizer, params.stop)
         client = ClientRequest(next(self._handles), rid, prompt_ids, params, text, stream, index)
         client.calls = None if calls is None else CallStream(calls)
+        if client.calls is None and not text.has_stops:
+            stream.decode_later(text.push_ids)
         self.clients[client.handle] = client
         self.pacer.watch()
         self.core.add(CoreRequestSpec(client.handle, rid, prompt_ids, params, client.arrival_time, index))
@@ -298,6 +300,15 @@ class Frontend:
     ) -> None:
         self._note_token_time(client, now)
         client.num_generated += 1
+        stream = client.stream
+        if finish is None and stream.decodes_later:  # the common token: its text comes later
+            if stream.put_id(token, logprob):
+                if client.num_generated == 1:
+                    stream.ready.set()  # a first token is never held
+                else:
+                    self._due.append(stream)
+            return
+        stream.catch_up()
         if finish == FinishReason.STOP and self._stop_token(client, token):
             # EOS or a stop token: kept in token_ids, not in text. (A grammar's last token,
             # which also ends its request with STOP, is text.)
@@ -342,6 +353,7 @@ class Frontend:
         return content
 
     def _end(self, client: ClientRequest, reason: FinishReason) -> None:
+        client.stream.catch_up()  # the text of tokens put before, ahead of what the finish flushes
         if not (reason == FinishReason.STOP and client.text.stopped):
             client.stream.put_text(self._content(client, client.text.finish()))
         if client.calls is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,11 +40,17 @@ class OutputStream:
         self._logprobs: list[TokenLogprob] = []
         self._calls: list[CallDelta] = []
         self._finish: FinishReason | None = None
+        self._undecoded: list[int] = []  # of _ids, those whose text is made at the next take
+        self._decode: Callable[[list[int]], str] | None = None
         self._sent = 0
         self._interval = interval
         self.done = False  # the finish has been taken
         self.error: tuple[grpc.StatusCode, str] | None = None
         self.ready = ready or asyncio.Event()
+
+    @property
+    def decodes_later(self) -> bool:
+        return self._decode is not None
 
     @property
     def has_news(self) -> bool:
@@ -57,6 +64,28 @@ class OutputStream:
         if text:
             self._text.append(text)
         return len(self._ids) >= self._interval
+
+    def decode_later(self, decode: Callable[[list[int]], str]) -> None:
+        """Tokens put with `put_id` get their text from `decode`, all of a message's at once, when
+        the message is taken (or `catch_up` is called): a request whose text nothing reads as it
+        comes (no stop strings, no tool calls) is detokenized once a message, not once a token."""
+        self._decode = decode
+
+    def put_id(self, token_id: int, logprob: TokenLogprob | None = None) -> bool:
+        """`put`, the text to come (`decode_later`)."""
+        self._ids.append(token_id)
+        self._undecoded.append(token_id)
+        if logprob is not None:
+            self._logprobs.append(logprob)
+        return len(self._ids) >= self._interval
+
+    def catch_up(self) -> None:
+        """The text of the tokens put with `put_id` so far."""
+        if self._undecoded and self._decode is not None:
+            text = self._decode(self._undecoded)
+            self._undecoded = []
+            if text:
+                self._text.append(text)
 
     def put_text(self, text: str) -> None:
         if text:
@@ -75,6 +104,7 @@ class OutputStream:
 
     def take(self) -> OutputChunk:
         """Everything pending, as one message."""
+        self.catch_up()
         self.ready.clear()
         self._sent += len(self._ids)
         text = "".join(self._text)

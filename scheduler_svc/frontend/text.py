@@ -24,6 +24,16 @@ class RequestText:
         text = self._decoder.push((token_id,))
         return self._stops.push(text) if match_stops else (text, False)
 
+    @property
+    def has_stops(self) -> bool:
+        return self._stops.has_stops
+
+    def push_ids(self, token_ids: list[int]) -> str:
+        """The text of several tokens at once (a request without stop strings: no stop to
+        find between them)."""
+        assert not self.has_stops
+        return self._decoder.push(token_ids)
+
     def finish(self) -> str:
         """What was held back, when the request ends other than on a stop string."""
         text, stopped = self._stops.push(self._decoder.flush())

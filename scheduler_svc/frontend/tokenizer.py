@@ -383,6 +383,10 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._stopped
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string was found)."""
         if not self._stops:
