@@ -266,17 +266,37 @@ class Frontend:
         for entry, cached in zip(outputs.cached_entries, outputs.cached_tokens, strict=True):
             if (client := clients.get(outputs.handles[entry])) is not None:
                 client.cached_tokens = cached
-        for handle, token, finish, logprob in zip(
-            outputs.handles, outputs.token_ids, outputs.finish_reasons, outputs.entry_logprobs(), strict=True
+        logprobs = outputs.entry_logprobs() if outputs.logprobs else None
+        ttft, itl, due = self.telemetry.ttft, self.telemetry.itl, self._due
+        for i, (handle, token, finish) in enumerate(
+            zip(outputs.handles, outputs.token_ids, outputs.finish_reasons, strict=True)
         ):
             client = clients.get(handle)
             if client is None:  # ended here already: a stop string, or the client left
                 continue
-            if token >= 0:
-                streamed += 1
+            if token < 0:
+                if finish:
+                    self._end(client, FinishReason(finish))
+                continue
+            streamed += 1
+            stream = client.stream
+            logprob = None if logprobs is None else logprobs[i]
+            if finish or not stream.decodes_later:
                 self._on_token(client, token, FinishReason(finish) if finish else None, now, logprob)
-            elif finish:
-                self._end(client, FinishReason(finish))
+                continue
+            # The common token: no finish, its text made when its message is taken.
+            last = client.last_token_time
+            if last is None:
+                ttft.observe(now - client.arrival_time)
+            else:
+                itl.observe(now - last)
+            client.last_token_time = now
+            client.num_generated += 1
+            if stream.put_id(token, logprob):
+                if client.num_generated == 1:
+                    stream.ready.set()  # a first token is never held
+                else:
+                    due.append(stream)
         for handle, code, message in outputs.errors:
             client = clients.get(handle)
             if client is not None:
@@ -300,15 +320,7 @@ class Frontend:
     ) -> None:
         self._note_token_time(client, now)
         client.num_generated += 1
-        stream = client.stream
-        if finish is None and stream.decodes_later:  # the common token: its text comes later
-            if stream.put_id(token, logprob):
-                if client.num_generated == 1:
-                    stream.ready.set()  # a first token is never held
-                else:
-                    self._due.append(stream)
-            return
-        stream.catch_up()
+        client.stream.catch_up()
         if finish == FinishReason.STOP and self._stop_token(client, token):
             # EOS or a stop token: kept in token_ids, not in text. (A grammar's last token,
             # which also ends its request with STOP, is text.)
