@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import shlex
 import signal
 import subprocess
@@ -111,6 +110,13 @@ def _with_http_off(args: list[str]) -> list[str]:
     return args if "--http-port" in args else [*args, "--http-port", "0"]
 
 
+# argv: the limit on open files, then the command to become with it.
+LIMIT_FILES_THEN_EXEC = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 def _spawn(
     module: str,
     args: list[str],
@@ -126,18 +132,19 @@ def _spawn(
     if code is not None:
         env["PYTHONPATH"] = str(code)
 
-    def limit_files() -> None:
-        if fd_limit is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
-
+    command = [sys.executable, "-m", module, "--port", str(port), *args]
+    if fd_limit is not None:
+        # The limit is set by the new interpreter before it becomes the service (exec), not by a
+        # `preexec_fn` here: Python code between fork and exec runs gRPC's fork handlers, which
+        # (grpcio 1.80+, grpc/grpc#43055) can abort the child when this process has channels.
+        command = [sys.executable, "-c", LIMIT_FILES_THEN_EXEC, str(fd_limit), *command]
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", str(port), *args],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         cwd=code,
-        preexec_fn=None if fd_limit is None else limit_files,
     )
     lines: list[str] = []
     listening = threading.Event()
