@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler_svc.contract import FinishReason, SamplingParams
+from scheduler_svc.engine.rows import RowField
 
 if TYPE_CHECKING:
     from scheduler_svc.contract import OutputSink
@@ -46,53 +47,15 @@ class Request:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None
-    # Progress while it holds no request slot; while it holds one, its row in `rows` (rows.py).
-    _computed: int = field(default=0, init=False)
-    _inflight: int = field(default=0, init=False)
-    _kept: bool = field(default=False, init=False)
+    # Progress, in its row of `rows` while it holds a request slot, in `_num_computed` etc. otherwise
+    # (`rows.RowField`).
     rows: SlotRows | None = field(default=None, init=False, repr=False)
-
-    @property
-    def num_computed(self) -> int:
-        """Positions whose KV is computed (or launched to be)."""
-        rows = self.rows
-        return self._computed if rows is None else rows.computed[self.req_slot]  # type: ignore[index]
-
-    @num_computed.setter
-    def num_computed(self, value: int) -> None:
-        rows = self.rows
-        if rows is None:
-            self._computed = value
-        else:
-            rows.computed[self.req_slot] = value  # type: ignore[index]
-
-    @property
-    def num_inflight(self) -> int:
-        """Tokens sampled on the device that the CPU has not processed yet."""
-        rows = self.rows
-        return self._inflight if rows is None else rows.inflight[self.req_slot]  # type: ignore[index]
-
-    @num_inflight.setter
-    def num_inflight(self, value: int) -> None:
-        rows = self.rows
-        if rows is None:
-            self._inflight = value
-        else:
-            rows.inflight[self.req_slot] = value  # type: ignore[index]
-
-    @property
-    def prompt_kept(self) -> bool:
-        """This attempt's prefill is in the prefix cache."""
-        rows = self.rows
-        return self._kept if rows is None else bool(rows.kept[self.req_slot])  # type: ignore[index]
-
-    @prompt_kept.setter
-    def prompt_kept(self, value: bool) -> None:
-        rows = self.rows
-        if rows is None:
-            self._kept = value
-        else:
-            rows.kept[self.req_slot] = value  # type: ignore[index]
+    _num_computed: int = field(default=0, init=False, repr=False)
+    _num_inflight: int = field(default=0, init=False, repr=False)
+    _prompt_kept: int = field(default=0, init=False, repr=False)
+    num_computed = RowField("computed")  # positions whose KV is computed or launched
+    num_inflight = RowField("inflight")  # sampled on the device, not processed yet
+    prompt_kept = RowField("kept")  # this attempt's prefill is in the prefix cache
 
     def add_output(self, token: int) -> None:
         """A processed token joins the output."""

@@ -16,7 +16,7 @@ request no longer matches, so its token is dropped, never applied to the wrong r
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -49,16 +49,12 @@ class SlotRows:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._arrays: dict[str, array[int]] = {}
         for name in self.COLUMNS:
             a = array("q", bytes(8 * capacity))
-            self._arrays[name] = a
             setattr(self, name, a)
             view = np.frombuffer(a, dtype=np.int64) if capacity else np.zeros(0, np.int64)
             setattr(self, name + "_np", view)
-        for slot in range(capacity):
-            self.tag[slot] = NO_TAG
-        self.requests: list[Request | None] = [None] * capacity
+        self.tag_np[:] = NO_TAG
         self.owners: list[OutputSink | None] = []  # by owner number
         self._owner_ids: dict[int, int] = {}  # id(owner) -> owner number
         self._next_tag = 0
@@ -97,7 +93,7 @@ class SlotRows:
             self.owners.append(owner)
         return number
 
-    def place(self, req: Request, slot: int, computed: int, inflight: int, kept: bool) -> None:
+    def place(self, req: Request, slot: int, computed: int, inflight: int, kept: int) -> None:
         """`req` takes the row of `slot`, with its progress so far."""
         p = req.params
         prompt_len = len(req.prompt_ids)
@@ -114,11 +110,44 @@ class SlotRows:
         self._next_tag += 1
         self.handle[slot] = req.handle
         self.owner[slot] = self.owner_id(req.owner)
-        self.requests[slot] = req
 
-    def clear(self, slot: int) -> tuple[int, int, bool]:
+    def clear(self, slot: int) -> tuple[int, int, int]:
         """The row of `slot` is free again; returns what it held (computed, inflight, kept)."""
-        held = self.computed[slot], self.inflight[slot], bool(self.kept[slot])
+        held = self.computed[slot], self.inflight[slot], self.kept[slot]
         self.tag[slot] = NO_TAG
-        self.requests[slot] = None
         return held
+
+
+class RowField:
+    """A `Request` attribute kept in column `column` of its row while it holds a request slot,
+    and in the request's own `_<name>` otherwise (`SessionSlots.assign` copies it in,
+    `release` back)."""
+
+    def __init__(self, column: str) -> None:
+        self._column = column
+        self._own = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._own = "_" + name
+
+    @overload
+    def __get__(self, req: None, owner: type) -> RowField: ...
+    @overload
+    def __get__(self, req: Request, owner: type) -> int: ...
+    def __get__(self, req: Request | None, owner: type) -> RowField | int:
+        if req is None:
+            return self
+        rows = req.rows
+        if rows is None:
+            own: int = getattr(req, self._own)
+            return own
+        column: array[int] = getattr(rows, self._column)
+        return column[req.req_slot]  # type: ignore[index]
+
+    def __set__(self, req: Request, value: int) -> None:
+        rows = req.rows
+        if rows is None:
+            setattr(req, self._own, value)
+        else:
+            column: array[int] = getattr(rows, self._column)
+            column[req.req_slot] = value  # type: ignore[index]
