@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from bench.configs import Configuration, Workload
 from bench.promtext import Labels, delta, scrape, total
 from loadgen import BenchmarkConfig, Summary, run_benchmark
 from loadgen.backend import Constrained, SamplingFeatures
+from stepahead import event_loop
 from stepahead.processes import Service, serving_pair, spawn_scheduler_in_process, wait_serving
 
 # A hang guard, not an expectation: the last release reaches the worker milliseconds after the
@@ -26,7 +26,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def run_loadgen(config: BenchmarkConfig) -> Summary:
-    return asyncio.run(run_benchmark(config)).summary
+    return event_loop.run(run_benchmark(config)).summary
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from loadgen.workload import (
     WorkloadError,
     load_workload,
 )
+from stepahead import event_loop
 
 DEFAULT_NUM_PROMPTS = 1000
 EXIT_INTERRUPTED = 130
@@ -383,7 +384,7 @@ def run(argv: list[str] | None = None) -> int:
     show_progress = not args.no_progress and sys.stderr.isatty()
     progress = ProgressBar(sys.stderr, config.num_prompts, config.duration_s) if show_progress else None
     try:
-        result = asyncio.run(run_until_interrupted(config, progress))
+        result = event_loop.run(run_until_interrupted(config, progress))
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_SETUP

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from stepahead import event_loop
 from stepahead.metrics import serve_metrics
 
 API_KEY_ENV = "STEPAHEAD_API_KEY"  # the scheduler's API key, and what its clients send
@@ -179,14 +180,15 @@ def run_service(name: str, main: Coroutine[Any, Any, None]) -> None:
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
-    """asyncio.run(main), with running out of file descriptors said once a while (see
-    `ResourceErrors`) rather than at every failed accept."""
+    """`event_loop.run(main)` (uvloop where installed), with running out of file descriptors
+    said once a while (see `ResourceErrors`) rather than at every failed accept."""
 
     async def quiet() -> None:
         asyncio.get_running_loop().set_exception_handler(ResourceErrors())
+        log.info("event loop: %s", event_loop.running())
         await main
 
-    asyncio.run(quiet())
+    event_loop.run(quiet())
 
 
 class ResourceErrors:

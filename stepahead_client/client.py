@@ -19,7 +19,6 @@ backend uses too).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from stepahead import event_loop
 from stepahead.serving import API_KEY_ENV, pem_file
 from stepahead.targets import open_target, split_servers
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
@@ -259,4 +259,4 @@ async def stream_reply(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(asyncio.run(stream_reply(parse_args(argv))))
+    sys.exit(event_loop.run(stream_reply(parse_args(argv))))

@@ -13,6 +13,7 @@ are never held, and nothing is held longer than MAX_HOLD_S.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -72,7 +73,7 @@ class StreamPacer:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # driven by hand, without a loop: nothing to probe
                 return
-            self._probe = loop.call_later(PROBE_S, self._on_probe, loop.time() + PROBE_S)
+            self._probe = loop.call_later(PROBE_S, self._on_probe, time.perf_counter() + PROBE_S)
 
     def stop(self) -> None:
         """No more probes (the frontend has no streams left); held streams are woken."""
@@ -83,9 +84,11 @@ class StreamPacer:
         self.factor, self.lag_s, self._calm = 1, 0.0, 0
 
     def _on_probe(self, due: float) -> None:
-        loop = asyncio.get_running_loop()
-        self.observe(loop.time() - due)
-        self._probe = loop.call_later(PROBE_S, self._on_probe, loop.time() + PROBE_S)
+        """Lag in wall-clock time, not the loop's: uvloop's clock counts whole milliseconds, read
+        once per loop turn (a timer may fire up to that much early, hence the floor at 0)."""
+        now = time.perf_counter()
+        self.observe(max(0.0, now - due))
+        self._probe = asyncio.get_running_loop().call_later(PROBE_S, self._on_probe, now + PROBE_S)
 
     def observe(self, lag_s: float) -> None:
         """One probe's lag: the factor doubles while behind, halves after a calm spell."""

@@ -16,7 +16,9 @@ import logging
 import pickle
 import signal
 import socket
+import subprocess
 import sys
+import threading
 from collections.abc import Iterable
 
 import grpc
@@ -47,7 +49,7 @@ class FrontendSupervisor:
         self._socket_path = socket_path
         self._servicer = CoreLinkServicer(core, self._on_hello)
         self._link: grpc.aio.Server | None = None
-        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._procs: dict[int, FrontendProcess] = {}
         self._attached = {i: asyncio.Event() for i in range(self._count)}
         self._watchers: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -82,12 +84,12 @@ class FrontendSupervisor:
         self._stopping = True
         for proc in self._procs.values():
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.popen.send_signal(signal.SIGTERM)
         for proc in self._procs.values():
             try:
-                await asyncio.wait_for(proc.wait(), grace_s + STOP_MARGIN_S)
+                await asyncio.wait_for(asyncio.shield(proc.exited), grace_s + STOP_MARGIN_S)
             except TimeoutError:
-                proc.kill()
+                proc.popen.kill()
         if self._link is not None:
             await self._link.stop(0)
         for guard in self._port_guards:
@@ -112,22 +114,18 @@ class FrontendSupervisor:
             config.observability.log_level,
             config.frontend_nice,
         )
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler_svc.process.frontend_process", stdin=asyncio.subprocess.PIPE
-        )
-        assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps(given))
-        proc.stdin.close()
+        proc = FrontendProcess.start(given)
         self._procs[index] = proc
         task = asyncio.create_task(self._watch(index, proc, restart_delay or RESTART_BACKOFF_S[0]))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _watch(self, index: int, proc: asyncio.subprocess.Process, delay: float) -> None:
-        code = await proc.wait()
+    async def _watch(self, index: int, proc: FrontendProcess, delay: float) -> None:
+        code = await asyncio.shield(proc.exited)
         if self._stopping or code == 0:  # told to stop: it drained and left
             return
-        log.error("frontend %d (pid %d) exited with %s; restarting in %.1fs", index, proc.pid, code, delay)
+        pid = proc.popen.pid
+        log.error("frontend %d (pid %d) exited with %s; restarting in %.1fs", index, pid, code, delay)
         self._core.telemetry.frontend_restarts.inc()
         await asyncio.sleep(delay)
         if not self._stopping:
@@ -138,3 +136,38 @@ class FrontendSupervisor:
         if frontend.index in self._attached:
             self._attached[frontend.index].set()
         self._core.telemetry.frontends.set(len(self._servicer.frontends))
+
+
+class FrontendProcess:
+    """A frontend process and a future of its exit code.
+
+    Started with `subprocess.Popen`, not the event loop's own spawn: uvloop's (libuv's) forks,
+    and fork runs gRPC's fork handlers in the child, which can abort it before it execs while
+    this process has calls in flight (grpc/grpc#43055); Popen's vfork-and-exec runs none. Its
+    exit is waited for by a thread of its own."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        loop = asyncio.get_running_loop()
+        self.exited: asyncio.Future[int] = loop.create_future()
+
+        def wait() -> None:
+            code = popen.wait()
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                loop.call_soon_threadsafe(self._exit, code)
+
+        threading.Thread(target=wait, name=f"frontend-{popen.pid}", daemon=True).start()
+
+    @classmethod
+    def start(cls, given: FrontendProcessConfig) -> FrontendProcess:
+        """Starts a frontend process, handing it its config on its stdin."""
+        command = [sys.executable, "-m", "scheduler_svc.process.frontend_process"]
+        popen = subprocess.Popen(command, stdin=subprocess.PIPE)
+        assert popen.stdin is not None
+        popen.stdin.write(pickle.dumps(given))  # a few hundred bytes: the pipe holds them
+        popen.stdin.close()
+        return cls(popen)
+
+    def _exit(self, code: int) -> None:
+        if not self.exited.done():
+            self.exited.set_result(code)
