@@ -246,6 +246,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         row-less launch every few seconds, so silence means it is stopped or gone)."""
         while True:
             next_message = asyncio.ensure_future(anext(messages, None))
+            # The session may end while this read waits (the scheduler stopped): its error,
+            # "RPC already finished", is then nobody's to read.
+            next_message.add_done_callback(_retrieved)
             done, _ = await asyncio.wait({next_message}, timeout=self._scheduler_timeout_s)
             if done:
                 return next_message.result()
