@@ -49,6 +49,6 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
-def running() -> str:
-    """The running loop's kind, as start-up logs say it: 'uvloop' or 'asyncio'."""
+def running() -> LoopName:
+    """The running loop's kind, as start-up logs say it."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
