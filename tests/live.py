@@ -110,13 +110,12 @@ def own_channel(address: str) -> grpc.aio.Channel:
 
 
 async def frontend_of(channel: grpc.aio.Channel) -> str:
-    """Which frontend serves this channel (the `stepahead-frontend` initial metadata)."""
+    """Which frontend serves this channel (the `stepahead-frontend` trailing metadata of a call)."""
     probe = pb.GenerateRequest(input_ids=pb.TokenIds(ids=[65]), sampling=pb.SamplingParams(max_new_tokens=1))
     call = generation_pb2_grpc.GenerationStub(channel).Generate(probe, timeout=CALL_TIMEOUT_S)
-    metadata = await call.initial_metadata()
     async for _ in call:
         pass
-    return str(dict(metadata)["stepahead-frontend"])
+    return str(dict(await call.trailing_metadata())["stepahead-frontend"])
 
 
 async def channels_by_frontend(

@@ -182,7 +182,6 @@ async def live_client(
     frontend)."""
     views = [ClientView() for _ in range(item.n)]
     call = generation_pb2_grpc.GenerationStub(channel).Generate(to_proto(item), timeout=CALL_TIMEOUT_S)
-    frontend = str(dict(await call.initial_metadata())["stepahead-frontend"])
     async for r in call:
         view = views[r.index]
         view.messages += 1
@@ -199,6 +198,7 @@ async def live_client(
             abort = pb.AbortRequest(request_id=item.rid)
             await generation_pb2_grpc.GenerationStub(abort_channel).Abort(abort, timeout=CALL_TIMEOUT_S)
             item = WorkItem(item.rid, item.prompt_ids, item.params, item.delay_s, n=item.n)  # abort once
+    frontend = str(dict(await call.trailing_metadata())["stepahead-frontend"])
     return views, frontend
 
 

@@ -80,8 +80,13 @@ class ApiError(Exception):
 NO_WORKER = "no worker is connected (starting, or lost and reconnecting); retry later"
 
 
+_SEEDS = random.Random(random.SystemRandom().getrandbits(128))  # this process's own stream
+
+
 def random_seed() -> int:
-    return random.SystemRandom().getrandbits(63)
+    """An unseeded request's seed: drawn from a generator seeded once from the OS (a system
+    call per request cost more than the rest of its admission)."""
+    return _SEEDS.getrandbits(63)
 
 
 UINT64_MASK = (1 << 64) - 1

@@ -34,7 +34,8 @@ from stepahead.v1 import generation_pb2, generation_pb2_grpc
 log = logging.getLogger("stepahead.scheduler")
 
 SERVICE_NAME = "stepahead.v1.Generation"
-FRONTEND_METADATA = "stepahead-frontend"  # initial metadata of every call: which frontend serves it
+# Which frontend serves a call: Generate's trailing metadata, the unary calls' initial metadata.
+FRONTEND_METADATA = "stepahead-frontend"
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
 T = TypeVar("T")
@@ -54,7 +55,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             completions = await self._frontend.admit(request)
         except ApiError as exc:
             await context.abort(exc.code, str(exc))
-        await context.send_initial_metadata(((FRONTEND_METADATA, self._frontend.name),))
+        context.set_trailing_metadata(((FRONTEND_METADATA, self._frontend.name),))  # sent with the status
         try:
             async for response in _stream(completions, context, self._frontend.telemetry.messages):
                 yield response
@@ -65,14 +66,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.AbortRequest | UnparsableRequest, context: Context
     ) -> generation_pb2.AbortResponse:
         request = await _parsed(request, context)
-        return generation_pb2.AbortResponse(aborted=await self._frontend.abort(request.request_id))
+        try:
+            aborted = await self._frontend.abort(request.request_id)
+        except ConnectionError as exc:  # the engine core is gone
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return generation_pb2.AbortResponse(aborted=aborted)
 
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest | UnparsableRequest, context: Context
     ) -> generation_pb2.GetServerInfoResponse:
         await _parsed(request, context)
         assert self._frontend.core is not None
-        response = await self._frontend.core.server_info()
+        try:
+            response = await self._frontend.core.server_info()
+        except ConnectionError as exc:  # the engine core is gone
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if self._frontend.tokenizer is not None and response.model:
             response.tokenizer = self._frontend.tokenizer.name
             response.chat_template = self._frontend.chat is not None
@@ -171,8 +179,8 @@ async def build_server(
 
 class FrontendNameInterceptor(grpc.aio.ServerInterceptor):
     """Every unary call (health checks included) answers with the frontend's name in its initial
-    metadata, as Generate does once it admits a request: with several frontends on one port, a
-    client (or a probe) can tell which one a connection reached."""
+    metadata (Generate, in its trailing metadata): with several frontends on one port, a client
+    (or a probe) can tell which one a connection reached."""
 
     def __init__(self, name: str) -> None:
         self._metadata = ((FRONTEND_METADATA, name),)

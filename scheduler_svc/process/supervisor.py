@@ -21,14 +21,13 @@ import sys
 import threading
 from collections.abc import Iterable
 
-import grpc
 from prometheus_client.core import Metric
 
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.process.config import FrontendProcessConfig, SchedulerConfig
 from scheduler_svc.process.frontend_metrics import parse_exposition
-from scheduler_svc.process.link.core_side import CoreLinkServicer, RemoteFrontend, start_link_server
+from scheduler_svc.process.link.core_side import CoreLink, RemoteFrontend
 from stepahead.serving import reserve_shared_port
 
 log = logging.getLogger("stepahead.supervisor")
@@ -47,8 +46,7 @@ class FrontendSupervisor:
         self._port = config.api.port
         self._http_port = config.api.http_port
         self._socket_path = socket_path
-        self._servicer = CoreLinkServicer(core, self._on_hello)
-        self._link: grpc.aio.Server | None = None
+        self._link = CoreLink(core, self._on_hello)
         self._procs: dict[int, FrontendProcess] = {}
         self._attached = {i: asyncio.Event() for i in range(self._count)}
         self._watchers: set[asyncio.Task[None]] = set()
@@ -63,7 +61,7 @@ class FrontendSupervisor:
         self._port = self._reserve(self._port, "--port")  # first: a port in use stops nothing running
         if self._http_port:
             self._http_port = self._reserve(self._http_port, "--http-port")
-        self._link = await start_link_server(self._servicer, self._socket_path)
+        await self._link.start(self._socket_path)
         for index in range(self._count):
             await self._spawn(index, restart_delay=None)
         waits = [asyncio.create_task(event.wait()) for event in self._attached.values()]
@@ -90,15 +88,14 @@ class FrontendSupervisor:
                 await asyncio.wait_for(asyncio.shield(proc.exited), grace_s + STOP_MARGIN_S)
             except TimeoutError:
                 proc.popen.kill()
-        if self._link is not None:
-            await self._link.stop(0)
+        await self._link.stop()
         for guard in self._port_guards:
             guard.close()
 
     def metric_sources(self) -> list[Iterable[Metric]]:
         """Called from the /metrics thread: every frontend's exposition, asked over its link."""
         assert self._loop is not None
-        texts = asyncio.run_coroutine_threadsafe(self._servicer.metrics_texts(), self._loop).result(10)
+        texts = asyncio.run_coroutine_threadsafe(self._link.metrics_texts(), self._loop).result(10)
         return [self._zeros.collect(), *(parse_exposition(text) for text in texts)]
 
     # ---- processes -------------------------------------------------------------------------
@@ -135,7 +132,7 @@ class FrontendSupervisor:
         log.info("frontend %d (pid %d) serves port %d", frontend.index, frontend.pid, frontend.port)
         if frontend.index in self._attached:
             self._attached[frontend.index].set()
-        self._core.telemetry.frontends.set(len(self._servicer.frontends))
+        self._core.telemetry.frontends.set(len(self._link.frontends))
 
 
 class FrontendProcess:

@@ -3,20 +3,11 @@ worker's state, to and from `stepahead.v1` core messages."""
 
 from __future__ import annotations
 
-import logging
-from typing import Any, TypeAlias
-
 import grpc
 
 from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs, TokenLogprob
 from stepahead.protocol import WorkerInfo, constraint_of, info_to_proto, same_fields
 from stepahead.v1 import core_pb2
-
-log = logging.getLogger("stepahead.link")
-
-Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
-METRICS_TIMEOUT_S = 3.0
-
 
 # SamplingParams' scalars, the same in CoreSampling (stop ids, stop strings and the bias aside).
 SAMPLING_FIELDS = (

@@ -1,15 +1,13 @@
-"""The core's side of the link: the `EngineCore` service frontend processes attach to, and
-each attached frontend as the core sees it (`RemoteFrontend`)."""
+"""The core's side of the link: the socket frontend processes attach to (`CoreLink`), and each
+attached frontend as the core sees it (`RemoteFrontend`)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeAlias
-
-import grpc
+from collections.abc import Callable
+from typing import Any
 
 import stepahead
 from scheduler_svc.contract import CoreRequestSpec, StepOutputs
@@ -20,12 +18,12 @@ from scheduler_svc.process.link.codec import (
     spec_from_proto,
     worker_state_to_proto,
 )
-from stepahead.protocol import GRPC_OPTIONS, WorkerInfo
-from stepahead.v1 import core_pb2, core_pb2_grpc, generation_pb2
+from scheduler_svc.process.link.framing import FrameProtocol
+from stepahead.protocol import WorkerInfo
+from stepahead.v1 import core_pb2, generation_pb2
 
 log = logging.getLogger("stepahead.link")
 
-Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 METRICS_TIMEOUT_S = 3.0
 
 
@@ -70,24 +68,29 @@ def core_server_info(core: EngineCore) -> generation_pb2.GetServerInfoResponse:
 
 
 class RemoteFrontend:
-    """A frontend process, as the core sees it: messages queue for its stream's writer."""
+    """A frontend process, as the core sees it: one framed connection on the core's socket."""
 
-    def __init__(self, index: int, pid: int, port: int) -> None:
+    def __init__(
+        self, index: int, pid: int, port: int, wire: FrameProtocol[core_pb2.FrontendMessage]
+    ) -> None:
         self.index, self.pid, self.port = index, pid, port
-        self.queue: asyncio.Queue[core_pb2.CoreMessage | None] = asyncio.Queue()
+        self._wire = wire
         self._metrics: dict[int, asyncio.Future[bytes]] = {}
         self._query_ids = itertools.count(1)
 
     def send(self, outputs: StepOutputs) -> None:
-        self.queue.put_nowait(core_pb2.CoreMessage(outputs=outputs_to_proto(outputs)))
+        self._wire.send(core_pb2.CoreMessage(outputs=outputs_to_proto(outputs)))
+
+    def answer(self, message: core_pb2.CoreMessage) -> None:
+        self._wire.send(message)
 
     def worker_state(self, info: WorkerInfo | None, connected: bool) -> None:
-        self.queue.put_nowait(core_pb2.CoreMessage(worker=worker_state_to_proto(info, connected)))
+        self._wire.send(core_pb2.CoreMessage(worker=worker_state_to_proto(info, connected)))
 
     async def metrics_text(self) -> bytes:
         query = next(self._query_ids)
         done = self._metrics[query] = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(core_pb2.CoreMessage(metrics_query=core_pb2.MetricsQuery(id=query)))
+        self._wire.send(core_pb2.CoreMessage(metrics_query=core_pb2.MetricsQuery(id=query)))
         try:
             return await asyncio.wait_for(done, METRICS_TIMEOUT_S)
         finally:
@@ -99,48 +102,70 @@ class RemoteFrontend:
             done.set_result(reply.text)
 
 
-class CoreLinkServicer(core_pb2_grpc.EngineCoreServicer):
-    """Serves frontend processes on the core's unix socket."""
+class CoreLink:
+    """Serves frontend processes on the core's unix socket: each connection starts with a
+    hello and is then one `RemoteFrontend` attached to the core until it closes."""
 
     def __init__(self, core: EngineCore, on_hello: Callable[[RemoteFrontend], None]) -> None:
         self._core = core
         self._on_hello = on_hello
         self.frontends: set[RemoteFrontend] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[FrameProtocol[core_pb2.FrontendMessage]] = set()
 
-    async def Attach(
-        self, request_iterator: AsyncIterator[core_pb2.FrontendMessage], context: Context
-    ) -> AsyncIterator[core_pb2.CoreMessage]:
-        first = await anext(aiter(request_iterator), None)
-        if first is None or not first.HasField("hello"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a frontend starts with a hello")
-            return
-        h = first.hello
-        frontend = RemoteFrontend(h.index, h.pid, h.port)
-        self.frontends.add(frontend)
-        self._core.attach(frontend)
-        reader = asyncio.create_task(self._read(frontend, request_iterator))
-        try:
-            self._on_hello(frontend)
-            while (message := await frontend.queue.get()) is not None:
-                yield message
-        finally:
-            reader.cancel()
-            self.frontends.discard(frontend)
-            self._core.detach(frontend)
+    async def start(self, socket_path: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._connection, socket_path)
 
-    async def _read(
-        self, frontend: RemoteFrontend, messages: AsyncIterator[core_pb2.FrontendMessage]
-    ) -> None:
-        try:
-            async for message in messages:
-                if message.HasField("requests"):
-                    self._apply(frontend, message.requests)
-                elif message.HasField("metrics"):
-                    frontend.on_metrics(message.metrics)
-        except grpc.aio.AioRpcError:
-            pass
-        finally:
-            frontend.queue.put_nowait(None)  # the frontend is gone: end its stream
+    async def stop(self) -> None:
+        """Stops listening and closes every connection (their frontends detach)."""
+        if self._server is not None:
+            self._server.close()
+        for wire in list(self._connections):
+            wire.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _connection(self) -> FrameProtocol[core_pb2.FrontendMessage]:
+        attached: list[RemoteFrontend] = []
+
+        def on_frame(message: core_pb2.FrontendMessage) -> None:
+            if attached:
+                self._on_message(attached[0], message)
+            elif message.HasField("hello"):
+                h = message.hello
+                frontend = RemoteFrontend(h.index, h.pid, h.port, wire)
+                attached.append(frontend)
+                self.frontends.add(frontend)
+                self._core.attach(frontend)
+                self._on_hello(frontend)
+            else:
+                log.error("a connection on the core's link did not start with a hello: closing it")
+                wire.close()
+
+        def on_lost(exc: Exception | None) -> None:
+            self._connections.discard(wire)
+            if attached:
+                self.frontends.discard(attached[0])
+                self._core.detach(attached[0])
+
+        wire = FrameProtocol(core_pb2.FrontendMessage.FromString, on_frame, on_lost)
+        self._connections.add(wire)
+        return wire
+
+    def _on_message(self, frontend: RemoteFrontend, message: core_pb2.FrontendMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "requests":
+            self._apply(frontend, message.requests)
+        elif kind == "metrics":
+            frontend.on_metrics(message.metrics)
+        elif kind == "abort":
+            aborted = self._core.abort(message.abort.request_id)
+            answer = core_pb2.AbortAnswer(id=message.abort.id, aborted=aborted)
+            frontend.answer(core_pb2.CoreMessage(aborted=answer))
+        elif kind == "server_info":
+            info = core_pb2.ServerInfoAnswer(id=message.server_info.id, info=core_server_info(self._core))
+            frontend.answer(core_pb2.CoreMessage(server_info=info))
 
     def _apply(self, frontend: RemoteFrontend, batch: core_pb2.RequestBatch) -> None:
         """Aborts first: a handle the frontend ended before sending it is never in `add`."""
@@ -149,28 +174,7 @@ class CoreLinkServicer(core_pb2_grpc.EngineCoreServicer):
         if batch.add:
             self._core.add([core_request(spec_from_proto(m), frontend) for m in batch.add])
 
-    async def Abort(
-        self, request: generation_pb2.AbortRequest, context: Context
-    ) -> generation_pb2.AbortResponse:
-        return generation_pb2.AbortResponse(aborted=self._core.abort(request.request_id))
-
-    async def GetServerInfo(
-        self, request: generation_pb2.GetServerInfoRequest, context: Context
-    ) -> generation_pb2.GetServerInfoResponse:
-        return core_server_info(self._core)
-
     async def metrics_texts(self) -> list[bytes]:
         """Every attached frontend's exposition (one that does not answer in time is left out)."""
         got = await asyncio.gather(*(f.metrics_text() for f in self.frontends), return_exceptions=True)
         return [text for text in got if isinstance(text, bytes)]
-
-
-async def start_link_server(servicer: CoreLinkServicer, socket_path: str) -> grpc.aio.Server:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix:{socket_path}")
-    await server.start()
-    return server
-
-
-# ---- the frontend's side ---------------------------------------------------------------------

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Any, TypeAlias
-
-import grpc
-
 from scheduler_svc.contract import CoreRequestSpec
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.frontend.frontend import Frontend
 from scheduler_svc.process.link.core_side import core_request, core_server_info
 from stepahead.v1 import generation_pb2
-
-log = logging.getLogger("stepahead.link")
-
-Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
-METRICS_TIMEOUT_S = 3.0
 
 
 class LocalCore:

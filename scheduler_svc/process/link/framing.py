@@ -1,0 +1,89 @@
+"""The core-frontend link's wire: length-prefixed protobuf frames on a unix stream socket.
+
+Each frame is a 4-byte little-endian length and that many bytes of one serialized message. A
+message is one `transport.write` (one `send` syscall, no completion thread, no HTTP/2 framing,
+flow-control window or per-message task), and what arrives is parsed in the event loop's read
+callback: this is the link that carries one message per step to every frontend, so its cost
+per message is the scheduler's cost per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar, cast
+
+log = logging.getLogger("stepahead.link")
+
+HEADER = struct.Struct("<I")
+MAX_FRAME_BYTES = 1 << 30  # a longer frame is a broken peer, not a message
+
+
+class Wire(Protocol):
+    def SerializeToString(self) -> bytes: ...
+
+
+M = TypeVar("M")
+
+
+class FrameProtocol(asyncio.Protocol, Generic[M]):
+    """One end of a link: `send` writes a frame, `on_frame` gets each parsed message in order,
+    `on_lost` is called once when the connection ends (None: closed cleanly)."""
+
+    def __init__(
+        self,
+        parse: Callable[[bytes], M],
+        on_frame: Callable[[M], None],
+        on_lost: Callable[[Exception | None], None],
+    ) -> None:
+        self._parse = parse
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+
+    @property
+    def open(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def send(self, message: Wire) -> None:
+        """Queues one frame (nothing if the link is closed: its peer's loss is reported once,
+        by `on_lost`)."""
+        if self.open:
+            assert self._transport is not None
+            body = message.SerializeToString()
+            self._transport.write(HEADER.pack(len(body)) + body)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        view, start, end = memoryview(buffer), 0, len(buffer)
+        try:
+            while end - start >= HEADER.size:
+                (size,) = HEADER.unpack_from(buffer, start)
+                if size > MAX_FRAME_BYTES:
+                    log.error("a %d-byte frame on the link: closing it", size)
+                    self.close()
+                    return
+                if end - start - HEADER.size < size:
+                    break
+                start += HEADER.size
+                message = self._parse(view[start : start + size].tobytes())
+                start += size
+                self._on_frame(message)
+        finally:
+            view.release()
+            del buffer[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._on_lost(exc)
