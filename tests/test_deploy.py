@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -376,13 +377,16 @@ def test_dockerfile_defaults_to_cpu_torch_at_the_projects_pin() -> None:
     }
 
 
-def test_dockerfile_generates_the_grpc_modules_before_installing() -> None:
+def test_dockerfile_installs_the_package_with_its_kept_grpc_modules() -> None:
+    """stepahead/v1/ is kept in the tree (tests/test_protos.py): the image installs the sources
+    as they are, with runtime dependencies only, and imports the modules before it is done."""
     text = DOCKERFILE.read_text()
-    protoc = (
-        "python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. protos/stepahead/v1/*.proto"
-    )
-    assert protoc in text and "touch stepahead/v1/__init__.py" in text
-    assert text.index(protoc) < text.index("pip install --no-deps .")
+    assert "grpc_tools" not in text
+    assert (ROOT / "stepahead" / "v1" / "generation_pb2_grpc.py").exists()
+    assert text.index("COPY . .") < text.index("pip install --no-deps .")
+    assert "import stepahead.v1.generation_pb2_grpc, stepahead.v1.worker_pb2_grpc" in text
+    runtime = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in runtime if d.startswith("grpcio-tools")]
 
 
 def test_the_default_model_is_served_and_installed_where_it_is_served() -> None:

@@ -22,7 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENT_FACING = ("fastapi", "uvicorn", "starlette", "jinja2", "tokenizers", "grpc", "pydantic", "httptools")
 # Grammars are compiled by the frontends and run by the worker; the core only carries them.
 NOT_IN_THE_ENGINE = (*CLIENT_FACING, "llguidance")
-SERVICES = ("scheduler_svc", "worker_svc", "stepahead_client", "stepahead_colocated", "loadgen", "bench")
+SERVICES = (
+    "scheduler_svc",
+    "worker_svc",
+    "stepahead_client",
+    "stepahead_colocated",
+    "stepahead_cli",
+    "loadgen",
+    "bench",
+)
 
 
 def modules_imported(path: Path) -> set[str]:

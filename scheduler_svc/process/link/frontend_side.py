@@ -36,6 +36,7 @@ class RemoteCore:
         self._batch = core_pb2.RequestBatch()
         self._unsent: set[int] = set()  # handles in self._batch.add
         self._flush_scheduled = False
+        self._closing = False
         self._query_ids = itertools.count(1)
         self._queries: dict[int, asyncio.Future[core_pb2.CoreMessage]] = {}
         frontend.core = self
@@ -86,6 +87,7 @@ class RemoteCore:
         return answer.server_info.info
 
     async def close(self) -> None:
+        self._closing = True
         if self._wire is not None:
             self._wire.close()
 
@@ -114,7 +116,8 @@ class RemoteCore:
         self._unsent = set()
 
     def _on_lost(self, exc: Exception | None) -> None:
-        log.error("lost the engine core%s", f": {exc}" if exc else "")
+        if not self._closing:
+            log.error("lost the engine core%s", f": {exc}" if exc else "")
         for done in self._queries.values():
             if not done.done():
                 done.set_exception(CoreGone("the engine core is gone"))

@@ -1,0 +1,2 @@
+"""The `stepahead` command (`commands`), and `stepahead serve` (`serve`): a worker and a
+scheduler in one command."""

