@@ -176,6 +176,9 @@ class CoreClient(Protocol):
 
     async def server_info(self) -> generation_pb2.GetServerInfoResponse: ...
 
+    async def exposition(self) -> bytes:
+        """The whole service's Prometheus exposition (the core's series and every frontend's)."""
+
 
 class FrontendLink(OutputSink, Protocol):
     """A frontend as the core sees it: where its outputs and the worker's state go."""

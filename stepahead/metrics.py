@@ -13,7 +13,7 @@ import gzip
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -110,18 +110,27 @@ GAP_BUCKETS = (
 
 
 class ConstLabels(Collector):
-    """Adds a service's constant labels to every sample of another collector."""
+    """Adds a service's constant labels to every sample of another collector (`labels` may be
+    a function, read at each collection: a label known only once the service runs)."""
 
-    def __init__(self, inner: Collector, labels: dict[str, str]) -> None:
+    def __init__(self, inner: Collector, labels: dict[str, str] | Callable[[], dict[str, str]]) -> None:
         self._inner = inner
         self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
+        labels = self._labels() if callable(self._labels) else self._labels
         for family in self._inner.collect():
             labeled = Metric(family.name, family.documentation, family.type, family.unit)
             for s in family.samples:
-                labeled.add_sample(s.name, {**s.labels, **self._labels}, s.value, s.timestamp, s.exemplar)
+                labeled.add_sample(s.name, {**s.labels, **labels}, s.value, s.timestamp, s.exemplar)
             yield labeled
+
+
+def labelled(inner: Collector, labels: Callable[[], dict[str, str]]) -> CollectorRegistry:
+    """A registry that exposes `inner` with `labels` added to every sample."""
+    view = CollectorRegistry(auto_describe=False)
+    view.register(ConstLabels(inner, labels))
+    return view
 
 
 def new_registry(const_labels: dict[str, str]) -> CollectorRegistry:

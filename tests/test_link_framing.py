@@ -102,7 +102,7 @@ def spec(handle: int) -> CoreRequestSpec:
 async def linked(tmp: str) -> tuple[EngineCore, CoreLink, list[RemoteFrontend], Frontend, RemoteCore]:
     core = EngineCore(None, CoreConfig())  # type: ignore[arg-type]  # no worker: nothing runs
     hellos: list[RemoteFrontend] = []
-    link = CoreLink(core, hellos.append)
+    link = CoreLink(core, hellos.append, lambda: b"# the service's metrics\n")
     await link.start(f"{tmp}/core.sock")
     frontend = Frontend(FrontendConfig(core.config.mode))
     remote = RemoteCore(f"{tmp}/core.sock", frontend, lambda: b"# frontend metrics\n")
@@ -150,6 +150,7 @@ async def _both_ends_of_the_link_over_a_unix_socket(monkeypatch: pytest.MonkeyPa
         info = await remote.server_info()
         assert info.version == stepahead.__version__ and not info.worker_connected
         assert await remote.abort_request("nobody") is False
+        assert await remote.exposition() == b"# the service's metrics\n"
 
         # The core goes away: the frontend's attach returns, its queries fail, the core detached it.
         await link.stop()

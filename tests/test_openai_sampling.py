@@ -72,6 +72,9 @@ class ScriptedCore:
     async def server_info(self) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse()
 
+    async def exposition(self) -> bytes:
+        return b"# scripted\n"
+
 
 Step = list[tuple[int, int, FinishReason | None]]  # (completion index, token, finish)
 

@@ -47,6 +47,7 @@ from scheduler_svc.frontend.validation import (
     RequestLimits,
     ValidRequest,
     needs_compiling,
+    prompt_ids,
     validate_request,
 )
 from stepahead.protocol import WorkerInfo
@@ -224,6 +225,18 @@ class Frontend:
                 self._end(client, FinishReason.ABORT)
                 self._abort_in_core(client)
         self._forget_call(completions)
+
+    def tokenize(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        """The prompt ids `request`'s input gives, as `admit` would make them; raises ApiError."""
+        info, tokenizer = self.info, self.tokenizer
+        if info is None or tokenizer is None:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
+        try:
+            return prompt_ids(request, tokenizer, info, self.config.limits, self.chat)
+        except InvalidRequest as exc:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+        except NoChatTemplate as exc:
+            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "input.messages") from exc
 
     async def abort(self, rid: str) -> bool:
         completions = self._by_rid.get(rid)

@@ -130,6 +130,20 @@ def validate_request(
     return ValidRequest(prompt_ids, params, n, compiled, calls)
 
 
+def prompt_ids(
+    request: generation_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    info: WorkerInfo,
+    limits: RequestLimits = default_limits,
+    chat: ChatTemplate | None = None,
+) -> list[int]:
+    """The prompt ids of a request's input (text, ids or chat messages with their tools),
+    checked as a generation's are; its sampling is not looked at (/tokenize)."""
+    max_prompt_tokens = limits.max_prompt_tokens or info.max_context_len
+    source = PromptSource(tokenizer, chat, limits.max_text_bytes, max_prompt_tokens)
+    return _prompt_ids(request, source, info.vocab_size, tool_request(request))
+
+
 def _with_room_left(
     sampling: generation_pb2.SamplingParams, prompt_len: int, info: WorkerInfo
 ) -> generation_pb2.SamplingParams:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
@@ -24,6 +24,7 @@ from scheduler_svc.process.frontend_metrics import FrontendMetrics, MetricSource
 from scheduler_svc.process.grpc_transport import GrpcTransport
 from scheduler_svc.process.link.local import LocalCore
 from scheduler_svc.process.supervisor import FrontendSupervisor
+from stepahead.metrics import labelled
 from stepahead.serving import (
     describe_tls,
     graceful_stop,
@@ -62,8 +63,8 @@ async def serve(config: SchedulerConfig, transport: WorkerTransport | None = Non
 async def _serve_frontend_here(core: EngineCore, config: SchedulerConfig, stop: asyncio.Event) -> None:
     api = config.api
     frontend = Frontend(config.frontend)
-    LocalCore(core, frontend)
-    registry = core_registry(core, lambda: [frontend.telemetry.registry.collect()])
+    registry = service_registry(core, config, lambda: [frontend.telemetry.registry.collect()])
+    LocalCore(core, frontend, lambda: generate_latest(registry))
     start_metrics(registry, config.observability.metrics, "scheduler")
     log_access(api, config.worker)
     server, port, health_servicer = await build_server(frontend, api)
@@ -83,8 +84,10 @@ async def _serve_frontend_here(core: EngineCore, config: SchedulerConfig, stop: 
 async def _serve_frontend_processes(core: EngineCore, config: SchedulerConfig, stop: asyncio.Event) -> None:
     log_access(config.api, config.worker)
     with tempfile.TemporaryDirectory(prefix="stepahead-core-") as private:  # mode 0700
-        supervisor = FrontendSupervisor(core, config, f"{private}/core.sock")
-        registry = core_registry(core, supervisor.metric_sources)
+        supervisor = FrontendSupervisor(
+            core, config, f"{private}/core.sock", lambda: generate_latest(registry)
+        )
+        registry = service_registry(core, config, supervisor.metric_sources)
         start_metrics(registry, config.observability.metrics, "scheduler")
         port, http_port = await supervisor.start()
         http = f", HTTP on port {http_port}" if http_port else ""
@@ -98,11 +101,20 @@ async def _serve_frontend_processes(core: EngineCore, config: SchedulerConfig, s
         await supervisor.stop(config.grace_s)
 
 
-def core_registry(core: EngineCore, frontend_sources: MetricSource) -> CollectorRegistry:
-    """The core's metrics plus every frontend's, summed: one endpoint for the service."""
+def service_registry(
+    core: EngineCore, config: SchedulerConfig, frontend_sources: MetricSource
+) -> CollectorRegistry:
+    """The core's metrics plus every frontend's, summed: one exposition for the service (on
+    --metrics-port and on the HTTP API's /metrics), every series labelled `model_name` (the
+    served model's name, as the OpenAI API names it) once a worker has said which it is."""
     registry = core.telemetry.registry
     registry.register(FrontendMetrics(frontend_sources))
-    return registry
+
+    def model_name() -> dict[str, str]:
+        name = config.api.served_model_name or (core.info.model if core.info is not None else None)
+        return {} if name is None else {"model_name": name}
+
+    return labelled(registry, model_name)
 
 
 def log_access(api: ClientApiConfig, worker: WorkerConnection) -> None:

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import Metric
 
@@ -38,7 +38,9 @@ STOP_MARGIN_S = 5.0  # beyond the grace: time for a frontend to flush and exit
 
 
 class FrontendSupervisor:
-    def __init__(self, core: EngineCore, config: SchedulerConfig, socket_path: str) -> None:
+    def __init__(
+        self, core: EngineCore, config: SchedulerConfig, socket_path: str, exposition: Callable[[], bytes]
+    ) -> None:
         self._core = core
         self._config = config
         self._count = config.frontends
@@ -46,7 +48,7 @@ class FrontendSupervisor:
         self._port = config.api.port
         self._http_port = config.api.http_port
         self._socket_path = socket_path
-        self._link = CoreLink(core, self._on_hello)
+        self._link = CoreLink(core, self._on_hello, exposition)
         self._procs: dict[int, FrontendProcess] = {}
         self._attached = {i: asyncio.Event() for i in range(self._count)}
         self._watchers: set[asyncio.Task[None]] = set()

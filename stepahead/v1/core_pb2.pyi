@@ -38,6 +38,7 @@ class FrontendMessage(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
     SERVER_INFO_FIELD_NUMBER: _builtins.int
+    EXPOSITION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___FrontendHello: ...
     @_builtins.property
@@ -48,6 +49,8 @@ class FrontendMessage(_message.Message):
     def abort(self) -> Global___AbortQuery: ...
     @_builtins.property
     def server_info(self) -> Global___ServerInfoQuery: ...
+    @_builtins.property
+    def exposition(self) -> Global___ExpositionQuery: ...
     def __init__(
         self,
         *,
@@ -56,12 +59,13 @@ class FrontendMessage(_message.Message):
         metrics: Global___MetricsText | None = ...,
         abort: Global___AbortQuery | None = ...,
         server_info: Global___ServerInfoQuery | None = ...,
+        exposition: Global___ExpositionQuery | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "hello", b"hello", "kind", b"kind", "metrics", b"metrics", "requests", b"requests", "server_info", b"server_info"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "exposition", b"exposition", "hello", b"hello", "kind", b"kind", "metrics", b"metrics", "requests", b"requests", "server_info", b"server_info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "hello", b"hello", "kind", b"kind", "metrics", b"metrics", "requests", b"requests", "server_info", b"server_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "exposition", b"exposition", "hello", b"hello", "kind", b"kind", "metrics", b"metrics", "requests", b"requests", "server_info", b"server_info"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "requests", "metrics", "abort", "server_info"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "requests", "metrics", "abort", "server_info", "exposition"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -76,6 +80,7 @@ class CoreMessage(_message.Message):
     METRICS_QUERY_FIELD_NUMBER: _builtins.int
     ABORTED_FIELD_NUMBER: _builtins.int
     SERVER_INFO_FIELD_NUMBER: _builtins.int
+    EXPOSITION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def worker(self) -> Global___WorkerState: ...
     @_builtins.property
@@ -86,6 +91,8 @@ class CoreMessage(_message.Message):
     def aborted(self) -> Global___AbortAnswer: ...
     @_builtins.property
     def server_info(self) -> Global___ServerInfoAnswer: ...
+    @_builtins.property
+    def exposition(self) -> Global___ExpositionAnswer: ...
     def __init__(
         self,
         *,
@@ -94,12 +101,13 @@ class CoreMessage(_message.Message):
         metrics_query: Global___MetricsQuery | None = ...,
         aborted: Global___AbortAnswer | None = ...,
         server_info: Global___ServerInfoAnswer | None = ...,
+        exposition: Global___ExpositionAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "kind", b"kind", "metrics_query", b"metrics_query", "outputs", b"outputs", "server_info", b"server_info", "worker", b"worker"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "exposition", b"exposition", "kind", b"kind", "metrics_query", b"metrics_query", "outputs", b"outputs", "server_info", b"server_info", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "kind", b"kind", "metrics_query", b"metrics_query", "outputs", b"outputs", "server_info", b"server_info", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "exposition", b"exposition", "kind", b"kind", "metrics_query", b"metrics_query", "outputs", b"outputs", "server_info", b"server_info", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["worker", "outputs", "metrics_query", "aborted", "server_info"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["worker", "outputs", "metrics_query", "aborted", "server_info", "exposition"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -554,3 +562,48 @@ class ServerInfoAnswer(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerInfoAnswer: _TypeAlias = ServerInfoAnswer  # noqa: Y015
+
+@_typing.final
+class ExpositionQuery(_message.Message):
+    """The whole service's Prometheus exposition (the core's series and every frontend's, summed),
+    for /metrics on a frontend's HTTP port.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpositionQuery: _TypeAlias = ExpositionQuery  # noqa: Y015
+
+@_typing.final
+class ExpositionAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    text: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        text: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpositionAnswer: _TypeAlias = ExpositionAnswer  # noqa: Y015

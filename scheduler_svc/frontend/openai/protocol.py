@@ -453,8 +453,7 @@ class ChatCompletionRequest(SamplingFields):
             sampling = self.sampling(self.max_tokens, "max_tokens")
         request = pb.GenerateRequest(sampling=sampling)
         chat = request.messages
-        chat.messages.extend(_message(m, i) for i, m in enumerate(self.messages))
-        chat.tools.extend(_tool(t) for t in self.tools or [])
+        chat_input(chat, self.messages, self.tools)
         if isinstance(self.tool_choice, NamedToolChoice):
             chat.tool_choice.function = self.tool_choice.function.name
         elif self.tool_choice is not None:
@@ -462,6 +461,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.parallel_tool_calls is not None:
             chat.parallel_tool_calls = self.parallel_tool_calls
         return request
+
+
+def chat_input(chat: pb.ChatMessages, messages: list[ChatMessageIn], tools: list[ToolDef] | None) -> None:
+    """The messages and tools of a chat body, on a request's `messages` input."""
+    chat.messages.extend(_message(m, i) for i, m in enumerate(messages))
+    chat.tools.extend(_tool(t) for t in tools or [])
 
 
 def _message(m: ChatMessageIn, index: int) -> pb.ChatMessage:

@@ -24,11 +24,13 @@ import grpc
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import stepahead
 from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import NO_WORKER, ApiError, Frontend
@@ -43,6 +45,8 @@ from scheduler_svc.frontend.openai.protocol import (
     http_field,
     http_message,
 )
+from scheduler_svc.frontend.openai.tokenize import DetokenizeRequest, TokenizeRequest
+from scheduler_svc.frontend.openai.tokenize import http_field as tokenize_field
 from scheduler_svc.frontend.streams import Completions, OutputChunk
 from scheduler_svc.frontend.telemetry import Counting
 from scheduler_svc.frontend.tools import CallDelta
@@ -51,6 +55,7 @@ from scheduler_svc.frontend.validation import ValidRequest
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
 T = TypeVar("T")
+B = TypeVar("B", bound=pydantic.BaseModel)
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -111,11 +116,50 @@ def build_app(frontend: Frontend, config: ClientApiConfig = DEFAULT_API) -> Fast
     app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/version", api.version, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_exception_handler(HttpError, _http_error_response)
     app.add_exception_handler(StarletteHTTPException, _routing_error_response)
     if config.allowed_hosts:
         app.add_middleware(HostCheck, allowed=config.allowed_hosts)
+    app.add_middleware(RequestIdEcho)  # outermost: every response, refusals included
     return app
+
+
+class RequestIdEcho:
+    """A request's `X-Request-Id` comes back on its response, whatever the response is; a
+    completion takes it as its id (`chatcmpl-<id>`, and the request id an abort names). An id
+    that is too long or not printable ASCII gets a 400 naming the header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        if given is None:
+            await self._app(scope, receive, send)
+            return
+        if len(given) > MAX_REQUEST_ID_CHARS or not all(" " < c < "\x7f" for c in given):
+            message = f"{REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters"
+            await HttpError(400, message, REQUEST_ID_HEADER).response()(scope, receive, send)
+            return
+
+        async def echo(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", given.encode())]}
+            await send(message)
+
+        await self._app(scope, receive, echo)
+
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128  # well under the gRPC API's request_id limit with its prefix
 
 
 class HostCheck:
@@ -168,6 +212,63 @@ class OpenAIApi:
         self._check_model(model)
         return JSONResponse(_model_card(model))
 
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": stepahead.__version__})
+
+    async def metrics(self) -> Response:
+        """The whole service's metrics (the core's and every frontend's), as --metrics-port
+        serves them: no API key, as /health (vLLM's /metrics asks none either)."""
+        assert self._frontend.core is not None
+        try:
+            text = await self._frontend.core.exposition()
+        except ConnectionError as exc:
+            raise HttpError(503, f"the engine core did not answer: {exc}") from exc
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        body = await self._parse_as(request, TokenizeRequest)
+        self._check_model(body.model)
+        try:
+            ids = self._frontend.tokenize(body.to_proto())
+        except FieldError as exc:
+            raise HttpError(400, str(exc), exc.field) from exc
+        except ApiError as exc:
+            field = tokenize_field(exc.field) if exc.field else None
+            message = (
+                str(exc) if field is None or exc.field is None else str(exc).replace(exc.field, field, 1)
+            )
+            raise HttpError(HTTP_STATUS.get(exc.code, 500), message, field) from exc
+        tokenizer, info = self._frontend.tokenizer, self._frontend.info
+        assert tokenizer is not None and info is not None
+        if body.prompt is not None and body.add_special_tokens is False:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=False)
+        strs = (
+            [tokenizer.token_bytes(i).decode(errors="replace") for i in ids]
+            if body.return_token_strs
+            else None
+        )
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": info.max_context_len, "tokens": ids, "token_strs": strs}
+        )
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        body = await self._parse_as(request, DetokenizeRequest)
+        self._check_model(body.model)
+        tokenizer, info = self._frontend.tokenizer, self._frontend.info
+        if tokenizer is None or info is None:
+            raise HttpError(503, NO_WORKER)
+        for i, token in enumerate(body.tokens):
+            if token >= info.vocab_size:
+                raise HttpError(
+                    400,
+                    f"tokens[{i}]: {token} is not below the vocabulary size {info.vocab_size}",
+                    f"tokens[{i}]",
+                )
+        decoder = tokenizer.new_decoder()
+        return JSONResponse({"prompt": decoder.push(body.tokens) + decoder.flush()})
+
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "completions")
 
@@ -178,10 +279,11 @@ class OpenAIApi:
 
     async def _serve(self, request: Request, model: type[Body], endpoint: Endpoint) -> Response:
         self._authorize(request)
-        body = await self._parse(request, model)
+        body = await self._parse_as(request, model)
         served = self._check_model(body.model)
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        ids = ResponseIds(f"{prefix}-{uuid.uuid4().hex}", served, endpoint)
+        given = request.headers.get(REQUEST_ID_HEADER)  # checked by RequestIdEcho
+        ids = ResponseIds(f"{prefix}-{given or uuid.uuid4().hex}", served, endpoint)
         completions = await self._admit(body, ids.rid)
         try:
             choices = self._choices(body, completions)
@@ -292,7 +394,7 @@ class OpenAIApi:
             raise HttpError(404, message, "model", "model_not_found")
         return served
 
-    async def _parse(self, request: Request, model: type[Body]) -> Body:
+    async def _parse_as(self, request: Request, model: type[B]) -> B:
         _check_content_type(request)
         raw = await self._read_body(request)
         try:

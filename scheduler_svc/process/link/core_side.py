@@ -106,9 +106,13 @@ class CoreLink:
     """Serves frontend processes on the core's unix socket: each connection starts with a
     hello and is then one `RemoteFrontend` attached to the core until it closes."""
 
-    def __init__(self, core: EngineCore, on_hello: Callable[[RemoteFrontend], None]) -> None:
+    def __init__(
+        self, core: EngineCore, on_hello: Callable[[RemoteFrontend], None], exposition: Callable[[], bytes]
+    ) -> None:
         self._core = core
         self._on_hello = on_hello
+        self._exposition = exposition  # blocks: asks every frontend for its metrics
+        self._tasks: set[asyncio.Task[None]] = set()
         self.frontends: set[RemoteFrontend] = set()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[FrameProtocol[core_pb2.FrontendMessage]] = set()
@@ -166,6 +170,16 @@ class CoreLink:
         elif kind == "server_info":
             info = core_pb2.ServerInfoAnswer(id=message.server_info.id, info=core_server_info(self._core))
             frontend.answer(core_pb2.CoreMessage(server_info=info))
+        elif kind == "exposition":
+            task = asyncio.create_task(self._answer_exposition(frontend, message.exposition.id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _answer_exposition(self, frontend: RemoteFrontend, query: int) -> None:
+        """Rendered on a thread: it waits for every frontend's metrics, which come back through
+        this event loop."""
+        text = await asyncio.get_running_loop().run_in_executor(None, self._exposition)
+        frontend.answer(core_pb2.CoreMessage(exposition=core_pb2.ExpositionAnswer(id=query, text=text)))
 
     def _apply(self, frontend: RemoteFrontend, batch: core_pb2.RequestBatch) -> None:
         """Aborts first: a handle the frontend ended before sending it is never in `add`."""

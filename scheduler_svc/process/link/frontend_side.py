@@ -86,6 +86,13 @@ class RemoteCore:
         )
         return answer.server_info.info
 
+    async def exposition(self) -> bytes:
+        query = next(self._query_ids)
+        answer = await self._ask(
+            query, core_pb2.FrontendMessage(exposition=core_pb2.ExpositionQuery(id=query))
+        )
+        return answer.exposition.text
+
     async def close(self) -> None:
         self._closing = True
         if self._wire is not None:
@@ -136,7 +143,7 @@ class RemoteCore:
             reply = core_pb2.MetricsText(id=message.metrics_query.id, text=self._metrics())
             if self._wire is not None:
                 self._wire.send(core_pb2.FrontendMessage(metrics=reply))
-        elif kind in ("aborted", "server_info"):
+        elif kind in ("aborted", "server_info", "exposition"):
             done = self._queries.get(getattr(message, kind).id)
             if done is not None and not done.done():
                 done.set_result(message)

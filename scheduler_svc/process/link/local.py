@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
+from prometheus_client import generate_latest
+
 from scheduler_svc.contract import CoreRequestSpec
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.frontend.frontend import Frontend
@@ -12,9 +17,12 @@ from stepahead.v1 import generation_pb2
 class LocalCore:
     """The core in the frontend's own process."""
 
-    def __init__(self, core: EngineCore, frontend: Frontend) -> None:
+    def __init__(
+        self, core: EngineCore, frontend: Frontend, exposition: Callable[[], bytes] | None = None
+    ) -> None:
         self._core = core
         self._frontend = frontend
+        self._exposition = exposition or (lambda: generate_latest(core.telemetry.registry))
         frontend.core = self
         core.attach(frontend)
 
@@ -29,3 +37,6 @@ class LocalCore:
 
     async def server_info(self) -> generation_pb2.GetServerInfoResponse:
         return core_server_info(self._core)
+
+    async def exposition(self) -> bytes:
+        return await asyncio.to_thread(self._exposition)  # as a scrape of --metrics-port renders it

@@ -1,0 +1,133 @@
+"""What operators expect on the HTTP API's port besides the OpenAI routes: /metrics (the whole
+service's series, labelled `model_name`), /tokenize and /detokenize (vLLM's shapes), /version,
+and `X-Request-Id` taken as the request's id and echoed on every response. With the core's
+frontend in its own process and in the core's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import stepahead
+from stepahead.processes import Service, serving_pair
+from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, unused_port
+from tests.test_openai_api import CHAT_TEMPLATE, TINY
+
+SERVED_NAME = "ops/tiny"
+
+
+@pytest.fixture(scope="module", params=FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    flags = ["--http-port", str(unused_port()), "--chat-template", str(template)]
+    flags += ["--served-model-name", SERVED_NAME, *frontend_flags(request.param)]
+    with serving_pair(TINY, flags) as (_, scheduler):
+        yield scheduler
+
+
+def http(service: Service) -> httpx2.Client:
+    return httpx2.Client(base_url=service.http_url, timeout=CALL_TIMEOUT_S)
+
+
+def client(service: Service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_metrics_on_the_api_port_are_the_service_s_labelled_with_the_model_name(tiny: Service) -> None:
+    reply = client(tiny).completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=3)
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    with http(tiny) as h:
+        got = h.get("/metrics")
+    assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(got.text)}
+    # The core's own series and the frontends' (tokens streamed to clients), in one exposition.
+    assert "stepahead_requests_running" in families and "stepahead_generation_tokens" in families
+    generated = sum(
+        s.value for s in families["stepahead_generation_tokens"].samples if s.name.endswith("_total")
+    )
+    assert generated >= 3
+    unlabelled = [
+        s.name for f in families.values() for s in f.samples if s.labels.get("model_name") != SERVED_NAME
+    ]
+    assert unlabelled == []
+
+
+def test_tokenize_and_detokenize_round_trip_text_and_chat(tiny: Service) -> None:
+    with http(tiny) as h:
+        text = "Grüß dich, world"
+        got = h.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+        # The tiny model's tokens are UTF-8 bytes (offset past its specials): one per byte.
+        assert got["count"] == len(text.encode()) == len(got["tokens"]) and got["max_model_len"] > 0
+        assert "".join(got["token_strs"]).encode(errors="replace") != b"" and got["token_strs"][0] == "G"
+        back = h.post("/detokenize", json={"tokens": got["tokens"], "model": SERVED_NAME}).json()
+        assert back == {"prompt": text}
+        chat = h.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        rendered = "[user] Hi|[assistant] "
+        assert h.post("/detokenize", json={"tokens": chat["tokens"]}).json() == {"prompt": rendered}
+        assert chat["token_strs"] is None and chat["count"] == len(rendered.encode())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": ""}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": []}, None),
+        ("/tokenize", {}, None),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
+            "add_generation_prompt",
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            "continue_final_message",
+        ),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [1, 10**6]}, "tokens[1]"),
+        ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+    ],
+)
+def test_bad_tokenize_bodies_are_refused_naming_the_field(
+    tiny: Service, path: str, body: dict[str, object], param: str | None
+) -> None:
+    with http(tiny) as h:
+        got = h.post(path, json=body)
+        assert got.status_code in (400, 404), got.text
+        error = got.json()["error"]
+        assert error["param"] == param, error
+        assert h.post("/tokenize", json={"prompt": "ok"}).json()["count"] == 2  # still serving
+
+
+def test_version(tiny: Service) -> None:
+    with http(tiny) as h:
+        assert h.get("/version").json() == {"version": stepahead.__version__}
+
+
+def test_x_request_id_names_the_completion_and_comes_back_on_every_response(tiny: Service) -> None:
+    c = client(tiny)
+    raw = c.chat.completions.with_raw_response.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_headers={"X-Request-Id": "trace-42"},
+    )
+    assert raw.headers["x-request-id"] == "trace-42" and raw.parse().id == "chatcmpl-trace-42"
+    stream = c.completions.with_raw_response.create(
+        model=SERVED_NAME, prompt="Hi", max_tokens=2, stream=True, extra_headers={"X-Request-Id": "s-7"}
+    )
+    assert stream.headers["x-request-id"] == "s-7"
+    assert {chunk.id for chunk in stream.parse()} == {"cmpl-s-7"}
+    with http(tiny) as h:
+        for method, path in (("GET", "/v1/models"), ("GET", "/nowhere"), ("POST", "/v1/completions")):
+            got = h.request(method, path, headers={"X-Request-Id": "any-1"}, json={})
+            assert got.headers["x-request-id"] == "any-1", (method, path, got.status_code)
+        bad = h.get("/v1/models", headers={"X-Request-Id": "x" * 200})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+        assert "x-request-id" not in h.get("/v1/models").headers  # none given: none made up
