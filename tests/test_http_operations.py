@@ -6,6 +6,7 @@ frontend in its own process and in the core's."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx2
 import openai
@@ -131,3 +132,78 @@ def test_x_request_id_names_the_completion_and_comes_back_on_every_response(tiny
         bad = h.get("/v1/models", headers={"X-Request-Id": "x" * 200})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
         assert "x-request-id" not in h.get("/v1/models").headers  # none given: none made up
+
+
+# ---- fields ---------------------------------------------------------------------------------------
+
+
+def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny: Service) -> None:
+    c = client(tiny)
+    refused_extras: list[dict[str, object]] = [
+        {"min_p": 0.1},
+        {"skip_special_tokens": False},
+        {"use_beam_search": True},
+    ]
+    for extra in refused_extras:
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert refused.value.body["param"] == next(iter(extra)), refused.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, metadata={"a": "b"}
+        )
+    assert refused.value.body["param"] == "metadata"  # type: ignore[index]
+    # What is served (the default) passes, and so does a field no API documents (logged).
+    served_extras: list[dict[str, object]] = [
+        {"min_p": 0.0},
+        {"skip_special_tokens": True},
+        {"no_api_has": [1]},
+    ]
+    for extra in served_extras:
+        reply = c.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert reply.usage is not None and reply.usage.completion_tokens == 2
+
+
+def test_echo_puts_the_prompt_before_each_choice(tiny: Service) -> None:
+    c = client(tiny)
+    plain = c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=4, temperature=0)
+    echoed = c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once" + plain.choices[0].text
+    with http(tiny) as h:
+        prompt_ids = h.post("/tokenize", json={"prompt": "Once"}).json()["tokens"]
+    ids = c.completions.create(model=SERVED_NAME, prompt=prompt_ids, max_tokens=4, echo=True, temperature=0)
+    assert ids.choices[0].text == echoed.choices[0].text  # ids are echoed as their text
+    streamed = c.completions.create(
+        model=SERVED_NAME, prompt="Once", max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=2, echo=True, logprobs=1)
+    assert refused.value.body["param"] == "echo"  # type: ignore[index]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny: Service) -> None:
+    options: Any = {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }  # vLLM's key: not in the client's type
+    stream = client(tiny).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options=options,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks and all(chunk.usage is not None for chunk in chunks)
+    counts = [chunk.usage.completion_tokens for chunk in chunks if chunk.usage is not None]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 5
+    plain = client(tiny).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert [chunk.usage is not None for chunk in plain][-1:] == [True]

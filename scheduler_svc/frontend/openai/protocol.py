@@ -100,6 +100,7 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 # ---- structured output ---------------------------------------------------------------------------
@@ -200,10 +201,61 @@ def _present(candidates: list[Candidate]) -> list[HttpConstraint]:
     return [HttpConstraint(param, member, value) for param, member, value in candidates if value is not None]
 
 
-class SamplingFields(BaseModel):
-    """What both endpoints share."""
+# Fields OpenAI's or vLLM's API documents that this server does not serve, with the value it
+# does serve (what it does when the field is absent): a body that asks for another value gets a
+# 400 naming the field. A field no API documents is ignored, with a warning in the log (as vLLM).
+UNSERVED: dict[str, object] = {
+    # OpenAI
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "reasoning_effort": None,
+    "verbosity": None,
+    "store": False,
+    "metadata": None,
+    "service_tier": None,
+    "prompt_cache_key": None,
+    "safety_identifier": None,
+    # vLLM's sampling and request extras
+    "min_p": 0.0,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "add_special_tokens": False,
+    "documents": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "mm_processor_kwargs": None,
+    "media_io_kwargs": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structural_tag": None,
+    "priority": 0,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "request_id": None,
+    "echo": False,  # chat (completions serve it)
+}
+MAX_NAMES_LOGGED = 8
 
-    model_config = STRICT
+
+class SamplingFields(BaseModel):
+    """What both endpoints share. Fields a body has beyond these are checked by `check_fields`."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -228,6 +280,20 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def check_fields(self) -> list[str]:
+        """FieldError naming a documented field asked for a value this server does not serve;
+        the names of the fields no API documents (ignored)."""
+        unknown = []
+        for name, value in (self.model_extra or {}).items():
+            if name not in UNSERVED:
+                unknown.append(name)
+            elif value != UNSERVED[name] and value is not None:
+                served = json.dumps(UNSERVED[name])
+                raise FieldError(
+                    name, f"not served: only {served} (the default) is, got {json.dumps(value)[:64]}"
+                )
+        return unknown
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -312,6 +378,15 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -323,8 +398,10 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise FieldError("echo", "not supported")
+        if self.echo and self.logprobs is not None:
+            raise FieldError(
+                "echo", "with logprobs is not served: the prompt's log-probabilities are not computed"
+            )
         if self.best_of not in (None, self.n or 1):
             raise FieldError("best_of", f"only n ({self.n or 1}) is supported, got {self.best_of}")
         if self.suffix:
@@ -345,6 +422,13 @@ class CompletionRequest(SamplingFields):
         else:
             request.input_ids.ids.extend(_token_ids(prompt))
         return request
+
+    def echoed(self, decode: Callable[[list[int]], str]) -> str:
+        """The text `echo` puts before each choice's (`decode` spells a prompt of ids)."""
+        if not self.echo:
+            return ""
+        prompt = self._single_prompt()
+        return prompt if isinstance(prompt, str) else decode(prompt)
 
     def _single_prompt(self) -> str | list[int]:
         prompt = self.prompt

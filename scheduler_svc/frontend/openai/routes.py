@@ -15,6 +15,7 @@ import asyncio
 import functools
 import hmac
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import NO_WORKER, ApiError, Frontend
 from scheduler_svc.frontend.openai.config import host_allowed
 from scheduler_svc.frontend.openai.protocol import (
+    MAX_NAMES_LOGGED,
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionRequest,
@@ -44,6 +46,7 @@ from scheduler_svc.frontend.openai.protocol import (
     error_body,
     http_field,
     http_message,
+    usage,
 )
 from scheduler_svc.frontend.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from scheduler_svc.frontend.openai.tokenize import http_field as tokenize_field
@@ -51,6 +54,8 @@ from scheduler_svc.frontend.streams import Completions, OutputChunk
 from scheduler_svc.frontend.telemetry import Counting
 from scheduler_svc.frontend.tools import CallDelta
 from scheduler_svc.frontend.validation import ValidRequest
+
+log = logging.getLogger("stepahead.http")
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
@@ -288,7 +293,9 @@ class OpenAIApi:
         try:
             choices = self._choices(body, completions)
             if body.stream:
-                return await self._stream(request, completions, choices, ids, body.include_usage)
+                return await self._stream(
+                    request, completions, choices, ids, body.include_usage, body.continuous_usage
+                )
             return await self._whole(request, completions, choices, ids)
         except ClientGone:  # a quiet abort: the client is not there to read any response
             self._frontend.cancel(completions)
@@ -299,6 +306,12 @@ class OpenAIApi:
 
     async def _admit(self, body: Body, rid: str) -> Completions:
         try:
+            if unknown := body.check_fields():
+                names = ", ".join(repr(name[:64]) for name in unknown[:MAX_NAMES_LOGGED])
+                more = (
+                    f" and {len(unknown) - MAX_NAMES_LOGGED} more" if len(unknown) > MAX_NAMES_LOGGED else ""
+                )
+                log.warning("request %s: ignoring fields no API documents: %s%s", rid, names, more)
             generate = body.to_proto()
             generate.request_id = rid
             check = None if body.stream else functools.partial(self._check_whole_size, body)
@@ -325,7 +338,15 @@ class OpenAIApi:
     def _choices(self, body: Body, completions: Completions) -> list[Choice]:
         tokenizer = self._frontend.tokenizer
         assert tokenizer is not None  # admitted: the frontend has one
-        return [Choice(c.index, body.new_logprobs(tokenizer.token_bytes)) for c in completions.clients]
+
+        def decode(ids: list[int]) -> str:
+            decoder = tokenizer.new_decoder()
+            return decoder.push(ids) + decoder.flush()
+
+        echo = [body.echoed(decode)] if isinstance(body, CompletionRequest) and body.echo else []
+        return [
+            Choice(c.index, body.new_logprobs(tokenizer.token_bytes), list(echo)) for c in completions.clients
+        ]
 
     async def _whole(
         self, request: Request, completions: Completions, choices: list[Choice], ids: ResponseIds
@@ -343,6 +364,7 @@ class OpenAIApi:
         choices: list[Choice],
         ids: ResponseIds,
         include_usage: bool,
+        continuous_usage: bool,
     ) -> Response:
         """A watcher of the connection cancels the request when the client leaves: the server
         may notice only at its next write, or never (writes to a closed connection are dropped)."""
@@ -353,7 +375,13 @@ class OpenAIApi:
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return StreamingResponse(
-            _sse(completions, choices, ids, include_usage, self._frontend.telemetry.messages),
+            _sse(
+                completions,
+                choices,
+                ids,
+                (include_usage, continuous_usage),
+                self._frontend.telemetry.messages,
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(self._stream_ended, completions, watcher),
@@ -651,14 +679,20 @@ async def _sse(
     completions: Completions,
     choices: list[Choice],
     ids: ResponseIds,
-    include_usage: bool,
+    usage_asked: tuple[bool, bool],
     messages: Counting,
 ) -> AsyncIterator[str]:
+    """`usage_asked`: (a usage chunk at the end, the usage so far in every chunk)."""
+    include_usage, continuous = usage_asked
+
+    def so_far(chunk: dict[str, Any]) -> dict[str, Any]:
+        return {**chunk, "usage": usage(*_counts(completions, choices))} if continuous else chunk
+
     if ids.chat:
         for choice in choices:
-            yield _event(ids.role_chunk(choice.index))
-    async for event in _chunks(completions, choices, ids, messages):
-        yield event
+            yield _event(so_far(ids.role_chunk(choice.index)))
+    async for chunk in _chunks(completions, choices, ids, messages):
+        yield chunk if isinstance(chunk, str) else _event(so_far(chunk))
     if include_usage and completions.error is None:
         yield _event(ids.usage_chunk(_counts(completions, choices)))
     yield "data: [DONE]\n\n"
@@ -666,7 +700,8 @@ async def _sse(
 
 async def _chunks(
     completions: Completions, choices: list[Choice], ids: ResponseIds, messages: Counting
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str | dict[str, Any]]:
+    """Each chunk's body, or an error's event, whole."""
     while not completions.done:
         await completions.ready.wait()
         if completions.error is not None:
@@ -677,7 +712,7 @@ async def _chunks(
             choice.add(chunk)
             if choice.sendable:
                 messages.inc()
-                yield _event(ids.chunk(choice.take(ids, chunk=True)))
+                yield ids.chunk(choice.take(ids, chunk=True))
 
 
 def _event(data: dict[str, Any]) -> str:
