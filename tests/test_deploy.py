@@ -228,11 +228,12 @@ def substitute(expr: str, mode: str, rate_interval: str | None = None) -> str:
 # ---------------------------------------------------------------- compose
 
 
-def test_compose_file_follows_the_compose_specification() -> None:
+@pytest.mark.parametrize("compose", [COMPOSE, DEPLOY / "docker-compose.tls.yml"], ids=lambda p: p.name)
+def test_compose_file_follows_the_compose_specification(compose: Path) -> None:
     tool = Path(sys.executable).with_name("check-jsonschema")
     assert tool.exists(), f"{tool} missing: install check-jsonschema (a dev dependency)"
     out = subprocess.run(
-        [str(tool), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        [str(tool), "--builtin-schema", "vendor.compose-spec", str(compose)],
         capture_output=True,
         text=True,
         timeout=PROCESS_TIMEOUT_S,

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -36,7 +38,12 @@ from worker_svc.server import SERVICE_NAME as WORKER_SERVICE
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
-OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+OVERLAYS = {
+    "cpu": K8S / "overlays" / "cpu",
+    "gpu": K8S / "overlays" / "gpu",
+    "cpu-tls": K8S / "overlays" / "cpu-tls",  # components/tls: TLS on both links, exec probes
+}
+HEALTHCHECK = "/app/deploy/healthcheck.py"  # in the image (deploy/Dockerfile's WORKDIR is /app)
 GATEWAY = K8S / "inference-gateway"
 KUSTOMIZATIONS = {"base": BASE, **OVERLAYS, "inference-gateway": GATEWAY}
 PROMETHEUS_K8S = ROOT / "deploy" / "prometheus" / "prometheus-k8s.yml"
@@ -128,9 +135,36 @@ def cli_args(overlay: str, name: str) -> argparse.Namespace:
     c = container(overlay, name)
     assert c["command"] == ["python", "-m", MODULES[name]], f"{overlay}/{name}: {c['command']}"
     try:
-        return cli_parser(MODULES[name])([str(arg) for arg in c["args"]])
+        return cli_parser(MODULES[name])([mounted(str(arg)) for arg in c["args"]])
     except SystemExit as exc:
         raise AssertionError(f"{overlay}/{name}: {c['args']} do not parse") from exc
+
+
+MOUNTED = Path(tempfile.mkdtemp(prefix="stepahead-k8s-mounts-"))
+
+
+def mounted(arg: str) -> str:
+    """A file of the TLS Secret's mount (`/tls/...`) as a local file that holds its own path, so
+    that the CLIs, which read PEM files as they parse, parse the container's arguments, and the
+    bytes they read tell which file an argument named."""
+    if not arg.startswith("/tls/"):
+        return arg
+    local = MOUNTED / Path(arg).name
+    local.write_text(arg)
+    return str(local)
+
+
+def healthcheck_args(argv: list[str]) -> argparse.Namespace:
+    """A probe's deploy/healthcheck.py command line, parsed by its own parser."""
+    spec = importlib.util.spec_from_file_location("deploy_healthcheck", ROOT / "deploy" / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    try:
+        return cast(argparse.Namespace, module.build_parser().parse_args(argv))
+    except SystemExit as exc:
+        raise AssertionError(f"{argv} do not parse") from exc
 
 
 def named_ports(c: Json) -> dict[str, int]:
@@ -258,11 +292,31 @@ def test_container_ports_are_the_ports_the_services_listen_on(overlay: str) -> N
 @pytest.mark.parametrize("overlay", OVERLAYS)
 @pytest.mark.parametrize("name", MODULES)
 def test_probes_ask_each_containers_grpc_health_service(overlay: str, name: str) -> None:
+    """Plaintext: the kubelet's own gRPC probe. TLS: the kubelet's gRPC probes speak plaintext
+    only, so an exec probe runs deploy/healthcheck.py over TLS, with the client certificate the
+    worker requires (tests/test_tls_health.py runs these commands against live TLS services)."""
     c, args = container(overlay, name), cli_args(overlay, name)
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = c[kind]
-        assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{name} {kind}"
-        assert probe["grpc"] == {"port": args.port, "service": HEALTH_SERVICES[name]}, f"{name} {kind}"
+        if args.tls_cert is None:
+            assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{name} {kind}"
+            assert probe["grpc"] == {"port": args.port, "service": HEALTH_SERVICES[name]}, f"{name} {kind}"
+            continue
+        assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"exec"}, f"{name} {kind}"
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python", HEALTHCHECK, f"127.0.0.1:{args.port}"], f"{name} {kind}"
+        check = healthcheck_args(command[2:])
+        assert check.service == HEALTH_SERVICES[name] and check.timeout < probe["timeoutSeconds"]
+        # (The CLIs hold each PEM file's bytes: here, its path; see `mounted`.)
+        assert str(check.tls_ca).encode() == (args.tls_ca if name == "worker" else args.worker_tls_ca)
+        if name == "worker":  # its link is mutual TLS: the probe shows the scheduler's certificate
+            scheduler = cli_args(overlay, "scheduler")
+            shown = (str(check.tls_cert).encode(), str(check.tls_key).encode())
+            assert shown == (scheduler.worker_tls_cert, scheduler.worker_tls_key)
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert all(
+            any(str(path).startswith(m) for m in mounts) for path in (check.tls_ca, args.tls_cert.decode())
+        )
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= MODEL_LOAD_S, (
         f"{name}: startup too short"
