@@ -398,6 +398,13 @@ async def test_a_host_not_allowed_is_400_and_health_answers_any(limited: Service
         assert models.status_code == 200
         health = await http.get(f"{limited.http_url}/health", headers={"host": "rebound.example"})
         assert health.status_code == 200
+        # Scrapers (Prometheus, an inference gateway's endpoint picker) address pods by IP.
+        metrics = await http.get(f"{limited.http_url}/metrics", headers={"host": "10.1.2.3:8000"})
+        assert metrics.status_code == 200 and "stepahead_requests_running" in metrics.text
+        tokenize = await http.post(
+            f"{limited.http_url}/tokenize", json={"prompt": "x"}, headers={"host": "a.b"}
+        )
+        error_of(tokenize, 400)
     await still_serves(limited)
 
 

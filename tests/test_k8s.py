@@ -721,25 +721,36 @@ def epp_container() -> Json:
     return cast(Json, c)
 
 
-# The endpoint picker's flags in v1.3.1 (pkg/epp/server/options.go), with its default ports.
+# The endpoint picker's flags in v1.5.0 (pkg/epp/server/options.go), with its default ports;
+# the metric flags of v1.3 (--total-queued-requests-metric, ...) are refused at start since v1.4.
 EPP_FLAGS = {
     "grpc-port", "ha-enable-leader-election", "pool-group", "pool-namespace", "pool-name",
     "endpoint-selector", "endpoint-target-ports", "disable-endpoint-subset-filter",
-    "model-server-metrics-scheme", "model-server-metrics-path", "model-server-metrics-port",
-    "model-server-metrics-https-insecure-skip-verify", "refresh-metrics-interval",
-    "refresh-prometheus-metrics-interval", "metrics-staleness-threshold", "total-queued-requests-metric",
-    "total-running-requests-metric", "kv-cache-usage-percentage-metric", "lora-info-metric",
-    "cache-info-metric", "v", "zap-devel", "zap-encoder", "zap-log-level", "zap-stacktrace-level",
-    "zap-time-encoding", "tracing", "health-checking", "metrics-port", "grpc-health-port", "enable-pprof",
-    "cert-path", "enable-cert-reload", "secure-serving", "metrics-endpoint-auth", "config-file",
-    "config-text",
+    "refresh-metrics-interval", "refresh-prometheus-metrics-interval", "metrics-staleness-threshold",
+    "v", "zap-devel", "zap-encoder", "zap-log-level", "zap-stacktrace-level", "zap-time-encoding",
+    "tracing", "health-checking", "metrics-port", "grpc-health-port", "enable-pprof", "cert-path",
+    "enable-cert-reload", "secure-serving", "metrics-endpoint-auth", "config-file", "config-text",
 }  # fmt: skip
 EPP_DEFAULT_PORTS = {"grpc-port": 9002, "grpc-health-port": 9003, "metrics-port": 9090}
+# v1.5.0's plugin types (cmd/epp/runner/runner.go) the config may use.
 EPP_PLUGIN_TYPES = {
     "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "running-requests-size-scorer",
     "lora-affinity-scorer", "max-score-picker", "random-picker", "weighted-random-picker",
-    "single-profile-handler",
+    "single-profile-handler", "metrics-data-source", "core-metrics-extractor", "utilization-detector",
+    "concurrency-detector",
 }  # fmt: skip
+EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
+
+
+def picker_config() -> Json:
+    (config_map,) = objects("inference-gateway", "ConfigMap")
+    (text,) = config_map["data"].values()
+    return cast(Json, yaml.safe_load(text))
+
+
+def picker_plugin(plugin_type: str) -> Json:
+    (found,) = [p for p in picker_config()["plugins"] if p["type"] == plugin_type]
+    return cast(Json, found)
 
 
 def epp_flags() -> dict[str, str]:
@@ -762,14 +773,18 @@ def metric_name(spec: str) -> str:
 
 
 def test_the_endpoint_picker_reads_stepaheads_scheduler_gauges() -> None:
-    flags, documented = epp_flags(), documented_metrics()
+    """Through its config file's data layer (v1.4 and later), not the metric flags of v1.3."""
+    config, documented = picker_config(), documented_metrics()
+    assert epp_container()["image"] == EPP_IMAGE
+    extractor = picker_plugin("core-metrics-extractor")["parameters"]
+    (engine,) = [e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"]]
     mapping = {
-        "total-queued-requests-metric": "stepahead_requests_waiting",
-        "total-running-requests-metric": "stepahead_requests_running",
-        "kv-cache-usage-percentage-metric": "stepahead_kv_cache_usage_ratio",
+        "queuedRequestsSpec": "stepahead_requests_waiting",
+        "runningRequestsSpec": "stepahead_requests_running",
+        "kvUsageSpec": "stepahead_kv_cache_usage_ratio",
     }
-    for flag, metric in mapping.items():
-        assert metric_name(flags[flag]) == metric, flag
+    for field, metric in mapping.items():
+        assert metric_name(engine[field]) == metric, field
         assert documented[metric] == ("gauge", "Scheduler"), metric
     # The picker wants a fraction (its KV scorer gives 1 - usage): a ratio, as documented.
     assert (
@@ -777,14 +792,20 @@ def test_the_endpoint_picker_reads_stepaheads_scheduler_gauges() -> None:
         in (ROOT / "docs" / "METRICS.md").read_text().split("`stepahead_kv_cache_usage_ratio`")[1]
     )
     # Stepahead has no LoRA adapters nor vLLM's cache-config series: "" turns those reads off.
-    assert flags["lora-info-metric"] == flags["cache-info-metric"] == ""
+    assert engine["loraSpec"] == engine["cacheInfoSpec"] == ""
+    (source,) = config["dataLayer"]["sources"]
+    assert picker_plugin("metrics-data-source").get("name", "metrics-data-source") == source["pluginRef"]
+    assert [e["pluginRef"] for e in source["extractors"]] == ["core-metrics-extractor"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_endpoint_picker_scrapes_the_schedulers_metrics_port(overlay: str) -> None:
-    flags = epp_flags()
-    assert int(flags["model-server-metrics-port"]) == cli_args(overlay, "scheduler").metrics_port
-    assert flags.get("model-server-metrics-path", "/metrics") == "/metrics"
+def test_the_endpoint_picker_scrapes_the_schedulers_metrics_on_the_pools_target_port(overlay: str) -> None:
+    """The scheduler's HTTP API serves /metrics (the whole scheduler's series), and the picker
+    scrapes the pool's target port: no deprecated --model-server-metrics-port."""
+    flags, source = epp_flags(), picker_plugin("metrics-data-source").get("parameters", {})
+    assert not {f for f in flags if f.startswith("model-server-metrics")}
+    assert pool()["spec"]["targetPorts"] == [{"number": cli_args(overlay, "scheduler").http_port}]
+    assert (source.get("scheme", "http"), source.get("path", "/metrics")) == ("http", "/metrics")
 
 
 def seconds(duration: str) -> float:
@@ -841,12 +862,22 @@ def test_the_pickers_config_is_mounted_where_it_reads_it() -> None:
         "inference.networking.x-k8s.io/v1alpha1",
         "EndpointPickerConfig",
     )
+    # v1.5.0's EndpointPickerConfig fields (apix/config/v1alpha1/endpointpickerconfig_types.go).
+    assert set(config) <= {
+        "apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "saturationDetector",
+        "dataLayer", "flowControl", "parser",
+    }  # fmt: skip
     plugins = {p.get("name", p["type"]): p["type"] for p in config["plugins"]}
     assert set(plugins.values()) <= EPP_PLUGIN_TYPES
     refs = {ref["pluginRef"] for profile in config["schedulingProfiles"] for ref in profile["plugins"]}
     assert refs <= set(plugins), refs - set(plugins)
     assert {"queue-scorer", "kv-cache-utilization-scorer"} <= set(plugins.values())
-    assert 0 < config["saturationDetector"]["kvCacheUtilThreshold"] <= 1  # a fraction, as the ratio
+    detector = config["saturationDetector"]["pluginRef"]
+    assert plugins[detector] == "utilization-detector"
+    thresholds = picker_plugin("utilization-detector")["parameters"]
+    assert 0 < thresholds["kvCacheUtilThreshold"] <= 1  # a fraction, as the ratio
+    refresh = seconds(epp_flags().get("refresh-metrics-interval", "50ms"))
+    assert seconds(thresholds["metricsStalenessThreshold"]) >= 2 * refresh  # fresh between refreshes
 
 
 def test_the_picker_may_read_the_pool_and_its_pods() -> None:

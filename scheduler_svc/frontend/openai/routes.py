@@ -169,14 +169,15 @@ MAX_REQUEST_ID_CHARS = 128  # well under the gRPC API's request_id limit with it
 
 class HostCheck:
     """A request whose Host header names no allowed host gets a 400 before any route runs: a
-    web page that rebinds its own name to 127.0.0.1 still sends that name. /health, which
-    tells nothing, answers any host (probes address pods by IP)."""
+    web page that rebinds its own name to 127.0.0.1 still sends that name. /health and
+    /metrics answer any host (probes and scrapers, an inference gateway's endpoint picker
+    among them, address pods by IP)."""
 
     def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
         self._app, self._allowed = app, allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
             host = Headers(scope=scope).get("host", "")
             if not host_allowed(host, self._allowed):
                 message = (
