@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import stepahead
 from stepahead.processes import Service, serving_pair
-from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, unused_port
+from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, unused_port, wait_until
 from tests.test_openai_api import CHAT_TEMPLATE, TINY
 
 SERVED_NAME = "ops/tiny"
@@ -26,7 +26,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
     flags = ["--http-port", str(unused_port()), "--chat-template", str(template)]
-    flags += ["--served-model-name", SERVED_NAME, *frontend_flags(request.param)]
+    flags += ["--served-model-name", SERVED_NAME, "--access-log", *frontend_flags(request.param)]
     with serving_pair(TINY, flags) as (_, scheduler):
         yield scheduler
 
@@ -207,3 +207,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny: Servic
         stream_options={"include_usage": True},
     )
     assert [chunk.usage is not None for chunk in plain][-1:] == [True]
+
+
+def test_the_access_log_has_a_line_for_each_request_once_it_ends(tiny: Service) -> None:
+    with http(tiny) as h:
+        h.post(
+            "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers={"X-Request-Id": "logged-1"}
+        )
+        h.get("/v1/models/nosuch", headers={"X-Request-Id": "logged-2"})
+
+    def logged(status: str, rid: str, route: str) -> bool:
+        return any(
+            route in line and f" {status} " in line and line.rstrip().endswith(rid) for line in tiny.output
+        )
+
+    wait_until(lambda: logged("200", "logged-1", '"POST /v1/completions"'), "the completion logged")
+    wait_until(lambda: logged("404", "logged-2", '"GET /v1/models/nosuch"'), "the 404 logged")

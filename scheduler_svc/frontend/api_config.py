@@ -26,3 +26,4 @@ class ClientApiConfig:
     # Log-probabilities (each token's own and its alternatives) a whole, unstreamed HTTP response
     # may hold: some 100 bytes of JSON each, so ~26 MB; a stream has no such bound.
     max_whole_logprobs: int = 1 << 18
+    access_log: bool = False  # one log line a finished HTTP request (--access-log)

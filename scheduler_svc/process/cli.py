@@ -88,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             args.served_model_name,
             args.allowed_hosts,
             limits,
+            access_log=args.access_log,
         ),
         frontends=args.frontends,
         frontend_nice=args.frontend_nice,
@@ -226,6 +227,12 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated Host names the HTTP API answers to, e.g. 'localhost,127.0.0.1,"
         "*.example.com' (any other: 400; /health answers any): a guard against DNS rebinding "
         "(default: any host)",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log a line for each HTTP request once its response has ended (logger stepahead.access, "
+        "INFO): client, method, path, status, time, X-Request-Id",
     )
     p.add_argument(
         "--served-model-name",

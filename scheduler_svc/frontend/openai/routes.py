@@ -16,6 +16,7 @@ import functools
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
@@ -129,8 +130,48 @@ def build_app(frontend: Frontend, config: ClientApiConfig = DEFAULT_API) -> Fast
     app.add_exception_handler(StarletteHTTPException, _routing_error_response)
     if config.allowed_hosts:
         app.add_middleware(HostCheck, allowed=config.allowed_hosts)
-    app.add_middleware(RequestIdEcho)  # outermost: every response, refusals included
+    app.add_middleware(RequestIdEcho)  # every response, refusals included
+    if config.access_log:
+        app.add_middleware(AccessLog)  # outermost: what the client got, and when it ended
     return app
+
+
+access_log = logging.getLogger("stepahead.access")
+
+
+class AccessLog:
+    """One line a request, once its response has ended (a stream: at its last event):
+    client, method, path, status, seconds, X-Request-Id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        started, status = time.monotonic(), [0]
+
+        async def seen(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, seen)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            rid = Headers(scope=scope).get(REQUEST_ID_HEADER, "-")
+            access_log.info(
+                '%s:%s "%s %s" %s %.3fs %s',
+                client[0],
+                client[1],
+                scope["method"],
+                scope["path"][:256],
+                status[0] or "-",
+                time.monotonic() - started,
+                rid[:MAX_REQUEST_ID_CHARS],
+            )
 
 
 class RequestIdEcho:
