@@ -19,12 +19,13 @@ from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, unused_p
 from tests.test_openai_api import CHAT_TEMPLATE, TINY
 
 SERVED_NAME = "ops/tiny"
+THINKING = "{% if enable_thinking is defined and enable_thinking %}<think>{% endif %}"  # a kwarg it reads
 
 
 @pytest.fixture(scope="module", params=FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
+    template.write_text(CHAT_TEMPLATE + THINKING)
     flags = ["--http-port", str(unused_port()), "--chat-template", str(template)]
     flags += ["--served-model-name", SERVED_NAME, "--access-log", *frontend_flags(request.param)]
     with serving_pair(TINY, flags) as (_, scheduler):
@@ -223,3 +224,36 @@ def test_the_access_log_has_a_line_for_each_request_once_it_ends(tiny: Service) 
 
     wait_until(lambda: logged("200", "logged-1", '"POST /v1/completions"'), "the completion logged")
     wait_until(lambda: logged("404", "logged-2", '"GET /v1/models/nosuch"'), "the 404 logged")
+
+
+def test_chat_template_kwargs_reach_the_template(tiny: Service) -> None:
+    rendered = "[user] Hi|[assistant] "
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    with http(tiny) as h:
+        thinking = h.post(
+            "/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": True}}
+        )
+        ids = thinking.json()["tokens"]
+        assert h.post("/detokenize", json={"tokens": ids}).json() == {"prompt": rendered + "<think>"}
+    c = client(tiny)
+    for kwargs, prompt in (
+        ({"enable_thinking": True}, rendered + "<think>"),
+        ({"enable_thinking": False}, rendered),
+    ):
+        reply = c.chat.completions.create(
+            model=SERVED_NAME, messages=messages, max_tokens=1, extra_body={"chat_template_kwargs": kwargs}
+        )
+        assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.encode())
+    refused_kwargs: list[tuple[object, str]] = [
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ([1], "chat_template_kwargs"),
+    ]
+    for bad, param in refused_kwargs:
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(
+                model=SERVED_NAME,
+                messages=messages,
+                max_tokens=1,
+                extra_body={"chat_template_kwargs": bad},
+            )
+        assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]

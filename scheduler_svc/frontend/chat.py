@@ -65,16 +65,22 @@ class ChatTemplate:
         return CallFormat.of_template(self._source) if self.knows_tools else DEFAULT_FORMAT
 
     def render(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[Tool] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool] = (),
+        extra: Mapping[str, object] | None = None,
     ) -> str:
-        """As transformers' `apply_chat_template(messages, tools=...)`: a tool's `parameters` and
-        a call's `arguments` as objects. A template that knows no tools renders
-        `tools_fallback(messages, tools)` instead."""
+        """As transformers' `apply_chat_template(messages, tools=..., **extra)`: a tool's
+        `parameters` and a call's `arguments` as objects; `extra` are more variables (the
+        request's chat_template_kwargs), under the ones named here. A template that knows no
+        tools renders `tools_fallback(messages, tools)` instead."""
         if not self.knows_tools and (tools or any(m.tool_calls for m in messages)):
             messages = tools_fallback(messages, tools)
         # NOTE: transformers defines `tools` and `documents` (as None) for every template.
         variables = {
             **self._special_tokens,
+            **(extra or {}),
             "messages": [_message(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
             "tools": [_tool(t) for t in tools] if tools and self.knows_tools else None,
@@ -86,6 +92,9 @@ class ChatTemplate:
             raise
         except _RENDER_ERRORS as error:
             raise ChatTemplateError(f"chat template failed: {error}") from error
+
+
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 def _message(m: ChatMessage) -> dict[str, object]:

@@ -24,7 +24,7 @@ from scheduler_svc.contract import (
     MIN_TEMPERATURE,
     SamplingParams,
 )
-from scheduler_svc.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.chat import RESERVED_VARIABLES, ChatMessage, ChatTemplate, ChatTemplateError
 from scheduler_svc.frontend.tokenizer import Tokenizer
 from scheduler_svc.frontend.tools import (
     ANY_ARGUMENTS,
@@ -183,7 +183,10 @@ def _prompt_ids(
     if which == "text":
         return _text_ids(request.text, source)
     if which == "messages":
-        return _chat_ids(list(request.messages.messages), source, () if tools is None else tools.tools)
+        chat = request.messages
+        return _chat_ids(
+            list(chat.messages), source, () if tools is None else tools.tools, chat.template_kwargs
+        )
     if not request.input_ids.ids:
         raise InvalidRequest("input.input_ids.ids: must not be empty")
     _check_prompt_length(len(request.input_ids.ids), "input.input_ids.ids", source.max_prompt_tokens)
@@ -203,8 +206,30 @@ def _text_ids(text: str, source: PromptSource) -> list[int]:
     return ids
 
 
+def _template_kwargs(text: str, max_bytes: int) -> dict[str, object]:
+    """A request's extra chat-template variables: a JSON object, bounded, naming none of the
+    variables the request sets otherwise."""
+    if not text:
+        return {}
+    field = "input.messages.template_kwargs"
+    _check_text_size(len(text.encode()), field, max_bytes)
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{field}: not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field}: must be a JSON object")
+    for name in kwargs:
+        if name in RESERVED_VARIABLES:
+            raise InvalidRequest(f"{field}.{name}: set by the request itself, not here")
+    return kwargs
+
+
 def _chat_ids(
-    messages: list[generation_pb2.ChatMessage], source: PromptSource, tools: tuple[Tool, ...] = ()
+    messages: list[generation_pb2.ChatMessage],
+    source: PromptSource,
+    tools: tuple[Tool, ...] = (),
+    kwargs: str = "",
 ) -> list[int]:
     """Checked before rendering: the sizes bound what the template is given."""
     if source.chat is None:
@@ -214,7 +239,7 @@ def _chat_ids(
     # Their schemas become the grammar's text, bounded as a constraint's is.
     _check_text_size(tools_size, f"{TOOLS_PREFIX}tools", MAX_CONSTRAINT_BYTES)
     try:
-        text = source.chat.render(checked, tools=tools)
+        text = source.chat.render(checked, tools=tools, extra=_template_kwargs(kwargs, source.max_text_bytes))
     except ChatTemplateError as exc:
         raise InvalidRequest(f"input.messages: the chat template refused them: {exc}") from exc
     ids = source.tokenizer.encode(text, add_special_tokens=False)

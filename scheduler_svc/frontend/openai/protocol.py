@@ -73,6 +73,7 @@ TOOL_FIELDS = [
     (re.compile(r"input\.messages\.tool_choice\.function"), "tool_choice.function.name"),
     (re.compile(r"input\.messages\.tool_choice(\.mode)?"), "tool_choice"),
     (re.compile(r"input\.messages\.(tools|parallel_tool_calls)"), r"\1"),
+    (re.compile(r"input\.messages\.template_kwargs"), "chat_template_kwargs"),
     (
         re.compile(r"input\.messages\.messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(name|arguments)"),
         r"messages[\1].tool_calls[\2].function.\3",
@@ -233,7 +234,6 @@ UNSERVED: dict[str, object] = {
     "add_special_tokens": False,
     "documents": None,
     "chat_template": None,
-    "chat_template_kwargs": None,
     "mm_processor_kwargs": None,
     "media_io_kwargs": None,
     "guided_decoding_backend": None,
@@ -510,6 +510,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
     functions: list[Any] | None = None  # OpenAI's deprecated forms of tools: refused
     function_call: Any = None
 
@@ -537,7 +538,7 @@ class ChatCompletionRequest(SamplingFields):
             sampling = self.sampling(self.max_tokens, "max_tokens")
         request = pb.GenerateRequest(sampling=sampling)
         chat = request.messages
-        chat_input(chat, self.messages, self.tools)
+        chat_input(chat, self.messages, self.tools, self.chat_template_kwargs)
         if isinstance(self.tool_choice, NamedToolChoice):
             chat.tool_choice.function = self.tool_choice.function.name
         elif self.tool_choice is not None:
@@ -547,10 +548,17 @@ class ChatCompletionRequest(SamplingFields):
         return request
 
 
-def chat_input(chat: pb.ChatMessages, messages: list[ChatMessageIn], tools: list[ToolDef] | None) -> None:
-    """The messages and tools of a chat body, on a request's `messages` input."""
+def chat_input(
+    chat: pb.ChatMessages,
+    messages: list[ChatMessageIn],
+    tools: list[ToolDef] | None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """The messages, tools and template variables of a chat body, on a request's `messages` input."""
     chat.messages.extend(_message(m, i) for i, m in enumerate(messages))
     chat.tools.extend(_tool(t) for t in tools or [])
+    if template_kwargs:
+        chat.template_kwargs = json.dumps(template_kwargs)
 
 
 def _message(m: ChatMessageIn, index: int) -> pb.ChatMessage:

@@ -30,6 +30,7 @@ FIELDS = (
     (re.compile(r"^input\.text"), "prompt"),
     (re.compile(r"^input\.messages\.messages"), "messages"),
     (re.compile(r"^input\.messages\.tools"), "tools"),
+    (re.compile(r"^input\.messages\.template_kwargs"), "chat_template_kwargs"),
     (re.compile(r"^input\.messages"), "messages"),
     (re.compile(r"^input"), "prompt"),
 )
@@ -41,6 +42,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -64,7 +66,7 @@ class TokenizeRequest(BaseModel):
         if self.add_special_tokens:
             raise FieldError("add_special_tokens", "true is not served with messages: the template adds them")
         request = pb.GenerateRequest()
-        chat_input(request.messages, self.messages, self.tools)
+        chat_input(request.messages, self.messages, self.tools, self.chat_template_kwargs)
         return request
 
 
