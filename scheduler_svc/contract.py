@@ -59,6 +59,7 @@ class SamplingParams:
     # Structured output (compiled and checked by the frontend); the worker masks each draw with
     # it, and the core ends the request (STOP) once it is finished.
     constraint: Constraint | None = None
+    skip_special_tokens: bool = True  # the frontend's: special tokens left out of the text
 
     @property
     def processes_logits(self) -> bool:

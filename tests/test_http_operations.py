@@ -142,7 +142,7 @@ def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny
     c = client(tiny)
     refused_extras: list[dict[str, object]] = [
         {"min_p": 0.1},
-        {"skip_special_tokens": False},
+        {"include_stop_str_in_output": True},
         {"use_beam_search": True},
     ]
     for extra in refused_extras:

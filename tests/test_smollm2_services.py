@@ -127,6 +127,27 @@ def test_chat_over_http_gives_transformers_greedy_text(
         assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
 
 
+def test_skip_special_tokens_false_spells_them_as_transformers_does(
+    scheduler: Service, references: list[tuple[list[int], list[int]]], smollm2_transformers: Transformers
+) -> None:
+    """Past EOS (ignore_eos), the greedy reply holds special tokens (an end of turn, a new one):
+    left out by default, spelled with skip_special_tokens false, each as transformers decodes."""
+    (messages, (_, expected)) = next(iter(zip(CONVERSATIONS, references, strict=True)))
+    tokenizer = smollm2_transformers.tokenizer
+    assert tokenizer.decode(expected, skip_special_tokens=False) != tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+    for skip in (False, True):
+        reply = api(scheduler).chat.completions.create(
+            model="smollm2",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "skip_special_tokens": skip},
+        )
+        assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=skip), skip
+
+
 def test_the_capital_of_france_is_paris_and_the_answer_ends_at_eos(scheduler: Service) -> None:
     client = api(scheduler)
     chunks: list[Any] = list(

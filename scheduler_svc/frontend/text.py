@@ -9,8 +9,10 @@ class RequestText:
     """Text the client may see: whole characters only, never any part of a
     stop string, nothing after one."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self._decoder = tokenizer.new_decoder()
+    def __init__(
+        self, tokenizer: Tokenizer, stops: tuple[str, ...], skip_special_tokens: bool = True
+    ) -> None:
+        self._decoder = tokenizer.new_decoder(skip_special_tokens)
         self._stops = StopStringMatcher(stops)
 
     @property

@@ -47,7 +47,9 @@ class Tokenizer(Protocol):
         """`add_special_tokens=False` for rendered chat templates, which write their own."""
         ...
 
-    def new_decoder(self) -> IncrementalDecoder: ...
+    def new_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """An incremental decoder; with `skip_special_tokens` False, special tokens are spelled."""
+        ...
 
     def special_tokens(self) -> dict[str, str]:
         """The texts of BOS and EOS (`bos_token`, `eos_token`) as chat templates name them."""
@@ -108,8 +110,8 @@ class ByteTokenizer:
     def special_tokens(self) -> dict[str, str]:
         return {}  # byte ids 256+ have no text
 
-    def new_decoder(self) -> IncrementalDecoder:
-        return Utf8ByteDecoder()
+    def new_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return Utf8ByteDecoder()  # ids past the bytes have no text to spell either way
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes((token_id,)) if 0 <= token_id < NUM_BYTE_IDS else b""
@@ -218,11 +220,13 @@ class HFTokenizer:
         texts = {name: self._tokenizer.id_to_token(i) for name, i in named.items() if i is not None}
         return {name: text for name, text in texts.items() if text is not None}
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def new_decoder(self) -> IncrementalDecoder:
-        return WindowedTokenDecoder(self.decode)
+    def new_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        if skip_special_tokens:
+            return WindowedTokenDecoder(self.decode)
+        return WindowedTokenDecoder(functools.partial(self.decode, skip_special_tokens=False))
 
     def token_bytes(self, token_id: int) -> bytes:
         """Added tokens: their content; others: their vocabulary piece as the decoder spells

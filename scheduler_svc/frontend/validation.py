@@ -330,6 +330,7 @@ def _sampling_params(
         min_tokens=_min_tokens(p),
         logit_bias=_logit_bias(dict(p.logit_bias), vocab),
         constraint=None if requested is None else _bounded_constraint(requested, p),
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
 
 

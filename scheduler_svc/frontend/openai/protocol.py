@@ -223,7 +223,6 @@ UNSERVED: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
@@ -274,6 +273,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0, lt=UINT32)
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: JsonSchema | None = None  # vLLM's older names of structured_outputs' members
@@ -346,6 +346,8 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
         )
         sampling.stop_token_ids.extend(self.stop_token_ids)
+        if not self.skip_special_tokens:
+            sampling.skip_special_tokens = False
         if self.top_p is not None:
             sampling.top_p = self.top_p
         if self.seed is not None:
