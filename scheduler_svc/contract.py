@@ -60,6 +60,7 @@ class SamplingParams:
     # it, and the core ends the request (STOP) once it is finished.
     constraint: Constraint | None = None
     skip_special_tokens: bool = True  # the frontend's: special tokens left out of the text
+    min_p: float = 0.0  # 0: off
 
     @property
     def processes_logits(self) -> bool:

@@ -107,6 +107,12 @@ class NewRequest:
     processing: LogitsProcessing | None = None  # None: plain sampling
     prefix_kv_slots: tuple[int, ...] = ()  # KV of positions 0.. computed already (prefix cache)
     grammar: GrammarConstraint | None = None  # None: unconstrained
+    min_p: float = 0.0  # 0: off
+
+    @property
+    def cuts_vocab(self) -> bool:
+        """Whether top-k, top-p or min-p may leave tokens out of this request's draws."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 @dataclass
@@ -298,6 +304,7 @@ def new_request_to_proto(r: NewRequest) -> worker_pb2.NewRequest:
         top_k=r.top_k,
         seed=r.seed,
         prefix_kv_slots=r.prefix_kv_slots,
+        min_p=r.min_p,
     )
     if r.grammar is not None:
         c = r.grammar.constraint
@@ -333,7 +340,7 @@ def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequest:
         # NOTE: the kind is checked with the rest of the launch (worker_svc/launch_check.py).
         grammar = GrammarConstraint(Constraint(cast(ConstraintKind, g.kind), g.text), tuple(g.replay_ids))
     return NewRequest(
-        msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing, prefix, grammar
+        msg.req_slot, msg.temperature, msg.top_p, msg.top_k, msg.seed, processing, prefix, grammar, msg.min_p
     )
 
 

@@ -141,7 +141,7 @@ def test_x_request_id_names_the_completion_and_comes_back_on_every_response(tiny
 def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny: Service) -> None:
     c = client(tiny)
     refused_extras: list[dict[str, object]] = [
-        {"min_p": 0.1},
+        {"truncate_prompt_tokens": 5},
         {"include_stop_str_in_output": True},
         {"use_beam_search": True},
     ]
@@ -257,3 +257,23 @@ def test_chat_template_kwargs_reach_the_template(tiny: Service) -> None:
                 extra_body={"chat_template_kwargs": bad},
             )
         assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+
+
+def test_min_p_reaches_the_worker_s_sampler(tiny: Service) -> None:
+    """min_p 1 keeps only the likeliest token: a sampled reply is the greedy one (the parameter
+    crossed frontend, core and worker); out of range is a 400 naming it."""
+    c = client(tiny)
+    greedy = c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=8, temperature=0)
+    for seed in (1, 2):
+        sampled = c.completions.create(
+            model=SERVED_NAME,
+            prompt="Once",
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"min_p": 1.0},
+        )
+        assert sampled.choices[0].text == greedy.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=2, extra_body={"min_p": 1.5})
+    assert refused.value.body["param"] == "min_p"  # type: ignore[index]

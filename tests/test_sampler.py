@@ -160,6 +160,49 @@ def test_top_k_then_top_p_combined() -> None:
     assert set(tokens.tolist()) == set(top4[:size].tolist())
 
 
+def draw_min_p(
+    row: torch.Tensor, n: int, temperature: float, min_p: float, top_p: float = 1.0
+) -> torch.Tensor:
+    temperatures, top_ps, top_ks, seeds, positions = param_tensors(
+        [(temperature, top_p, 0, s, 2) for s in range(n)]
+    )
+    min_ps = torch.full((n,), min_p, dtype=torch.float32)
+    return sample(repeat_row(row, n), temperatures, top_ps, top_ks, seeds, positions, min_p=min_ps)
+
+
+def test_min_p_renormalises_over_the_tokens_at_least_min_p_as_likely_as_the_top_one() -> None:
+    # softmax(SMALL_LOGITS) = [.574, .211, .128, .078, .029, .004]; min_p 0.2 keeps p >= .115.
+    tokens = draw_min_p(SMALL_LOGITS, NUM_DRAWS, 1.0, 0.2)
+    expected = torch.cat([SMALL_LOGITS[:3].double().softmax(-1), torch.zeros(3).double()])
+    torch.testing.assert_close(empirical(tokens, 6), expected, atol=0.01, rtol=0)
+    # After temperature (as vLLM): at 2.0 the probabilities flatten and min_p 0.2 keeps five.
+    hot = draw_min_p(SMALL_LOGITS, NUM_DRAWS, 2.0, 0.2)
+    kept = (SMALL_LOGITS.double() / 2.0).softmax(-1)
+    kept = torch.where(kept >= 0.2 * kept.max(), kept, 0.0)
+    assert int((kept > 0).sum()) == 5
+    torch.testing.assert_close(empirical(hot, 6), kept / kept.sum(), atol=0.01, rtol=0)
+
+
+def test_min_p_one_is_greedy_and_a_min_p_that_cuts_nothing_changes_no_draw() -> None:
+    row = random_logits(1, 9)[0]
+    assert set(draw_min_p(row, 500, 1.5, 1.0).tolist()) == {int(row.argmax())}
+    probs = row.softmax(-1)
+    below_all = float(probs.min() / probs.max()) * 0.5
+    plain = draw_rows(repeat_row(row, 500), [(1.0, 1.0, 0, s, 2) for s in range(500)])
+    assert torch.equal(draw_min_p(row, 500, 1.0, below_all), plain)
+
+
+def test_min_p_then_top_p_over_what_min_p_kept() -> None:
+    row = random_logits(1, 10)[0] / 3.0
+    probs = row.softmax(-1)
+    kept = torch.where(probs >= 0.3 * probs.max(), probs, 0.0)
+    kept = kept / kept.sum()
+    ordered, order = kept.sort(descending=True)
+    size = int((ordered.cumsum(-1) < 0.5).sum()) + 1
+    tokens = draw_min_p(row, 3000, 1.0, 0.3, top_p=0.5)
+    assert set(tokens.tolist()) == set(order[:size].tolist())
+
+
 def mix32(x: int) -> int:
     """Pure-Python (unbounded integers) statement of the 32-bit mixer."""
     x ^= x >> 16

@@ -28,6 +28,7 @@ class RowSampling:
     temperature: torch.Tensor  # [R] float32
     top_p: torch.Tensor  # [R] float32
     top_k: torch.Tensor  # [R] int64
+    min_p: torch.Tensor  # [R] float32
     seeds: torch.Tensor  # [R] int64
     positions: torch.Tensor  # [R] int64, position of the token being sampled
     # Known on the host, so the sampler needs no device read to choose its path.
@@ -48,6 +49,7 @@ class RowSampling:
             self.temperature.index_select(0, index),
             self.top_p.index_select(0, index),
             self.top_k.index_select(0, index),
+            self.min_p.index_select(0, index),
             self.seeds.index_select(0, index),
             self.positions.index_select(0, index),
             all_greedy=all(greedy) if greedy else self.all_greedy,
@@ -145,6 +147,7 @@ def _sample(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
         s.positions,
         all_greedy=s.all_greedy,
         any_filter=s.any_filter,
+        min_p=s.min_p,
     )
 
 

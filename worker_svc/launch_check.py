@@ -152,6 +152,8 @@ def _check_sampling(i: int, r: NewRequest) -> None:
         raise LaunchError(f"new_requests[{i}].top_p: must be in (0, 1], got {r.top_p}")
     if r.top_k < 0:
         raise LaunchError(f"new_requests[{i}].top_k: must be >= 0, got {r.top_k}")
+    if not (math.isfinite(r.min_p) and 0 <= r.min_p <= 1):
+        raise LaunchError(f"new_requests[{i}].min_p: must be in [0, 1], got {r.min_p}")
 
 
 def _check_prefix(i: int, r: NewRequest, limits: LaunchLimits) -> None:

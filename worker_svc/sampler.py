@@ -27,10 +27,13 @@ def sample(
     *,
     all_greedy: bool | None = None,
     any_filter: bool | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token [R] int64 for logits [R, V] float32.
 
-    temperature <= 0 is greedy; top_k of 0 or >= V and top_p >= 1 disable those cuts.
+    temperature <= 0 is greedy; top_k of 0 or >= V, top_p >= 1 and min_p 0 (or None) disable
+    those cuts. min_p first (as vLLM): a token stays if its probability after temperature is at
+    least min_p x the likeliest one's; top-k and top-p then choose among those.
     `all_greedy` / `any_filter` let a caller that knows the parameters on the host skip
     reading them back from the device; when None they are derived from the tensors.
     """
@@ -40,19 +43,21 @@ def sample(
     if all_greedy:
         return greedy
     vocab = logits.shape[-1]
+    if min_p is None:
+        min_p = torch.zeros_like(top_p)
     if any_filter is None:
-        any_filter = bool(_cuts_vocab(top_p, top_k, vocab).any())
+        any_filter = bool(_cuts_vocab(top_p, top_k, min_p, vocab).any())
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     row_keys = _row_keys(seeds, positions)
     if any_filter:
-        drawn = _draw_filtered(scaled, top_p, top_k, row_keys)
+        drawn = _draw_filtered(scaled, top_p, top_k, min_p, row_keys)
     else:
         drawn = _draw(scaled, torch.arange(vocab, device=logits.device)[None, :], row_keys)
     return torch.where(temperature > 0, drawn, greedy)
 
 
-def _cuts_vocab(top_p: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.Tensor:
-    return (top_p < 1.0) | ((top_k > 0) & (top_k < vocab))
+def _cuts_vocab(top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    return (top_p < 1.0) | ((top_k > 0) & (top_k < vocab)) | (min_p > 0.0)
 
 
 def _draw(
@@ -68,10 +73,11 @@ def _draw_filtered(
     scaled: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
+    min_p: torch.Tensor,
     row_keys: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     sorted_scores, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-    keep = _keep_mask(sorted_scores, top_p, top_k)
+    keep = _keep_mask(sorted_scores, top_p, top_k, min_p)
     width = _candidate_width(keep)
     candidates = sorted_scores[:, :width].masked_fill(~keep[:, :width], float("-inf"))
     return _draw(candidates, sorted_ids[:, :width], row_keys)
@@ -85,12 +91,16 @@ def _candidate_width(keep: torch.Tensor) -> int:
     return int(keep.sum(dim=-1).max())
 
 
-def _keep_mask(sorted_scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Which of the descending-sorted candidates survive top-k, then top-p over the top-k."""
+def _keep_mask(
+    sorted_scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Which of the descending-sorted candidates survive min-p and top-k, then top-p over those."""
     vocab = sorted_scores.shape[-1]
     ranks = torch.arange(vocab, device=sorted_scores.device)[None, :]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     keep = ranks < k[:, None]
+    # p_i >= min_p * p_max  <=>  score_i >= score_max + log(min_p): no softmax needed (log 0 = -inf).
+    keep &= sorted_scores >= sorted_scores[:, :1] + min_p.log()[:, None]
     probs = sorted_scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     # Exclusive prefix sum: monotone, so the kept candidates always form a prefix.
     mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))

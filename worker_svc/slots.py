@@ -22,6 +22,7 @@ class SlotTable:
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.min_p = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.processing = ProcessingTable(num_slots, vocab, context, device)
         self.host: dict[int, NewRequest] = {}  # the same constants, for host-side decisions
@@ -33,10 +34,14 @@ class SlotTable:
         ints = [[r.req_slot for r in requests], [r.top_k for r in requests]]
         ints += [[r.seed & (2**63 - 1) for r in requests], *processing_ints]
         slots, top_k, seed, *more_ints = to_device_columns(ints, streams.device, streams)
-        floats = [[r.temperature for r in requests], [r.top_p for r in requests], *processing_floats]
-        temperature, top_p, *more_floats = to_device_columns(floats, streams.device, streams, torch.float32)
+        floats = [[r.temperature for r in requests], [r.top_p for r in requests], [r.min_p for r in requests]]
+        floats += processing_floats
+        temperature, top_p, min_p, *more_floats = to_device_columns(
+            floats, streams.device, streams, torch.float32
+        )
         self.temperature.index_copy_(0, slots, temperature)
         self.top_p.index_copy_(0, slots, top_p)
+        self.min_p.index_copy_(0, slots, min_p)
         self.top_k.index_copy_(0, slots, top_k)
         self.seed.index_copy_(0, slots, seed)
         self.processing.register(requests, slots, more_ints, more_floats)
@@ -61,11 +66,12 @@ class SlotTable:
     ) -> RowSampling:
         params = [self.host[s] for s in host_slots]
         greedy = tuple(p.temperature <= 0 for p in params)
-        filtered = tuple(p.top_p < 1.0 or p.top_k > 0 for p in params)
+        filtered = tuple(p.cuts_vocab for p in params)
         return RowSampling(
             self.temperature.index_select(0, slots),
             self.top_p.index_select(0, slots),
             self.top_k.index_select(0, slots),
+            self.min_p.index_select(0, slots),
             self.seed.index_select(0, slots),
             positions,
             all_greedy=all(greedy),

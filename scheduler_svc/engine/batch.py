@@ -54,7 +54,9 @@ class ScheduledBatch:
         # NOTE: a recompute replays the outputs its client has into the worker's fresh matcher.
         grammar = None if p.constraint is None else GrammarConstraint(p.constraint, tuple(req.output_ids))
         self.launch.new_requests.append(
-            NewRequest(req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing, prefix, grammar)
+            NewRequest(
+                req.req_slot, p.temperature, p.top_p, p.top_k, p.seed, processing, prefix, grammar, p.min_p
+            )
         )
 
     def _add_row(self, req: Request, start: int, n: int, from_future: bool, sample: bool) -> None:

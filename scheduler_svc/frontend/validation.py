@@ -311,6 +311,9 @@ def _sampling_params(
     top_p = p.top_p if p.HasField("top_p") else 1.0
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise InvalidRequest(f"sampling.top_p: must be in (0, 1], got {top_p}")
+    min_p = p.min_p if p.HasField("min_p") else 0.0
+    if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        raise InvalidRequest(f"sampling.min_p: must be in [0, 1], got {min_p}")
     _check_stop_token_ids(list(p.stop_token_ids), vocab)
     _check_stop_strings(list(p.stop))
     return SamplingParams(
@@ -331,6 +334,7 @@ def _sampling_params(
         logit_bias=_logit_bias(dict(p.logit_bias), vocab),
         constraint=None if requested is None else _bounded_constraint(requested, p),
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        min_p=min_p,
     )
 
 

@@ -189,6 +189,7 @@ class CoreSampling(_message.Message):
     BIAS_IDS_FIELD_NUMBER: _builtins.int
     BIAS_VALUES_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     temperature: _builtins.float
     top_p: _builtins.float
@@ -201,6 +202,7 @@ class CoreSampling(_message.Message):
     presence_penalty: _builtins.float
     frequency_penalty: _builtins.float
     min_tokens: _builtins.int
+    min_p: _builtins.float
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -230,10 +232,11 @@ class CoreSampling(_message.Message):
         bias_ids: _abc.Iterable[_builtins.int] | None = ...,
         bias_values: _abc.Iterable[_builtins.float] | None = ...,
         constraint: Global___Constraint | None = ...,
+        min_p: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "constraint", b"constraint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "bias_ids", b"bias_ids", "bias_values", b"bias_values", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "bias_ids", b"bias_ids", "bias_values", b"bias_values", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constraint: _TypeAlias = _typing.Literal["constraint"]  # noqa: Y015
     _WhichOneofArgType__constraint: _TypeAlias = _typing.Literal["_constraint", b"_constraint"]  # noqa: Y015

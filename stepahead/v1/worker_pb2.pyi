@@ -256,11 +256,14 @@ class NewRequest(_message.Message):
     PROCESSING_FIELD_NUMBER: _builtins.int
     PREFIX_KV_SLOTS_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     req_slot: _builtins.int
     temperature: _builtins.float
     top_p: _builtins.float
     top_k: _builtins.int
     seed: _builtins.int
+    min_p: _builtins.float
+    """0 (off) to 1: tokens less likely than min_p x the likeliest one's probability are cut."""
     @_builtins.property
     def processing(self) -> Global___LogitsProcessing:
         """Logits processing and log-probabilities; absent for a request that uses none."""
@@ -286,10 +289,11 @@ class NewRequest(_message.Message):
         processing: Global___LogitsProcessing | None = ...,
         prefix_kv_slots: _abc.Iterable[_builtins.int] | None = ...,
         grammar: Global___GrammarConstraint | None = ...,
+        min_p: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_processing", b"_processing", "grammar", b"grammar", "processing", b"processing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_processing", b"_processing", "grammar", b"grammar", "prefix_kv_slots", b"prefix_kv_slots", "processing", b"processing", "req_slot", b"req_slot", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_processing", b"_processing", "grammar", b"grammar", "min_p", b"min_p", "prefix_kv_slots", b"prefix_kv_slots", "processing", b"processing", "req_slot", b"req_slot", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__grammar: _TypeAlias = _typing.Literal["grammar"]  # noqa: Y015
     _WhichOneofArgType__grammar: _TypeAlias = _typing.Literal["_grammar", b"_grammar"]  # noqa: Y015

@@ -61,6 +61,7 @@ HTTP_FIELDS = {
     "sampling.frequency_penalty": "frequency_penalty",
     "sampling.repetition_penalty": "repetition_penalty",
     "sampling.min_tokens": "min_tokens",
+    "sampling.min_p": "min_p",
     "sampling.logit_bias": "logit_bias",
     "sampling.top_logprobs": "top_logprobs",  # completions: `logprobs`
     "sampling.logprobs": "logprobs",
@@ -219,7 +220,6 @@ UNSERVED: dict[str, object] = {
     "prompt_cache_key": None,
     "safety_identifier": None,
     # vLLM's sampling and request extras
-    "min_p": 0.0,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "include_stop_str_in_output": False,
@@ -259,6 +259,7 @@ class SamplingFields(BaseModel):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
+    min_p: float | None = None  # vLLM's
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=UINT64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -350,6 +351,8 @@ class SamplingFields(BaseModel):
             sampling.skip_special_tokens = False
         if self.top_p is not None:
             sampling.top_p = self.top_p
+        if self.min_p is not None:
+            sampling.min_p = self.min_p
         if self.seed is not None:
             sampling.seed = self.seed % UINT64
         self._penalties(sampling)

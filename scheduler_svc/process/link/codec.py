@@ -23,6 +23,7 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "min_tokens",
+    "min_p",
 )
 
 
