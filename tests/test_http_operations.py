@@ -5,6 +5,7 @@ frontend in its own process and in the core's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import stepahead
 from stepahead.processes import Service, serving_pair
-from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, unused_port, wait_until
+from tests.live import CALL_TIMEOUT_S, FRONTEND_COUNTS, frontend_flags, unused_port, wait_all_free, wait_until
 from tests.test_openai_api import CHAT_TEMPLATE, TINY
 
 SERVED_NAME = "ops/tiny"
@@ -277,3 +278,39 @@ def test_min_p_reaches_the_worker_s_sampler(tiny: Service) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=2, extra_body={"min_p": 1.5})
     assert refused.value.body["param"] == "min_p"  # type: ignore[index]
+
+
+def test_a_list_of_prompts_gives_each_prompt_s_choices_in_order(tiny: Service) -> None:
+    c = client(tiny)
+    prompts = ["Once", "Upon a", "Time"]
+    alone = [c.completions.create(model=SERVED_NAME, prompt=p, max_tokens=4, temperature=0) for p in prompts]
+    listed = c.completions.create(model=SERVED_NAME, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [choice.index for choice in listed.choices] == list(range(6))
+    for i, reply in enumerate(alone):  # choice i x n + j is completion j of prompt i
+        assert [listed.choices[2 * i + j].text for j in (0, 1)] == [reply.choices[0].text] * 2
+    assert listed.usage is not None and alone[0].usage is not None
+    assert listed.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone if r.usage is not None)
+    assert listed.usage.completion_tokens == 6 * 4
+    streamed = c.completions.create(
+        model=SERVED_NAME, prompt=prompts, max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [p + r.choices[0].text for p, r in zip(prompts, alone, strict=True)]
+    with http(tiny) as h:
+        ids = [h.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts[:2]]
+    by_ids = c.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=4, temperature=0)
+    assert [choice.text for choice in by_ids.choices] == [r.choices[0].text for r in alone[:2]]
+
+
+def test_a_bad_prompt_in_a_list_is_named_and_nothing_of_the_call_stays(tiny: Service) -> None:
+    c = client(tiny)
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=SERVED_NAME, prompt=["Once", ""], max_tokens=4)
+    assert refused.value.body["param"] == "prompt[1]"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=SERVED_NAME, prompt=["x"] * 129, max_tokens=1)
+    assert refused.value.body["param"] == "prompt"  # type: ignore[index]
+    asyncio.run(wait_all_free(tiny.address))  # the first prompt's admitted request was ended

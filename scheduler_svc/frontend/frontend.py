@@ -141,6 +141,7 @@ class Frontend:
         request: generation_pb2.GenerateRequest,
         open_ended: bool = False,
         check: Callable[[ValidRequest], None] | None = None,
+        ready: asyncio.Event | None = None,
     ) -> Completions:
         """Validate and tokenize, then hand the request's completions to the core; raises
         ApiError. With `open_ended`, max_new_tokens 0 asks for the rest of the context (the
@@ -170,7 +171,7 @@ class Frontend:
                 if check is not None:
                     check(valid)
                 rid = request.request_id or uuid.uuid4().hex
-                completions = self.submit(rid, valid.prompt_ids, valid.params, valid.n, valid.calls)
+                completions = self.submit(rid, valid.prompt_ids, valid.params, valid.n, valid.calls, ready)
                 self.telemetry.admitted(valid.params)
                 return completions
 
@@ -188,13 +189,15 @@ class Frontend:
         params: SamplingParams,
         n: int = 1,
         calls: CallFormat | None = None,
+        ready: asyncio.Event | None = None,
     ) -> Completions:
         """A validated request: `n` completions, fanned out into one core request each (with
         seeds of their own); the core may still refuse one (the call then fails). With `calls`,
-        each completion's text is parsed for tool calls in that format."""
+        each completion's text is parsed for tool calls in that format; `ready`: the event its
+        reader waits on, when several requests are read as one (an HTTP list of prompts)."""
         if rid in self._by_rid:
             raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already live")
-        completions = Completions(rid, prompt_ids, asyncio.Event())
+        completions = Completions(rid, prompt_ids, ready or asyncio.Event())
         self._by_rid[rid] = completions
         for index in range(n):
             seeded = dataclasses.replace(params, seed=completion_seed(params.seed, index))

@@ -148,6 +148,10 @@ class Completions:
     clients: list[ClientRequest] = field(default_factory=list)
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def cached_tokens(self) -> int:
         """Prompt tokens found in the prefix cache, as the first completion's admission found them."""
         return self.clients[0].cached_tokens
@@ -169,3 +173,41 @@ class Completions:
         """(index, chunk) of every completion with news, in index order."""
         self.ready.clear()
         return [(c.index, c.stream.take()) for c in self.clients if c.stream.has_news]
+
+
+@dataclass(eq=False)
+class PromptGroup:
+    """Several prompts' completions read as one (an HTTP completion with a list of prompts):
+    completion j of prompt i is choice i x n + j, every part shares one `ready` event, the usage
+    is the parts' summed, and the call fails as a whole when any part fails."""
+
+    parts: list[Completions]
+    ready: asyncio.Event
+
+    @property
+    def clients(self) -> list[ClientRequest]:
+        return [c for part in self.parts for c in part.clients]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(part.prompt_tokens for part in self.parts)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(part.cached_tokens for part in self.parts)
+
+    @property
+    def error(self) -> tuple[grpc.StatusCode, str] | None:
+        return next((part.error for part in self.parts if part.error is not None), None)
+
+    @property
+    def done(self) -> bool:
+        return all(part.done for part in self.parts)
+
+    def take(self) -> list[tuple[int, OutputChunk]]:
+        self.ready.clear()
+        taken, base = [], 0
+        for part in self.parts:
+            taken += [(base + index, chunk) for index, chunk in part.take()]
+            base += len(part.clients)
+        return taken

@@ -249,6 +249,7 @@ UNSERVED: dict[str, object] = {
     "echo": False,  # chat (completions serve it)
 }
 MAX_NAMES_LOGGED = 8
+MAX_PROMPTS = 128  # a /v1/completions list of prompts (each with its n completions)
 
 
 class SamplingFields(BaseModel):
@@ -419,29 +420,40 @@ class CompletionRequest(SamplingFields):
         return None if self.logprobs is None else CompletionLogprobs(spell)
 
     def to_proto(self) -> pb.GenerateRequest:
+        """The request of a body with one prompt (FieldError for a list of several)."""
+        requests = self.to_protos()
+        if len(requests) != 1:
+            raise FieldError("prompt", f"one prompt is served here, got {len(requests)}")
+        return requests[0]
+
+    def to_protos(self) -> list[pb.GenerateRequest]:
+        """One request a prompt (a list of prompts is several), the same sampling for each."""
         self.check_supported()
-        request = pb.GenerateRequest(sampling=self.sampling(self.max_tokens, "max_tokens"))
-        prompt = self._single_prompt()
-        if isinstance(prompt, str):
-            request.text = prompt
-        else:
-            request.input_ids.ids.extend(_token_ids(prompt))
-        return request
+        sampling = self.sampling(self.max_tokens, "max_tokens")
+        requests = []
+        for prompt in self.prompts():
+            request = pb.GenerateRequest(sampling=sampling)
+            if isinstance(prompt, str):
+                request.text = prompt
+            else:
+                request.input_ids.ids.extend(_token_ids(prompt))
+            requests.append(request)
+        return requests
 
-    def echoed(self, decode: Callable[[list[int]], str]) -> str:
-        """The text `echo` puts before each choice's (`decode` spells a prompt of ids)."""
+    def echoed(self, decode: Callable[[list[int]], str]) -> list[str]:
+        """The text `echo` puts before each choice's, a prompt each (`decode` spells a prompt of ids)."""
         if not self.echo:
-            return ""
-        prompt = self._single_prompt()
-        return prompt if isinstance(prompt, str) else decode(prompt)
+            return ["" for _ in self.prompts()]
+        return [prompt if isinstance(prompt, str) else decode(prompt) for prompt in self.prompts()]
 
-    def _single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """`prompt` as a list of prompts: a string or a list of ids is one."""
         prompt = self.prompt
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return prompt  # type: ignore[return-value]
-        if len(prompt) != 1:
-            raise FieldError("prompt", f"one prompt per request is served, got {len(prompt)}")
-        return prompt[0]
+            return [prompt]  # type: ignore[list-item]
+        if len(prompt) > MAX_PROMPTS:
+            raise FieldError("prompt", f"at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
+        return list(prompt)
 
 
 class TextPart(BaseModel):

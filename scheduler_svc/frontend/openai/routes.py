@@ -51,7 +51,7 @@ from scheduler_svc.frontend.openai.protocol import (
 )
 from scheduler_svc.frontend.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from scheduler_svc.frontend.openai.tokenize import http_field as tokenize_field
-from scheduler_svc.frontend.streams import Completions, OutputChunk
+from scheduler_svc.frontend.streams import Completions, OutputChunk, PromptGroup
 from scheduler_svc.frontend.telemetry import Counting
 from scheduler_svc.frontend.tools import CallDelta
 from scheduler_svc.frontend.validation import ValidRequest
@@ -60,6 +60,7 @@ log = logging.getLogger("stepahead.http")
 
 Endpoint: TypeAlias = Literal["completions", "chat"]
 Body: TypeAlias = CompletionRequest | ChatCompletionRequest
+Read: TypeAlias = Completions | PromptGroup  # one request's completions, or a list of prompts'
 T = TypeVar("T")
 B = TypeVar("B", bound=pydantic.BaseModel)
 
@@ -340,13 +341,13 @@ class OpenAIApi:
                 )
             return await self._whole(request, completions, choices, ids)
         except ClientGone:  # a quiet abort: the client is not there to read any response
-            self._frontend.cancel(completions)
+            self._cancel(completions)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
-            self._frontend.cancel(completions)  # a no-op once they finished
+            self._cancel(completions)  # a no-op once they finished
             raise
 
-    async def _admit(self, body: Body, rid: str) -> Completions:
+    async def _admit(self, body: Body, rid: str) -> Read:
         try:
             if unknown := body.check_fields():
                 names = ", ".join(repr(name[:64]) for name in unknown[:MAX_NAMES_LOGGED])
@@ -354,14 +355,42 @@ class OpenAIApi:
                     f" and {len(unknown) - MAX_NAMES_LOGGED} more" if len(unknown) > MAX_NAMES_LOGGED else ""
                 )
                 log.warning("request %s: ignoring fields no API documents: %s%s", rid, names, more)
-            generate = body.to_proto()
-            generate.request_id = rid
-            check = None if body.stream else functools.partial(self._check_whole_size, body)
-            return await self._frontend.admit(generate, open_ended=True, check=check)
+            generates = body.to_protos() if isinstance(body, CompletionRequest) else [body.to_proto()]
         except FieldError as exc:
             raise HttpError(400, str(exc), exc.field) from exc
-        except ApiError as exc:
-            raise _api_error(exc, body) from exc
+        check = None if body.stream else functools.partial(self._check_whole_size, body)
+        if len(generates) == 1:
+            generates[0].request_id = rid
+            try:
+                return await self._frontend.admit(generates[0], open_ended=True, check=check)
+            except ApiError as exc:
+                raise _api_error(exc, body) from exc
+        group = PromptGroup([], asyncio.Event())
+        try:
+            for i, generate in enumerate(generates):
+                generate.request_id = f"{rid}-{i}"
+                try:
+                    part = await self._frontend.admit(
+                        generate, open_ended=True, check=check, ready=group.ready
+                    )
+                except ApiError as exc:
+                    error = _api_error(exc, body)
+                    if error.param is not None and error.param.startswith("prompt"):
+                        error = HttpError(
+                            error.status, str(error).replace("prompt", f"prompt[{i}]", 1), f"prompt[{i}]"
+                        )
+                    raise error from exc
+                group.parts.append(part)
+        except BaseException:
+            self._cancel(group)
+            raise
+        return group
+
+    def _cancel(self, completions: Read) -> None:
+        """The client went away or the call failed: every completion ends (a no-op for those
+        that finished)."""
+        for part in completions.parts if isinstance(completions, PromptGroup) else [completions]:
+            self._frontend.cancel(part)
 
     def _check_whole_size(self, body: Body, valid: ValidRequest) -> None:
         """A whole response is built in the frontend's memory: its log-probabilities are bounded."""
@@ -377,7 +406,7 @@ class OpenAIApi:
             )
             raise HttpError(400, message, field)
 
-    def _choices(self, body: Body, completions: Completions) -> list[Choice]:
+    def _choices(self, body: Body, completions: Read) -> list[Choice]:
         tokenizer = self._frontend.tokenizer
         assert tokenizer is not None  # admitted: the frontend has one
 
@@ -385,13 +414,17 @@ class OpenAIApi:
             decoder = tokenizer.new_decoder()
             return decoder.push(ids) + decoder.flush()
 
-        echo = [body.echoed(decode)] if isinstance(body, CompletionRequest) and body.echo else []
-        return [
-            Choice(c.index, body.new_logprobs(tokenizer.token_bytes), list(echo)) for c in completions.clients
-        ]
+        parts = completions.parts if isinstance(completions, PromptGroup) else [completions]
+        echoes = body.echoed(decode) if isinstance(body, CompletionRequest) else ["" for _ in parts]
+        choices: list[Choice] = []
+        for part, echo in zip(parts, echoes, strict=True):
+            for _ in part.clients:  # choice i x n + j: completion j of prompt i
+                texts = [echo] if echo else []
+                choices.append(Choice(len(choices), body.new_logprobs(tokenizer.token_bytes), texts))
+        return choices
 
     async def _whole(
-        self, request: Request, completions: Completions, choices: list[Choice], ids: ResponseIds
+        self, request: Request, completions: Read, choices: list[Choice], ids: ResponseIds
     ) -> Response:
         await _unless_disconnected(request, _collect(completions, choices))
         if completions.error is not None:
@@ -402,7 +435,7 @@ class OpenAIApi:
     async def _stream(
         self,
         request: Request,
-        completions: Completions,
+        completions: Read,
         choices: list[Choice],
         ids: ResponseIds,
         include_usage: bool,
@@ -429,13 +462,13 @@ class OpenAIApi:
             background=BackgroundTask(self._stream_ended, completions, watcher),
         )
 
-    async def _cancel_on_disconnect(self, request: Request, completions: Completions) -> None:
+    async def _cancel_on_disconnect(self, request: Request, completions: Read) -> None:
         await _disconnected(request)
-        self._frontend.cancel(completions)
+        self._cancel(completions)
 
-    def _stream_ended(self, completions: Completions, watcher: asyncio.Task[None]) -> None:
+    def _stream_ended(self, completions: Read, watcher: asyncio.Task[None]) -> None:
         watcher.cancel()
-        self._frontend.cancel(completions)  # a no-op once they finished
+        self._cancel(completions)  # a no-op once they finished
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -576,7 +609,7 @@ def _api_error(exc: ApiError, body: Body | None = None) -> HttpError:
     return HttpError(status, http_message(str(exc), exc.field, body), http_field(exc.field, body))
 
 
-def _stream_error(completions: Completions) -> HttpError:
+def _stream_error(completions: Read) -> HttpError:
     """An error the core sent for an admitted request (no field: it is not the input's)."""
     assert completions.error is not None
     code, message = completions.error
@@ -701,13 +734,13 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def _counts(completions: Completions, choices: list[Choice]) -> tuple[int, int, int]:
+def _counts(completions: Read, choices: list[Choice]) -> tuple[int, int, int]:
     """(prompt tokens, completion tokens of every choice, prompt tokens found cached)."""
     completion_tokens = sum(choice.completion_tokens for choice in choices)
-    return len(completions.prompt_ids), completion_tokens, completions.cached_tokens
+    return completions.prompt_tokens, completion_tokens, completions.cached_tokens
 
 
-async def _collect(completions: Completions, choices: list[Choice]) -> None:
+async def _collect(completions: Read, choices: list[Choice]) -> None:
     """Until every completion has finished, or one failed."""
     while not completions.done:
         await completions.ready.wait()
@@ -718,7 +751,7 @@ async def _collect(completions: Completions, choices: list[Choice]) -> None:
 
 
 async def _sse(
-    completions: Completions,
+    completions: Read,
     choices: list[Choice],
     ids: ResponseIds,
     usage_asked: tuple[bool, bool],
@@ -741,7 +774,7 @@ async def _sse(
 
 
 async def _chunks(
-    completions: Completions, choices: list[Choice], ids: ResponseIds, messages: Counting
+    completions: Read, choices: list[Choice], ids: ResponseIds, messages: Counting
 ) -> AsyncIterator[str | dict[str, Any]]:
     """Each chunk's body, or an error's event, whole."""
     while not completions.done:
