@@ -3,12 +3,14 @@
 The worker listens on 127.0.0.1 only (a free port unless `--worker-port`), behind a shared
 secret made for this run (no other local process can drive it); the scheduler serves the
 OpenAI-compatible HTTP API on `--port` (default 8000) and the gRPC Generation API on
-`--grpc-port` (default 50051), both on `--host`. Every other flag goes to the service that
-has it: the worker's (`--tp`, `--dtype`, `--kv-slots`, ...) to the worker, the scheduler's
-(`--frontends`, `--api-key`, `--tls-cert`, ...) to the scheduler, `--log-level` and `--grace`
-to both. SIGTERM or SIGINT stops the scheduler first (it drains its requests for `--grace`
-seconds), then the worker; if either exits on its own the other is stopped and the command
-exits with its status. On Linux each service also ends if this command is killed outright.
+`--grpc-port` (default 50051), both on `--host`. The HTTP API's /metrics holds the worker's
+series with the scheduler's (the worker's own endpoint is on loopback, a free port). Every
+other flag goes to the service that has it: the worker's (`--tp`, `--dtype`, `--kv-slots`,
+...) to the worker, the scheduler's (`--frontends`, `--api-key`, `--tls-cert`, ...) to the
+scheduler, `--log-level` and `--grace` to both. SIGTERM or SIGINT stops the scheduler first
+(it drains its requests for `--grace` seconds), then the worker; if either exits on its own the
+other is stopped and the command exits with its status. On Linux each service also ends if
+this command is killed outright.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
             own.append(token)  # MODEL (argparse refuses a second one)
             i += 1
             continue
-        if name in ("--worker", "--http-port", "--worker-token"):
+        if name in ("--worker", "--http-port", "--worker-token", "--worker-metrics-url"):
             raise FlagError(f"{name}: stepahead serve sets it (see --port, --grpc-port, --worker-port)")
         action = own_actions.get(name) or worker_actions.get(name) or scheduler_actions.get(name)
         if action is None:
@@ -159,6 +161,7 @@ def plan(argv: Sequence[str]) -> ServePlan:
         p.error(f"MODEL {args.model_tag!r} and --model {args.model_flag!r} differ")
     model = args.model_flag or args.model_tag or DEFAULT_MODEL
     worker_port = args.worker_port or free_port()
+    worker_metrics_port = free_port()  # on loopback; its series are on the HTTP API's /metrics
     grace = _grace(scheduler_flags)
     worker = (
         "-m",
@@ -169,6 +172,10 @@ def plan(argv: Sequence[str]) -> ServePlan:
         "127.0.0.1",
         "--port",
         str(worker_port),
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(worker_metrics_port),
         *worker_flags,
     )
     scheduler = (
@@ -182,6 +189,8 @@ def plan(argv: Sequence[str]) -> ServePlan:
         str(args.grpc_port),
         "--http-port",
         str(args.port),
+        "--worker-metrics-url",
+        f"http://127.0.0.1:{worker_metrics_port}/metrics",
         *scheduler_flags,
     )
     token = os.environ.get(WORKER_TOKEN_ENV) or secrets.token_urlsafe(24)

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
@@ -72,6 +73,7 @@ def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback() -> None:
         (["--worker", "1.2.3.4:5"], "--worker: stepahead serve sets it"),
         (["--worker-token", "x"], "--worker-token: stepahead serve sets it"),
         (["--http-port", "1"], "--http-port: stepahead serve sets it"),
+        (["--worker-metrics-url", "http://x"], "--worker-metrics-url: stepahead serve sets it"),
     ],
 )
 def test_a_bad_flag_is_named(argv: list[str], named: str) -> None:
@@ -184,6 +186,14 @@ def test_serve_smollm2_answers_the_openai_client_and_grpc_then_sigterm_leaves_no
             )
             stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=CALL_TIMEOUT_S)
             assert sum(len(r.token_ids) for r in stream) == 4
+        # The API port's /metrics: the scheduler's series and the worker's, in one exposition
+        # (each family once), every series labelled with the served model.
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=CALL_TIMEOUT_S) as got:
+            families = list(text_string_to_metric_families(got.read().decode()))
+        names = [f.name for f in families]
+        assert len(names) == len(set(names))
+        assert {"stepahead_requests_running", "stepahead_device_busy_seconds"} <= set(names)
+        assert all(s.labels.get("model_name") == "smollm2" for f in families for s in f.samples)
         services = children(proc.pid)
         assert len(services) >= 3  # worker, scheduler, its frontend process
         proc.send_signal(signal.SIGTERM)

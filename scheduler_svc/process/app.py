@@ -20,7 +20,7 @@ from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import Frontend
 from scheduler_svc.frontend.grpc_api import build_server, health_follows_worker
 from scheduler_svc.process.config import SchedulerConfig, WorkerConnection
-from scheduler_svc.process.frontend_metrics import FrontendMetrics, MetricSource
+from scheduler_svc.process.frontend_metrics import FrontendMetrics, Merged, MetricSource, RemoteExposition
 from scheduler_svc.process.grpc_transport import GrpcTransport
 from scheduler_svc.process.link.local import LocalCore
 from scheduler_svc.process.supervisor import FrontendSupervisor
@@ -63,8 +63,8 @@ async def serve(config: SchedulerConfig, transport: WorkerTransport | None = Non
 async def _serve_frontend_here(core: EngineCore, config: SchedulerConfig, stop: asyncio.Event) -> None:
     api = config.api
     frontend = Frontend(config.frontend)
-    registry = service_registry(core, config, lambda: [frontend.telemetry.registry.collect()])
-    LocalCore(core, frontend, lambda: generate_latest(registry))
+    registry, api_registry = service_registries(core, config, lambda: [frontend.telemetry.registry.collect()])
+    LocalCore(core, frontend, lambda: generate_latest(api_registry))
     start_metrics(registry, config.observability.metrics, "scheduler")
     log_access(api, config.worker)
     server, port, health_servicer = await build_server(frontend, api)
@@ -85,9 +85,9 @@ async def _serve_frontend_processes(core: EngineCore, config: SchedulerConfig, s
     log_access(config.api, config.worker)
     with tempfile.TemporaryDirectory(prefix="stepahead-core-") as private:  # mode 0700
         supervisor = FrontendSupervisor(
-            core, config, f"{private}/core.sock", lambda: generate_latest(registry)
+            core, config, f"{private}/core.sock", lambda: generate_latest(api_registry)
         )
-        registry = service_registry(core, config, supervisor.metric_sources)
+        registry, api_registry = service_registries(core, config, supervisor.metric_sources)
         start_metrics(registry, config.observability.metrics, "scheduler")
         port, http_port = await supervisor.start()
         http = f", HTTP on port {http_port}" if http_port else ""
@@ -101,12 +101,13 @@ async def _serve_frontend_processes(core: EngineCore, config: SchedulerConfig, s
         await supervisor.stop(config.grace_s)
 
 
-def service_registry(
+def service_registries(
     core: EngineCore, config: SchedulerConfig, frontend_sources: MetricSource
-) -> CollectorRegistry:
-    """The core's metrics plus every frontend's, summed: one exposition for the service (on
-    --metrics-port and on the HTTP API's /metrics), every series labelled `model_name` (the
-    served model's name, as the OpenAI API names it) once a worker has said which it is."""
+) -> tuple[CollectorRegistry, CollectorRegistry]:
+    """The core's metrics plus every frontend's, summed: one exposition for the service, every
+    series labelled `model_name` (the served model's name, as the OpenAI API names it) once a
+    worker has said which it is. Two views of it: --metrics-port's, and the HTTP API's
+    /metrics, which with --worker-metrics-url (`stepahead serve`) holds the worker's too."""
     registry = core.telemetry.registry
     registry.register(FrontendMetrics(frontend_sources))
 
@@ -114,7 +115,9 @@ def service_registry(
         name = config.api.served_model_name or (core.info.model if core.info is not None else None)
         return {} if name is None else {"model_name": name}
 
-    return labelled(registry, model_name)
+    view = labelled(registry, model_name)
+    url = config.observability.worker_metrics_url
+    return view, view if url is None else labelled(Merged(registry, RemoteExposition(url)), model_name)
 
 
 def log_access(api: ClientApiConfig, worker: WorkerConnection) -> None:

@@ -93,7 +93,9 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         frontends=args.frontends,
         frontend_nice=args.frontend_nice,
         grace_s=args.grace,
-        observability=Observability(metrics_endpoint(args), args.trace_file, args.log_level),
+        observability=Observability(
+            metrics_endpoint(args), args.trace_file, args.log_level, args.worker_metrics_url
+        ),
     )
 
 
@@ -227,6 +229,12 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated Host names the HTTP API answers to, e.g. 'localhost,127.0.0.1,"
         "*.example.com' (any other: 400; /health answers any): a guard against DNS rebinding "
         "(default: any host)",
+    )
+    p.add_argument(
+        "--worker-metrics-url",
+        metavar="URL",
+        help="also serve the worker's series on the HTTP API's /metrics: its exposition at URL "
+        "(http://HOST:PORT/metrics), fetched at each scrape (stepahead serve sets it)",
     )
     p.add_argument(
         "--access-log",

@@ -42,6 +42,9 @@ class Observability:
     metrics: MetricsEndpoint = field(default_factory=lambda: MetricsEndpoint(port=DEFAULT_METRICS_PORT))
     trace_file: Path | None = None
     log_level: str = "info"
+    # The worker's exposition, fetched at each scrape of the HTTP API's /metrics and served there
+    # with the scheduler's (`stepahead serve` sets it); None: the scheduler's series only.
+    worker_metrics_url: str | None = None
 
 
 @dataclass(frozen=True)
