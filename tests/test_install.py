@@ -1,6 +1,7 @@
 """What a user does first: a fresh virtual environment, `pip install` of a clone (no make, no
 generated files beyond what the clone holds), the default model, then `stepahead serve
-smollm2` answering the official OpenAI client; SIGTERM leaves no process behind."""
+smollm2` answering the official OpenAI client, with /metrics (model_name), /tokenize and
+/detokenize, /version and X-Request-Id on the API port; SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx2
 import openai
 
 from tests.live import SETTLE_TIMEOUT_S, unused_port, wait_until
@@ -25,6 +27,7 @@ from tests.test_serve_command import (
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL_TIMEOUT_S = 1800.0  # hang guard: pip takes one to three minutes with a warm cache
+CHECK_TIMEOUT_S = 120.0  # hang guard: each answers in milliseconds
 
 
 def clone_of_the_tree(into: Path) -> Path:
@@ -88,6 +91,16 @@ def test_pip_install_of_a_clone_then_stepahead_serve_smollm2(tmp_path: Path) -> 
             temperature=0,
         )
         assert "Paris" in (reply.choices[0].message.content or "")
+        base = f"http://127.0.0.1:{http_port}"
+        with httpx2.Client(base_url=base, timeout=CHECK_TIMEOUT_S) as h:
+            metrics = h.get("/metrics").text
+            assert 'model_name="smollm2"' in metrics and "stepahead_device_busy_seconds_total" in metrics
+            ids = h.post("/tokenize", json={"prompt": "Bonjour, Paris!"}).json()["tokens"]
+            assert h.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Bonjour, Paris!"}
+            assert h.get("/version").json()["version"]
+            assert (
+                h.get("/v1/models", headers={"X-Request-Id": "fresh-1"}).headers["x-request-id"] == "fresh-1"
+            )
         services = children(proc.pid)
         assert len(services) >= 3
         proc.send_signal(signal.SIGTERM)

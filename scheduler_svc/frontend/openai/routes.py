@@ -171,7 +171,7 @@ class AccessLog:
                 scope["path"][:256],
                 status[0] or "-",
                 time.monotonic() - started,
-                rid[:MAX_REQUEST_ID_CHARS],
+                rid[:MAX_REQUEST_ID_HEADER_CHARS],
             )
 
 
@@ -191,8 +191,8 @@ class RequestIdEcho:
         if given is None:
             await self._app(scope, receive, send)
             return
-        if len(given) > MAX_REQUEST_ID_CHARS or not all(" " < c < "\x7f" for c in given):
-            message = f"{REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters"
+        if len(given) > MAX_REQUEST_ID_HEADER_CHARS or not all(" " < c < "\x7f" for c in given):
+            message = f"{REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID_HEADER_CHARS} printable ASCII characters"
             await HttpError(400, message, REQUEST_ID_HEADER).response()(scope, receive, send)
             return
 
@@ -206,7 +206,7 @@ class RequestIdEcho:
 
 
 REQUEST_ID_HEADER = "x-request-id"
-MAX_REQUEST_ID_CHARS = 128  # well under the gRPC API's request_id limit with its prefix
+MAX_REQUEST_ID_HEADER_CHARS = 128  # well under the gRPC API's request_id limit with its prefix
 
 
 class HostCheck:
