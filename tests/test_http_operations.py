@@ -155,6 +155,14 @@ def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny
             model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, metadata={"a": "b"}
         )
     assert refused.value.body["param"] == "metadata"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            extra_body={"best_of": 3},
+        )
+    assert refused.value.body["param"] == "best_of"  # type: ignore[index]
     # What is served (the default) passes, and so does a field no API documents (logged).
     served_extras: list[dict[str, object]] = [
         {"min_p": 0.0},

@@ -219,7 +219,8 @@ UNSERVED: dict[str, object] = {
     "service_tier": None,
     "prompt_cache_key": None,
     "safety_identifier": None,
-    # vLLM's sampling and request extras
+    # vLLM's sampling and request extras (best_of: chat's; completions have the field)
+    "best_of": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "include_stop_str_in_output": False,
