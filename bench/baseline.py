@@ -10,6 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from bench.machine import REPO
 
@@ -18,6 +19,11 @@ from bench.machine import REPO
 class Baseline:
     commit: str  # the full hash REF named
     path: Path  # its worktree
+
+    @property
+    def worker_link(self) -> Literal["socket", "grpc"]:
+        """The link its scheduler reaches the worker by: the framed socket where it has one."""
+        return "socket" if "--link-socket" in (self.path / "worker_svc" / "cli.py").read_text() else "grpc"
 
 
 def checkout(ref: str) -> Baseline:

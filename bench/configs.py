@@ -11,7 +11,8 @@ from loadgen import RandomDataset
 from loadgen.workload import length_bounds
 
 Mode = Literal["serial", "overlap"]
-Transport = Literal["grpc", "in-process"]
+# grpc: the worker over gRPC; socket: over its framed link socket (`stepahead serve`); in-process
+Transport = Literal["grpc", "socket", "in-process"]
 MODES: tuple[Mode, ...] = ("serial", "overlap")
 SIM_KV_SLOTS = 1 << 20  # the sim keeps no KV: a pool this large only keeps preemption out of the runs
 DEFAULT_FRONTENDS = 1  # the scheduler's own default for --frontends

@@ -166,6 +166,7 @@ def cpu_shares(used: Mapping[int, float]) -> tuple[float, ...]:
 
 
 Code = Literal["current", "baseline"]
+WorkerLink = Literal["socket", "grpc"]
 
 
 @dataclass(frozen=True)
@@ -206,21 +207,25 @@ def to_stderr(line: str) -> None:
 
 
 def run_plan(
-    plan: FrontendsPlan, progress: Progress = to_stderr, baseline: Baseline | None = None
+    plan: FrontendsPlan,
+    progress: Progress = to_stderr,
+    baseline: Baseline | None = None,
+    link: WorkerLink = "socket",
 ) -> FrontendsRun:
+    """`link`: how this checkout's scheduler reaches its worker (a baseline uses its own best)."""
     started_at, machine = begin()
     loop_s = loop_calibration()
     progress(f"loop calibration: {loop_s:.2f} s")
-    codes: list[tuple[Code, Path | None]] = [("current", None)]
+    codes: list[tuple[Code, Path | None, WorkerLink]] = [("current", None, link)]
     if baseline is not None:
-        codes.insert(0, ("baseline", baseline.path))
+        codes.insert(0, ("baseline", baseline.path, baseline.worker_link))
     results = [
         result
         for step_ms in plan.step_times
         for frontends in plan.frontend_counts
-        for code, path in codes
+        for code, path, code_link in codes
         for result in run_pair(
-            plan, Configuration(sim(step_ms), "overlap", "grpc", frontends=frontends), progress, code, path
+            plan, Configuration(sim(step_ms), "overlap", code_link, frontends=frontends), progress, code, path
         )
     ]
     ordered = tuple(sorted(results, key=lambda r: r.point))
@@ -392,10 +397,14 @@ def notes(run: FrontendsRun) -> list[str]:
     p = run.plan
     connections = " or ".join(map(str, p.connection_counts))
     calibration = NONE if run.loop_s is None else f"{run.loop_s:.2f} s"
+    links = {r.code: r.case.configuration.transport for r in run.results}
     baseline = [] if run.baseline is None else [f"- baseline: commit {run.baseline}, run the same way"]
+    links_line = ", ".join(f"{code} over {link}" for code, link in sorted(links.items(), reverse=True))
     return [
         f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes {calibration}",
         *baseline,
+        f"- the scheduler's link to the worker: {links_line} (socket: the worker's framed --link-socket, "
+        "as `stepahead serve` runs it)",
         f"- each point: {p.waves} x concurrency requests, {p.input_len}-token prompts, exactly "
         f"{p.output_len} new tokens (ignore_eos), a closed loop over {connections} client connections; "
         f"warmup: concurrency x 8 tokens; overlap mode; ideal = concurrency x 1000 / step ms",
@@ -438,6 +447,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="REF",
         help="also run every point on the code of this commit (a git worktree of it), side by side",
     )
+    p.add_argument(
+        "--worker-link",
+        choices=("socket", "grpc"),
+        default="socket",
+        help="this checkout's link to the worker (default socket, as stepahead serve runs it; a "
+        "baseline uses its socket where it has one)",
+    )
     return p.parse_args(argv)
 
 
@@ -445,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = command_line("bench.frontends", argv)
     baseline = None if args.baseline is None else checkout(args.baseline)
-    run = run_plan(QUICK if args.quick else FULL, baseline=baseline)
+    run = run_plan(QUICK if args.quick else FULL, baseline=baseline, link=args.worker_link)
     publish("frontends", run.started_at, to_json(run, command), to_markdown(run, command), args.out)
 
 

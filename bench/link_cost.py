@@ -3,7 +3,7 @@
 One `StepOutputs` per step built with `outputs_to_proto` and sent over a unix socket, received
 and decoded with `outputs_from_proto`, as between the engine core and a frontend process. Two
 wires side by side in one run: the link as it is (`framed`: length-prefixed frames,
-`scheduler_svc/process/link/framing.py`) and a gRPC bidirectional stream carrying the same
+`stepahead/framing.py`) and a gRPC bidirectional stream carrying the same
 messages (`grpc`: what the link was before). Both ends run in this process on this event loop,
 so the CPU per message is the two sides together. Messages go out one every `--interval-ms`,
 as steps do (a burst would let one read take many messages and hide the per-message wakeup);
@@ -25,8 +25,8 @@ import grpc
 from bench.machine import loop_calibration
 from scheduler_svc.contract import StepOutputs
 from scheduler_svc.process.link.codec import outputs_from_proto, outputs_to_proto
-from scheduler_svc.process.link.framing import FrameProtocol
 from stepahead.event_loop import run as run_loop
+from stepahead.framing import FrameProtocol
 from stepahead.protocol import GRPC_OPTIONS
 from stepahead.v1 import core_pb2
 

@@ -52,11 +52,12 @@ class Measurement:
 @contextmanager
 def serving(configuration: Configuration, code: Path | None = None) -> Iterator[Endpoints]:
     """Fresh processes for the configuration, SERVING; stopped on exit. `code`: run from that
-    source tree (a baseline's checkout) instead of this one (gRPC transport only)."""
+    source tree (a baseline's checkout) instead of this one (not in-process)."""
     worker_args = list(configuration.device.worker_args)
     scheduler_args = list(configuration.scheduler_args)
-    if configuration.transport == "grpc":
-        with serving_pair(worker_args, scheduler_args, code=code) as (worker, scheduler):
+    if configuration.transport != "in-process":
+        link = configuration.transport
+        with serving_pair(worker_args, scheduler_args, code=code, link=link) as (worker, scheduler):
             yield Endpoints(scheduler.address, scheduler.metrics_url, worker.metrics_url, scheduler.proc.pid)
         return
     with _in_process(worker_args, scheduler_args) as scheduler:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -225,6 +228,19 @@ def frontend_count(scheduler_args: list[str]) -> int:
     return max(count, 1)
 
 
+Link = Literal["grpc", "socket"]  # how the scheduler reaches its worker
+
+
+@contextmanager
+def link_socket() -> Iterator[tuple[list[str], str]]:
+    """A worker's flags to serve its framed link on a unix socket in a private directory made for
+    it (removed on exit), and the scheduler's `--worker` to reach it there."""
+    # In the system's temporary directory: a short path, as a socket's address must be.
+    with tempfile.TemporaryDirectory(prefix="stepahead-") as directory:
+        path = Path(directory) / "worker.sock"
+        yield ["--link-socket", str(path)], f"unix:{path}"
+
+
 @contextmanager
 def serving_pair(
     worker_args: list[str],
@@ -234,15 +250,43 @@ def serving_pair(
     scheduler_credentials: grpc.ChannelCredentials | None = None,
     api_key: str | None = None,
     code: Path | None = None,
+    link: Link = "grpc",
 ) -> Iterator[tuple[Service, Service]]:
     """A worker and a scheduler connected to it, both SERVING; stopped on exit. The credentials
     are what a client needs to reach each one when it serves TLS (health checks need no key);
-    `code`: both run from that source tree."""
+    `code`: both run from that source tree; `link`: gRPC to the worker's port, or its framed
+    link socket."""
+    with contextlib.ExitStack() as stack:
+        worker_flags, target = stack.enter_context(link_socket()) if link == "socket" else ([], "")
+        yield stack.enter_context(
+            _pair(
+                [*worker_args, *worker_flags],
+                target,
+                scheduler_args,
+                worker_credentials,
+                scheduler_credentials,
+                api_key,
+                code,
+            )
+        )
+
+
+@contextmanager
+def _pair(
+    worker_args: list[str],
+    target: str,
+    scheduler_args: list[str],
+    worker_credentials: grpc.ChannelCredentials | None,
+    scheduler_credentials: grpc.ChannelCredentials | None,
+    api_key: str | None,
+    code: Path | None,
+) -> Iterator[tuple[Service, Service]]:
     worker = spawn_worker(worker_args, code=code)
     scheduler = None
     try:
         wait_serving(worker.address, credentials=worker_credentials)
-        scheduler = spawn_scheduler(worker.address, list(scheduler_args), api_key=api_key, code=code)
+        target = target or worker.address
+        scheduler = spawn_scheduler(target, list(scheduler_args), api_key=api_key, code=code)
         wait_serving(
             scheduler.address,
             credentials=scheduler_credentials,

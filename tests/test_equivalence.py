@@ -10,7 +10,7 @@ import pytest
 from bench.promtext import scrape, total
 from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
-from stepahead.processes import serving_pair
+from stepahead.processes import Link, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from tests.harness import (
@@ -225,11 +225,11 @@ async def serve_live(
 
 
 def live_run(
-    mode: str, frontends: int, items: list[WorkItem]
+    mode: str, frontends: int, items: list[WorkItem], link: Link = "grpc"
 ) -> tuple[dict[str, tuple[ClientView, str]], float]:
     """Client views (and the frontend of each), and the preemptions the core counted."""
     flags = ["--mode", mode, "--max-batch-tokens", "128", *frontend_flags(frontends)]
-    with serving_pair(LIVE_SIM, flags) as (worker, scheduler):
+    with serving_pair(LIVE_SIM, flags, link=link) as (worker, scheduler):
 
         async def run() -> dict[str, tuple[ClientView, str]]:
             got = await serve_live(scheduler.address, frontends, items)
@@ -244,13 +244,17 @@ def live_run(
     return views, preemptions
 
 
-@pytest.mark.parametrize("frontends", FRONTEND_COUNTS, ids=lambda n: f"frontends={n}")
-def test_live_overlap_equals_serial_whatever_the_frontends(frontends: int) -> None:
+@pytest.mark.parametrize(
+    ("frontends", "link"),
+    [*((n, "grpc") for n in FRONTEND_COUNTS), (FRONTEND_COUNTS[-1], "socket")],
+    ids=lambda v: f"frontends={v}" if isinstance(v, int) else f"{v} link",
+)
+def test_live_overlap_equals_serial_whatever_the_frontends(frontends: int, link: Link) -> None:
     items = [
         preempting_call("forced-preempt", 1200, sampled=False),
         *mixed_workload(160, seed=7, sampled=False),
     ]
-    served = {mode: live_run(mode, frontends, items) for mode in ("serial", "overlap")}
+    served = {mode: live_run(mode, frontends, items, link) for mode in ("serial", "overlap")}
     views = {mode: {rid: view for rid, (view, _) in got.items()} for mode, (got, _) in served.items()}
     for mode, (got, preemptions) in served.items():
         check_client_views(items, views[mode])

@@ -9,6 +9,7 @@ co-resident need more KV than the pool has)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import re
@@ -24,7 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.promtext import scrape, total
 from stepahead.processes import (
     STOP_TIMEOUT_S,
+    Link,
     Service,
+    link_socket,
     serving_pair,
     spawn_scheduler,
     spawn_worker,
@@ -52,6 +55,11 @@ SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-i
 # A restarted worker must come back before live requests give up on it (a hang guard: a worker
 # starts in seconds).
 RETRY = ["--worker-retry-timeout", "600"]
+# Over gRPC with and without frontend processes, and over the worker's link socket.
+FRONTENDS_AND_LINKS: list[tuple[int, Link]] = [
+    *((n, "grpc") for n in FRONTEND_COUNTS),
+    (FRONTEND_COUNTS[-1], "socket"),
+]
 LONG = 8000  # tokens: 8000 steps of the sim take 8 s at 1 ms a step, 24 s at 3 ms, whatever the machine
 
 
@@ -148,15 +156,19 @@ def assert_loss_seen_with_requests(scheduler: Service) -> None:
     assert lost_waiting(scheduler)[0] > 0, "".join(scheduler.output)
 
 
-@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
-def test_kill_9_the_worker_mid_load_and_every_request_completes_identically(frontends: int) -> None:
+@pytest.mark.parametrize(("frontends", "link"), FRONTENDS_AND_LINKS)
+def test_kill_9_the_worker_mid_load_and_every_request_completes_identically(
+    frontends: int, link: Link
+) -> None:
     rng = random.Random(5)
     port = unused_port()
-    sim = [*SIM, "--kv-slots", "65536"]  # room for all 100 at once: each runs from its first token on
+    links = contextlib.ExitStack()
+    link_flags, target = links.enter_context(link_socket()) if link == "socket" else ([], f"127.0.0.1:{port}")
+    # Room for all 100 at once: each runs from its first token on. The restarted worker's link
+    # socket takes the place of the killed one's, left behind.
+    sim = [*SIM, "--kv-slots", "65536", *link_flags]
     worker: Service | None = spawn_worker(sim, port=port)
-    scheduler = spawn_scheduler(
-        f"127.0.0.1:{port}", ["--max-batch-tokens", "256", *RETRY, *frontend_flags(frontends)]
-    )
+    scheduler = spawn_scheduler(target, ["--max-batch-tokens", "256", *RETRY, *frontend_flags(frontends)])
     try:
         wait_serving(scheduler.address)
         asyncio.run(wait_frontends_serving(scheduler.address, frontends))
@@ -184,6 +196,7 @@ def test_kill_9_the_worker_mid_load_and_every_request_completes_identically(fron
         assert scheduler.stop() == 0
     finally:
         stop_all(scheduler, worker)
+        links.close()
 
 
 @pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
@@ -361,12 +374,16 @@ def test_a_kv_pool_oversubscribed_twice_completes_everything_identically(fronten
         assert tokens == expected(i, n), i
 
 
-@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
-def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load(frontends: int) -> None:
+@pytest.mark.parametrize(("frontends", "link"), FRONTENDS_AND_LINKS)
+def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load(
+    frontends: int, link: Link
+) -> None:
     port = unused_port()
-    sim = [*SIM, "--kv-slots", "65536"]  # room for all at once: each runs from its admission on
+    links = contextlib.ExitStack()
+    link_flags, target = links.enter_context(link_socket()) if link == "socket" else ([], f"127.0.0.1:{port}")
+    sim = [*SIM, "--kv-slots", "65536", *link_flags]  # room for all at once: each runs from its admission on
     worker: Service | None = spawn_worker(sim, port=port)
-    scheduler = spawn_scheduler(f"127.0.0.1:{port}", [*RETRY, *frontend_flags(frontends)])
+    scheduler = spawn_scheduler(target, [*RETRY, *frontend_flags(frontends)])
     lengths = [60 + 10 * (i % 10) for i in range(40)]
     try:
         wait_serving(scheduler.address)
@@ -398,6 +415,7 @@ def test_sigterm_on_the_worker_drains_it_and_a_new_worker_finishes_the_load(fron
         assert_loss_seen_with_requests(scheduler)
     finally:
         stop_all(scheduler, worker)
+        links.close()
 
 
 MAX_RUNNING = MAX_WAITING = 8

@@ -1,4 +1,4 @@
-"""The core-frontend link's wire (scheduler_svc/process/link/framing.py) and both of its ends
+"""The core-frontend link's wire (stepahead/framing.py) and both of its ends
 (`CoreLink` on the core's side, `RemoteCore` on a frontend's) over a real unix socket."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from scheduler_svc.engine.core import CoreConfig, EngineCore
 from scheduler_svc.engine.request import Request
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.process.link.core_side import CoreLink, RemoteFrontend
-from scheduler_svc.process.link.framing import HEADER, MAX_FRAME_BYTES, FrameProtocol
 from scheduler_svc.process.link.frontend_side import CoreGone, RemoteCore
 from stepahead.event_loop import run as run_loop
+from stepahead.framing import HEADER, MAX_FRAME_BYTES, FrameProtocol
 from stepahead.v1 import core_pb2
 from tests.harness import params
 

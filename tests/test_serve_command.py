@@ -45,8 +45,9 @@ def test_flags_go_to_the_service_that_has_them() -> None:
     assert scheduler == ["--frontends=2", "--log-level", "debug", "--tls-cert", "c.pem", "--tls-key", "k.pem"]
 
 
-def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback() -> None:
-    served = plan(["tiny", "--port", "9000", "--grpc-port", "9001", "--worker-port", "9002", "--grace", "3"])
+def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback(tmp_path: Path) -> None:
+    argv = ["tiny", "--port", "9000", "--grpc-port", "9001", "--worker-port", "9002", "--grace", "3"]
+    served = plan(argv, tmp_path)
     assert served.worker[:8] == (
         "-m",
         "worker_svc",
@@ -57,12 +58,17 @@ def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback() -> None:
         "--port",
         "9002",
     )
-    s = served.scheduler
-    assert s[s.index("--worker") + 1] == "127.0.0.1:9002"
+    s, w = served.scheduler, served.worker
+    # The link is the worker's framed socket in the run's directory; its gRPC port stays on loopback.
+    assert s[s.index("--worker") + 1] == f"unix:{tmp_path / 'worker.sock'}"
+    assert w[w.index("--link-socket") + 1] == str(tmp_path / "worker.sock")
     assert (s[s.index("--port") + 1], s[s.index("--http-port") + 1]) == ("9001", "9000")
     assert served.grace_s == 3.0 and "--grace" in served.worker and len(served.worker_token) >= 24
-    assert plan(["--model", "sim"]).worker[3] == "sim"
-    assert plan([]).worker[3] == "smollm2"
+    assert plan(["--model", "sim"], tmp_path).worker[3] == "sim"
+    assert plan([], tmp_path).worker[3] == "smollm2"
+    deep = tmp_path / ("d" * 120)  # no room for a socket's address: the gRPC port instead
+    long_way = plan(["tiny", "--worker-port", "9002"], deep).scheduler
+    assert long_way[long_way.index("--worker") + 1] == "127.0.0.1:9002" and "--link-socket" not in long_way
 
 
 @pytest.mark.parametrize(
@@ -73,6 +79,7 @@ def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback() -> None:
         (["--worker", "1.2.3.4:5"], "--worker: stepahead serve sets it"),
         (["--worker-token", "x"], "--worker-token: stepahead serve sets it"),
         (["--http-port", "1"], "--http-port: stepahead serve sets it"),
+        (["--link-socket", "/tmp/s"], "--link-socket: stepahead serve sets it"),
         (["--worker-metrics-url", "http://x"], "--worker-metrics-url: stepahead serve sets it"),
     ],
 )
@@ -126,6 +133,13 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def command_line(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
 
 
 def http_json(url: str) -> object:
@@ -196,9 +210,14 @@ def test_serve_smollm2_answers_the_openai_client_and_grpc_then_sigterm_leaves_no
         assert all(s.labels.get("model_name") == "smollm2" for f in families for s in f.samples)
         services = children(proc.pid)
         assert len(services) >= 3  # worker, scheduler, its frontend process
+        # The scheduler reached the worker over the worker's link socket, in the run's directory.
+        sockets = {a for p in services for a in command_line(p) if a.endswith("/worker.sock")}
+        assert len(sockets) == 2 and {a for a in sockets if a.startswith("unix:")}, sockets
+        run_dir = Path(min(sockets, key=len)).parent
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(STOP_TIMEOUT_S) == 0
         wait_until(lambda: not any(alive(p) for p in services), "every service gone", SETTLE_TIMEOUT_S)
+        assert not run_dir.exists()
 
 
 def test_serve_killed_outright_takes_its_services_with_it() -> None:

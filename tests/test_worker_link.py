@@ -9,11 +9,12 @@ live) and polls for the outcome, with hang guards only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
@@ -21,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.promtext import scrape, total
-from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
+from stepahead.processes import Link, Service, link_socket, spawn_scheduler, spawn_worker, wait_serving
 from stepahead.protocol import PROTOCOL_VERSION
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -45,6 +46,24 @@ RETRY = ["--worker-retry-timeout", "600"]  # a hang guard: the stopped worker re
 SCHEDULER_TIMEOUT_S = 10.0  # the worker's default: five of the scheduler's 2 s idle heartbeats
 LONG = 8000  # tokens: 24 s of the sim at 3 ms a step, whatever the machine
 TOKEN = "link-secret"
+
+
+LINKS: tuple[Link, ...] = ("grpc", "socket")
+
+
+LinkTo = Callable[[Link], tuple[list[str], str | None]]
+
+
+@pytest.fixture
+def link_to() -> Iterator[LinkTo]:
+    """The worker's flags for a link and the scheduler's --worker (None: the worker's gRPC
+    address); a socket's directory lasts until the test ends."""
+    with contextlib.ExitStack() as stack:
+
+        def to(link: Link) -> tuple[list[str], str | None]:
+            return ([], None) if link == "grpc" else stack.enter_context(link_socket())
+
+        yield to
 
 
 @contextmanager
@@ -117,9 +136,15 @@ def handshake_timed_out(scheduler: Service) -> bool:
     return any("no handshake: the worker said nothing" in line for line in list(scheduler.output))
 
 
-def test_a_stopped_worker_is_detected_and_the_load_completes_after_it_resumes() -> None:
-    worker = spawn_worker(SIM)
-    scheduler = spawn_scheduler(worker.address, ["--worker-step-timeout", str(STEP_TIMEOUT_S), *RETRY])
+@pytest.mark.parametrize("link", LINKS)
+def test_a_stopped_worker_is_detected_and_the_load_completes_after_it_resumes(
+    link: Link, link_to: LinkTo
+) -> None:
+    link_flags, target = link_to(link)
+    worker = spawn_worker([*SIM, *link_flags])
+    scheduler = spawn_scheduler(
+        target or worker.address, ["--worker-step-timeout", str(STEP_TIMEOUT_S), *RETRY]
+    )
     with running(scheduler, worker):
         wait_serving(scheduler.address)
         lengths = [200 + 10 * i for i in range(20)]
@@ -203,12 +228,15 @@ def refused_busy(worker: Service) -> float:
     return total(scrape(worker.metrics_url), "stepahead_worker_sessions_refused_total", reason="busy")
 
 
-def test_a_stopped_scheduler_frees_the_worker_for_another_one() -> None:
-    worker = spawn_worker([*SIM, "--scheduler-timeout", str(SCHEDULER_TIMEOUT_S)])
-    first = spawn_scheduler(worker.address, ["--frontends", "0"])
+@pytest.mark.parametrize("link", LINKS)
+def test_a_stopped_scheduler_frees_the_worker_for_another_one(link: Link, link_to: LinkTo) -> None:
+    link_flags, target = link_to(link)
+    worker = spawn_worker([*SIM, "--scheduler-timeout", str(SCHEDULER_TIMEOUT_S), *link_flags])
+    target = target or worker.address
+    first = spawn_scheduler(target, ["--frontends", "0"])
     with running(first, worker):
         wait_serving(first.address)
-        second = spawn_scheduler(worker.address, ["--frontends", "0"])
+        second = spawn_scheduler(target, ["--frontends", "0"])
         with running(second):
             # The first's session is live (it heartbeats while idle): the second is turned away.
             wait_until(lambda: refused_busy(worker) >= 1, "the second scheduler refused")

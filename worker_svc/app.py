@@ -23,6 +23,7 @@ from stepahead.trace import Tracer
 from worker_svc.backends import load_backend
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.link_socket import LinkSocket
 from worker_svc.ranks import RankPlace, TensorParallelRanks, join_group
 from worker_svc.server import SERVICE_NAME, WorkerAccess, build_server
 
@@ -79,7 +80,14 @@ async def serve(config: WorkerConfig, ranks: TensorParallelRanks | None = None) 
     start_metrics(engine.metrics.registry, config.metrics, "worker")
     access = WorkerAccess(server_credentials(config.tls), config.worker_token, config.scheduler_timeout_s)
     serving = await build_server(engine, config.host, config.port, access)
+    link = (
+        None
+        if config.link_socket is None
+        else LinkSocket(serving.servicer, config.link_socket, config.worker_token)
+    )
     stop = stop_event_on_signals()
+    if link is not None:  # first: once the gRPC port listens, the socket does too
+        await link.start()
     await serving.server.start()
     await set_serving(serving.health, SERVICE_NAME, True)
     if ranks is not None:
@@ -94,11 +102,15 @@ async def serve(config: WorkerConfig, ranks: TensorParallelRanks | None = None) 
         info.request_slots,
         describe_tls(config.tls),
     )
+    if link is not None:
+        log.info("scheduler link also on unix:%s", link.path)
     print(f"worker listening on {config.host}:{serving.port}", flush=True)
     await stop.wait()
     log.info("stopping: draining launched batches")
     await serving.health.enter_graceful_shutdown()
     await serving.servicer.drain(config.grace_s)
+    if link is not None:
+        await link.stop()
     await graceful_stop(serving.server, serving.health, config.grace_s)
     engine.shutdown()
     engine.tracer.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from stepahead.serving import (
     PortInUse,
@@ -57,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         metrics_endpoint(args),
         args.trace_file,
         args.log_level,
+        args.link_socket,
     )
 
 
@@ -124,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=WorkerConfig.scheduler_timeout_s,
         help="end a session whose scheduler sent nothing for this long with no step pending (a stopped "
         "or vanished scheduler), so that another can connect",
+    )
+    p.add_argument(
+        "--link-socket",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also serve the scheduler link as frames on this unix socket (mode 0600), for a scheduler "
+        "on this host (its --worker unix:PATH): less CPU per step than gRPC; --worker-token still "
+        "applies, TLS does not",
     )
     add_observability_args(p, default_metrics_port=DEFAULT_METRICS_PORT)
     p.add_argument("--log-level", default=WorkerConfig.log_level)

@@ -42,3 +42,5 @@ class WorkerConfig:
     metrics: MetricsEndpoint = field(default_factory=lambda: MetricsEndpoint(port=DEFAULT_METRICS_PORT))
     trace_file: Path | None = None
     log_level: str = "info"
+    # --link-socket: also serve sessions as frames on this unix socket (a scheduler on this host)
+    link_socket: Path | None = None

@@ -1,4 +1,5 @@
-"""The worker's gRPC service: one Connect session at a time over the engine."""
+"""The worker's gRPC service: one Connect session at a time over the engine. The session itself
+(`WorkerServicer.session`) is the same on the framed link of `link_socket`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from grpc_health.v1 import health
@@ -63,6 +64,15 @@ class _Session:
         self.in_flight.put_nowait(None)
 
 
+class SessionPeer(Protocol):
+    """What a session needs of its connection: who it is, and how to end it with a status (a gRPC
+    call's context is one; the framed link has its own)."""
+
+    def peer(self) -> str: ...
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
+
+
 class SessionMetrics:
     """Who opened sessions on this worker, and who was turned away."""
 
@@ -98,7 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S,
     ) -> None:
         self._engine = engine
-        self._metrics = metrics
+        self.metrics = metrics
         self._scheduler_timeout_s = scheduler_timeout_s
         self._session: _Session | None = None
         self._draining = False
@@ -122,6 +132,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.SchedulerMessage],
         context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+        async for message in self.session(request_iterator, context):
+            yield message
+
+    async def session(
+        self, request_iterator: AsyncIterator[worker_pb2.SchedulerMessage], context: SessionPeer
+    ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+        """One scheduler's session: its Hello, then a result (or a Keepalive) per launch, in
+        order, until it ends; a refusal or a takeover ends it through `context.abort`."""
         hello = await self._expect_hello(request_iterator, context)
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
@@ -172,9 +190,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     async def _expect_hello(
-        self,
-        request_iterator: AsyncIterator[worker_pb2.SchedulerMessage],
-        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+        self, request_iterator: AsyncIterator[worker_pb2.SchedulerMessage], context: SessionPeer
     ) -> worker_pb2.Hello:
         try:
             first = await asyncio.wait_for(anext(request_iterator, None), self._scheduler_timeout_s)
@@ -190,11 +206,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         return first.hello
 
-    async def _refuse_if_busy(
-        self,
-        hello: worker_pb2.Hello,
-        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
-    ) -> None:
+    async def _refuse_if_busy(self, hello: worker_pb2.Hello, context: SessionPeer) -> None:
         """One scheduler at a time: only the scheduler of the live session may replace it.
 
         NOTE: a scheduler that died closes its socket (the session ends at once), one that hangs
@@ -203,7 +215,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         live = self._session
         if live is None or live.closed.is_set() or live.scheduler_id == hello.scheduler_id:
             return
-        self._metrics.refused["busy"].inc()
+        self.metrics.refused["busy"].inc()
         log.warning(
             "refused a session from %s: session %d of %s is live", context.peer(), live.epoch, live.peer
         )
@@ -216,7 +228,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         previous, self._session = self._session, _Session(scheduler_id, peer)
         if previous is not None and not previous.closed.is_set():
             log.info("session %d replaced by a new session of the same scheduler", previous.epoch)
-            self._metrics.takeovers.inc()
+            self.metrics.takeovers.inc()
             previous.superseded = True
             previous.end()
         return self._session
@@ -254,7 +266,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return next_message.result()
             if not session.unanswered:
                 next_message.cancel()
-                self._metrics.scheduler_timeouts.inc()
+                self.metrics.scheduler_timeouts.inc()
                 log.error(
                     "session %d: nothing from the scheduler for %.0fs; ending it",
                     *(session.epoch, self._scheduler_timeout_s),

@@ -23,6 +23,7 @@ from scheduler_svc.process.config import SchedulerConfig, WorkerConnection
 from scheduler_svc.process.frontend_metrics import FrontendMetrics, Merged, MetricSource, RemoteExposition
 from scheduler_svc.process.grpc_transport import GrpcTransport
 from scheduler_svc.process.link.local import LocalCore
+from scheduler_svc.process.socket_transport import SocketTransport, socket_path
 from scheduler_svc.process.supervisor import FrontendSupervisor
 from stepahead.metrics import labelled
 from stepahead.serving import (
@@ -42,7 +43,7 @@ log = logging.getLogger("stepahead.scheduler")
 async def serve(config: SchedulerConfig, transport: WorkerTransport | None = None) -> None:
     """The engine core, with its frontends in their own processes or (--frontends 0) in this one."""
     worker = config.worker
-    transport = transport or GrpcTransport(worker.address, worker_credentials(worker), worker.link)
+    transport = transport or worker_transport(worker)
     mode = config.core.mode
     telemetry = SchedulerTelemetry(mode, Tracer(config.observability.trace_file, f"scheduler ({mode})"))
     core = EngineCore(transport, config.core, telemetry)
@@ -185,6 +186,14 @@ async def stop_apis(
         await asyncio.gather(*drains)
     finally:
         ender.cancel()
+
+
+def worker_transport(worker: WorkerConnection) -> WorkerTransport:
+    """The framed link for `unix:PATH`, gRPC for host:port."""
+    path = socket_path(worker.address)
+    if path is not None:
+        return SocketTransport(path, worker.link)
+    return GrpcTransport(worker.address, worker_credentials(worker), worker.link)
 
 
 def worker_credentials(worker: WorkerConnection) -> grpc.ChannelCredentials | None:

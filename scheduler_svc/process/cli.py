@@ -28,7 +28,8 @@ from scheduler_svc.process.config import (
     SchedulerConfig,
     WorkerConnection,
 )
-from scheduler_svc.process.grpc_transport import WorkerLinkConfig
+from scheduler_svc.process.socket_transport import socket_path
+from scheduler_svc.process.worker_link import WorkerLinkConfig
 from stepahead.serving import (
     API_KEY_ENV,
     add_observability_args,
@@ -101,7 +102,12 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description="Stepahead scheduler")
-    p.add_argument("--worker", default=WorkerConnection.address, help="worker address host:port")
+    p.add_argument(
+        "--worker",
+        default=WorkerConnection.address,
+        help="the worker: host:port (gRPC), or unix:PATH for a worker on this host serving "
+        "--link-socket PATH (framed, less CPU per step)",
+    )
     p.add_argument("--host", default=ClientApiConfig.host, help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=ClientApiConfig.port)
     p.add_argument("--mode", choices=("overlap", "serial"), default=CoreConfig.mode)
@@ -295,6 +301,11 @@ def check_worker_link_args(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("--worker-tls-cert and --worker-tls-key go together")
     if args.worker_tls_cert is not None and args.worker_tls_ca is None:
         p.error("--worker-tls-cert needs --worker-tls-ca")
+    path = socket_path(args.worker)
+    if path is not None and args.worker_tls_ca is not None:
+        p.error("--worker-tls-ca: the worker's unix socket takes no TLS (--worker unix:PATH)")
+    if path == "":
+        p.error("--worker unix:PATH: the socket's path is missing")
 
 
 def text_file(path: str) -> str:

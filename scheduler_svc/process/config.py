@@ -14,7 +14,7 @@ from pathlib import Path
 from scheduler_svc.engine.core import CoreConfig
 from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import FrontendConfig
-from scheduler_svc.process.grpc_transport import WorkerLinkConfig
+from scheduler_svc.process.worker_link import WorkerLinkConfig
 from stepahead.serving import MetricsEndpoint, TlsFiles
 
 DEFAULT_GRACE_S = 10.0  # --grace: in-flight requests get this long on SIGTERM
@@ -26,12 +26,14 @@ IN_PROCESS = "in-process"  # the worker's address when its engine runs in the co
 class WorkerConnection:
     """Where the worker is and how the core reaches it."""
 
-    address: str = "127.0.0.1:50061"  # or IN_PROCESS
+    address: str = "127.0.0.1:50061"  # gRPC; or unix:PATH (the worker's --link-socket), or IN_PROCESS
     link: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
     # `ca`: the CA trusted for the worker's certificate; `cert`/`key`: the core's own, if it asks one
     tls: TlsFiles = field(default_factory=TlsFiles)
 
     def describe(self) -> str:
+        if self.address.startswith("unix:"):
+            return "unix socket"
         if self.tls.ca is None:
             return "plaintext"
         return "mutual TLS" if self.tls.cert is not None else "TLS without a client certificate"

@@ -5,26 +5,14 @@ the interface the core sees)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import TypeAlias, cast
 
 import grpc
 
-from scheduler_svc.engine.transport import DEFAULT_SILENCE_TIMEOUT_S, WorkerSession, WorkerUnavailable
-from stepahead.protocol import (
-    GRPC_OPTIONS,
-    PROTOCOL_VERSION,
-    Launch,
-    StepResult,
-    WorkerInfo,
-    WorkerStepError,
-    info_from_proto,
-    launch_to_proto,
-    result_from_proto,
-)
+from scheduler_svc.engine.transport import WorkerUnavailable
+from scheduler_svc.process.worker_link import OneSession, PendingSteps, WorkerLinkConfig, hello
+from stepahead.protocol import GRPC_OPTIONS, Launch, StepResult, WorkerInfo, info_from_proto, launch_to_proto
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
 
 WorkerCall: TypeAlias = grpc.aio.StreamStreamCall[worker_pb2.SchedulerMessage, worker_pb2.WorkerMessage]
@@ -40,24 +28,7 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
-@dataclass(frozen=True)
-class WorkerLinkConfig:
-    """What the scheduler tells and shows the worker in each handshake."""
-
-    token: str | None = None  # --worker-token, sent as `authorization: Bearer <token>`
-    max_batch_tokens: int = 0  # the step budget the worker enforces (0: none announced)
-    # --worker-step-timeout: a worker silent this long (no Welcome, result or Keepalive) is hung.
-    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
-    scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # one per scheduler process
-
-
-def keepalive_interval(silence_timeout_s: float) -> float:
-    """How often the worker is asked to speak while a step computes: five times within the
-    timeout, at most once a second."""
-    return min(1.0, silence_timeout_s / 5)
-
-
-class GrpcTransport:
+class GrpcTransport(OneSession["GrpcWorkerSession"]):
     """Opens one channel and one Connect stream per session."""
 
     def __init__(
@@ -66,31 +37,18 @@ class GrpcTransport:
         credentials: grpc.ChannelCredentials | None = None,
         link: WorkerLinkConfig | None = None,
     ) -> None:
+        super().__init__()
         self._target = target
         self._credentials = credentials  # None: plaintext
         self._link = link or WorkerLinkConfig()
-        self._session: GrpcWorkerSession | None = None
 
-    async def connect(self) -> WorkerSession:
-        if self._session is not None:
-            await self._session.close()
+    def new_session(self) -> GrpcWorkerSession:
         options = GRPC_OPTIONS + KEEPALIVE_OPTIONS
         if self._credentials is None:
             channel = grpc.aio.insecure_channel(self._target, options=options)
         else:
             channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
-        session = GrpcWorkerSession(self._target, channel, self._link)
-        try:
-            await session.handshake()
-        except BaseException:
-            await session.close()
-            raise
-        self._session = session
-        return session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        return GrpcWorkerSession(self._target, channel, self._link)
 
 
 class GrpcWorkerSession:
@@ -102,24 +60,18 @@ class GrpcWorkerSession:
         self._link = link
         metadata = (("authorization", f"Bearer {link.token}"),) if link.token else None
         self._call: WorkerCall = worker_pb2_grpc.WorkerStub(channel).Connect(metadata=metadata)
-        # step id, its result, when it was sent
-        self._pending: collections.deque[tuple[int, asyncio.Future[StepResult], float]] = collections.deque()
+        self._steps = PendingSteps()
         self._reader: asyncio.Task[None] | None = None
-        self._failure: WorkerUnavailable | None = None
         self.info: WorkerInfo
         self.last_heard = time.monotonic()
 
+    async def start(self) -> None:
+        await self.handshake()
+
     async def handshake(self) -> None:
-        link = self._link
-        hello = worker_pb2.Hello(
-            protocol_version=PROTOCOL_VERSION,
-            scheduler_id=link.scheduler_id,
-            max_batch_tokens=link.max_batch_tokens,
-            keepalive_interval_s=keepalive_interval(link.silence_timeout_s),
-        )
-        timeout = link.silence_timeout_s
+        timeout = self._link.silence_timeout_s
         try:
-            await asyncio.wait_for(self._call.write(worker_pb2.SchedulerMessage(hello=hello)), timeout)
+            await asyncio.wait_for(self._call.write(hello(self._link)), timeout)
             first = await self._read_past_keepalives()
         except TimeoutError:
             raise WorkerUnavailable(f"{self._target}: no connection within {timeout:g}s") from None
@@ -144,15 +96,12 @@ class GrpcWorkerSession:
                 return message
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
-        if self._failure is not None:
-            raise self._failure
-        done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((launch.step_id, done, time.monotonic()))
+        done = self._steps.add(launch.step_id)
         try:
             await self._call.write(worker_pb2.SchedulerMessage(launch=launch_to_proto(launch)))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             # InvalidStateError: the worker already ended the call (it was draining).
-            self._fail_pending(WorkerUnavailable(f"launch of step {launch.step_id}: {exc!r}"))
+            self._steps.fail(WorkerUnavailable(f"launch of step {launch.step_id}: {exc!r}"))
         return done
 
     async def close(self) -> None:
@@ -160,36 +109,13 @@ class GrpcWorkerSession:
         if self._reader is not None:
             self._reader.cancel()
         await self._channel.close()
-        self._fail_pending(WorkerUnavailable("session closed"))
+        self._steps.fail(WorkerUnavailable("session closed"))
 
     async def _read_results(self) -> None:
         try:
             while (message := await self._call.read()) is not grpc.aio.EOF:
                 self.last_heard = time.monotonic()
-                self._deliver(cast(worker_pb2.WorkerMessage, message))
-            self._fail_pending(WorkerUnavailable(f"{self._target}: the worker ended the session"))
+                self._steps.deliver(cast(worker_pb2.WorkerMessage, message))
+            self._steps.fail(WorkerUnavailable(f"{self._target}: the worker ended the session"))
         except grpc.aio.AioRpcError as exc:
-            self._fail_pending(WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}"))
-
-    def _deliver(self, message: worker_pb2.WorkerMessage) -> None:
-        if message.HasField("keepalive"):
-            return
-        step_id, done, sent_at = self._pending.popleft()
-        if message.HasField("error"):
-            done.set_exception(WorkerStepError(message.error.step_id, message.error.message))
-            self._fail_pending(WorkerUnavailable(f"step {message.error.step_id} failed on the worker"))
-            return
-        rtt = max(time.monotonic() - sent_at - message.result.held_s, 0.0)  # the link's share of the wait
-        result = result_from_proto(message.result, link_rtt_s=rtt)
-        if result.step_id != step_id:
-            done.set_exception(WorkerUnavailable(f"result of step {result.step_id}, expected {step_id}"))
-            self._fail_pending(WorkerUnavailable("results out of launch order"))
-            return
-        done.set_result(result)
-
-    def _fail_pending(self, failure: WorkerUnavailable) -> None:
-        self._failure = self._failure or failure
-        while self._pending:
-            _, done, _ = self._pending.popleft()
-            if not done.done():
-                done.set_exception(failure)
+            self._steps.fail(WorkerUnavailable(f"{self._target}: {exc.code().name}: {exc.details()}"))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stepahead/v1/worker.proto\x12\x0cstepahead.v1\"h\n\x10SchedulerMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.stepahead.v1.HelloH\x00\x12&\n\x06launch\x18\x02 \x01(\x0b\x32\x14.stepahead.v1.LaunchH\x00\x42\x06\n\x04kind\"\xc5\x01\n\rWorkerMessage\x12(\n\x07welcome\x18\x01 \x01(\x0b\x32\x15.stepahead.v1.WelcomeH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.stepahead.v1.StepResultH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.stepahead.v1.StepErrorH\x00\x12,\n\tkeepalive\x18\x04 \x01(\x0b\x32\x17.stepahead.v1.KeepaliveH\x00\x42\x06\n\x04kind\"\x1c\n\tKeepalive\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"o\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\r\x12\x1c\n\x14keepalive_interval_s\x18\x04 \x01(\x01\"E\n\rTokenizerSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07hf_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t\"\xd2\x02\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08kv_slots\x18\x08 \x01(\r\x12\x15\n\rrequest_slots\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12.\n\ttokenizer\x18\x0b \x01(\x0b\x32\x1b.stepahead.v1.TokenizerSpec\x12\x18\n\x10worker_unix_time\x18\x0c \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\rB\x0f\n\r_bos_token_id\"\x92\x02\n\nNewRequest\x12\x10\n\x08req_slot\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x37\n\nprocessing\x18\x06 \x01(\x0b\x32\x1e.stepahead.v1.LogitsProcessingH\x00\x88\x01\x01\x12\x17\n\x0fprefix_kv_slots\x18\x07 \x03(\r\x12\x35\n\x07grammar\x18\x08 \x01(\x0b\x32\x1f.stepahead.v1.GrammarConstraintH\x01\x88\x01\x01\x12\r\n\x05min_p\x18\t \x01(\x02\x42\r\n\x0b_processingB\n\n\x08_grammar\"C\n\x11GrammarConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nreplay_ids\x18\x03 \x03(\r\"\xec\x01\n\x10LogitsProcessing\x12\x12\n\nprompt_len\x18\x01 \x01(\r\x12\x1a\n\x12repetition_penalty\x18\x02 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x03 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x04 \x01(\x02\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\x10\n\x08stop_ids\x18\x06 \x03(\r\x12\x10\n\x08\x62ias_ids\x18\x07 \x03(\r\x12\x13\n\x0b\x62ias_values\x18\x08 \x03(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\"\xfa\x01\n\x06Launch\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0ereleased_slots\x18\x02 \x03(\r\x12.\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x18.stepahead.v1.NewRequest\x12\x15\n\rrow_req_slots\x18\x04 \x03(\r\x12\x15\n\rrow_start_pos\x18\x05 \x03(\r\x12\x16\n\x0erow_num_tokens\x18\x06 \x03(\r\x12\x17\n\x0frow_from_future\x18\x07 \x03(\x08\x12\x12\n\nrow_sample\x18\x08 \x03(\x08\x12\x12\n\nprompt_ids\x18\t \x03(\r\x12\x10\n\x08kv_slots\x18\n \x03(\r\"\xeb\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1c\n\x14\x66orward_start_unix_s\x18\x03 \x01(\x01\x12\x1a\n\x12\x66orward_end_unix_s\x18\x04 \x01(\x01\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05top_n\x18\x07 \x01(\r\x12\x0f\n\x07top_ids\x18\x08 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x0e\n\x06held_s\x18\n \x01(\x01\x12\x18\n\x10grammar_finished\x18\x0b \x03(\r\"-\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x9d\x01\n\x0bWorkerStats\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0esteps_executed\x18\x02 \x01(\x04\x12\x14\n\x0clast_step_id\x18\x03 \x01(\x04\x12\x1d\n\x15out_of_order_launches\x18\x04 \x01(\x04\x12\x16\n\x0esentinel_reads\x18\x05 \x01(\x04\x12\x1a\n\x12live_request_slots\x18\x06 \x01(\r2\x9a\x01\n\x06Worker\x12J\n\x07\x43onnect\x12\x1e.stepahead.v1.SchedulerMessage\x1a\x1b.stepahead.v1.WorkerMessage(\x01\x30\x01\x12\x44\n\x08GetStats\x12\x1d.stepahead.v1.GetStatsRequest\x1a\x19.stepahead.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stepahead/v1/worker.proto\x12\x0cstepahead.v1\"h\n\x10SchedulerMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.stepahead.v1.HelloH\x00\x12&\n\x06launch\x18\x02 \x01(\x0b\x32\x14.stepahead.v1.LaunchH\x00\x42\x06\n\x04kind\"\xf4\x01\n\rWorkerMessage\x12(\n\x07welcome\x18\x01 \x01(\x0b\x32\x15.stepahead.v1.WelcomeH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.stepahead.v1.StepResultH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.stepahead.v1.StepErrorH\x00\x12,\n\tkeepalive\x18\x04 \x01(\x0b\x32\x17.stepahead.v1.KeepaliveH\x00\x12-\n\x06\x63losed\x18\x05 \x01(\x0b\x32\x1b.stepahead.v1.SessionClosedH\x00\x42\x06\n\x04kind\".\n\rSessionClosed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x1c\n\tKeepalive\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"~\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\r\x12\x1c\n\x14keepalive_interval_s\x18\x04 \x01(\x01\x12\r\n\x05token\x18\x05 \x01(\t\"E\n\rTokenizerSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07hf_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t\"\xd2\x02\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08kv_slots\x18\x08 \x01(\r\x12\x15\n\rrequest_slots\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12.\n\ttokenizer\x18\x0b \x01(\x0b\x32\x1b.stepahead.v1.TokenizerSpec\x12\x18\n\x10worker_unix_time\x18\x0c \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\rB\x0f\n\r_bos_token_id\"\x92\x02\n\nNewRequest\x12\x10\n\x08req_slot\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x37\n\nprocessing\x18\x06 \x01(\x0b\x32\x1e.stepahead.v1.LogitsProcessingH\x00\x88\x01\x01\x12\x17\n\x0fprefix_kv_slots\x18\x07 \x03(\r\x12\x35\n\x07grammar\x18\x08 \x01(\x0b\x32\x1f.stepahead.v1.GrammarConstraintH\x01\x88\x01\x01\x12\r\n\x05min_p\x18\t \x01(\x02\x42\r\n\x0b_processingB\n\n\x08_grammar\"C\n\x11GrammarConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nreplay_ids\x18\x03 \x03(\r\"\xec\x01\n\x10LogitsProcessing\x12\x12\n\nprompt_len\x18\x01 \x01(\r\x12\x1a\n\x12repetition_penalty\x18\x02 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x03 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x04 \x01(\x02\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\x10\n\x08stop_ids\x18\x06 \x03(\r\x12\x10\n\x08\x62ias_ids\x18\x07 \x03(\r\x12\x13\n\x0b\x62ias_values\x18\x08 \x03(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\"\xfa\x01\n\x06Launch\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0ereleased_slots\x18\x02 \x03(\r\x12.\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x18.stepahead.v1.NewRequest\x12\x15\n\rrow_req_slots\x18\x04 \x03(\r\x12\x15\n\rrow_start_pos\x18\x05 \x03(\r\x12\x16\n\x0erow_num_tokens\x18\x06 \x03(\r\x12\x17\n\x0frow_from_future\x18\x07 \x03(\x08\x12\x12\n\nrow_sample\x18\x08 \x03(\x08\x12\x12\n\nprompt_ids\x18\t \x03(\r\x12\x10\n\x08kv_slots\x18\n \x03(\r\"\xeb\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1c\n\x14\x66orward_start_unix_s\x18\x03 \x01(\x01\x12\x1a\n\x12\x66orward_end_unix_s\x18\x04 \x01(\x01\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05top_n\x18\x07 \x01(\r\x12\x0f\n\x07top_ids\x18\x08 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x0e\n\x06held_s\x18\n \x01(\x01\x12\x18\n\x10grammar_finished\x18\x0b \x03(\r\"-\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x9d\x01\n\x0bWorkerStats\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0esteps_executed\x18\x02 \x01(\x04\x12\x14\n\x0clast_step_id\x18\x03 \x01(\x04\x12\x1d\n\x15out_of_order_launches\x18\x04 \x01(\x04\x12\x16\n\x0esentinel_reads\x18\x05 \x01(\x04\x12\x1a\n\x12live_request_slots\x18\x06 \x01(\r2\x9a\x01\n\x06Worker\x12J\n\x07\x43onnect\x12\x1e.stepahead.v1.SchedulerMessage\x1a\x1b.stepahead.v1.WorkerMessage(\x01\x30\x01\x12\x44\n\x08GetStats\x12\x1d.stepahead.v1.GetStatsRequest\x1a\x19.stepahead.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERMESSAGE']._serialized_start=43
   _globals['_SCHEDULERMESSAGE']._serialized_end=147
   _globals['_WORKERMESSAGE']._serialized_start=150
-  _globals['_WORKERMESSAGE']._serialized_end=347
-  _globals['_KEEPALIVE']._serialized_start=349
-  _globals['_KEEPALIVE']._serialized_end=377
-  _globals['_HELLO']._serialized_start=379
-  _globals['_HELLO']._serialized_end=490
-  _globals['_TOKENIZERSPEC']._serialized_start=492
-  _globals['_TOKENIZERSPEC']._serialized_end=561
-  _globals['_WELCOME']._serialized_start=564
-  _globals['_WELCOME']._serialized_end=902
-  _globals['_NEWREQUEST']._serialized_start=905
-  _globals['_NEWREQUEST']._serialized_end=1179
-  _globals['_GRAMMARCONSTRAINT']._serialized_start=1181
-  _globals['_GRAMMARCONSTRAINT']._serialized_end=1248
-  _globals['_LOGITSPROCESSING']._serialized_start=1251
-  _globals['_LOGITSPROCESSING']._serialized_end=1487
-  _globals['_LAUNCH']._serialized_start=1490
-  _globals['_LAUNCH']._serialized_end=1740
-  _globals['_STEPRESULT']._serialized_start=1743
-  _globals['_STEPRESULT']._serialized_end=1978
-  _globals['_STEPERROR']._serialized_start=1980
-  _globals['_STEPERROR']._serialized_end=2025
-  _globals['_GETSTATSREQUEST']._serialized_start=2027
-  _globals['_GETSTATSREQUEST']._serialized_end=2044
-  _globals['_WORKERSTATS']._serialized_start=2047
-  _globals['_WORKERSTATS']._serialized_end=2204
-  _globals['_WORKER']._serialized_start=2207
-  _globals['_WORKER']._serialized_end=2361
+  _globals['_WORKERMESSAGE']._serialized_end=394
+  _globals['_SESSIONCLOSED']._serialized_start=396
+  _globals['_SESSIONCLOSED']._serialized_end=442
+  _globals['_KEEPALIVE']._serialized_start=444
+  _globals['_KEEPALIVE']._serialized_end=472
+  _globals['_HELLO']._serialized_start=474
+  _globals['_HELLO']._serialized_end=600
+  _globals['_TOKENIZERSPEC']._serialized_start=602
+  _globals['_TOKENIZERSPEC']._serialized_end=671
+  _globals['_WELCOME']._serialized_start=674
+  _globals['_WELCOME']._serialized_end=1012
+  _globals['_NEWREQUEST']._serialized_start=1015
+  _globals['_NEWREQUEST']._serialized_end=1289
+  _globals['_GRAMMARCONSTRAINT']._serialized_start=1291
+  _globals['_GRAMMARCONSTRAINT']._serialized_end=1358
+  _globals['_LOGITSPROCESSING']._serialized_start=1361
+  _globals['_LOGITSPROCESSING']._serialized_end=1597
+  _globals['_LAUNCH']._serialized_start=1600
+  _globals['_LAUNCH']._serialized_end=1850
+  _globals['_STEPRESULT']._serialized_start=1853
+  _globals['_STEPRESULT']._serialized_end=2088
+  _globals['_STEPERROR']._serialized_start=2090
+  _globals['_STEPERROR']._serialized_end=2135
+  _globals['_GETSTATSREQUEST']._serialized_start=2137
+  _globals['_GETSTATSREQUEST']._serialized_end=2154
+  _globals['_WORKERSTATS']._serialized_start=2157
+  _globals['_WORKERSTATS']._serialized_end=2314
+  _globals['_WORKER']._serialized_start=2317
+  _globals['_WORKER']._serialized_end=2471
 # @@protoc_insertion_point(module_scope)

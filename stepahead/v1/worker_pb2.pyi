@@ -62,6 +62,7 @@ class WorkerMessage(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     KEEPALIVE_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -70,6 +71,8 @@ class WorkerMessage(_message.Message):
     def error(self) -> Global___StepError: ...
     @_builtins.property
     def keepalive(self) -> Global___Keepalive: ...
+    @_builtins.property
+    def closed(self) -> Global___SessionClosed: ...
     def __init__(
         self,
         *,
@@ -77,16 +80,45 @@ class WorkerMessage(_message.Message):
         result: Global___StepResult | None = ...,
         error: Global___StepError | None = ...,
         keepalive: Global___Keepalive | None = ...,
+        closed: Global___SessionClosed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "keepalive", b"keepalive", "kind", b"kind", "result", b"result", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "keepalive", b"keepalive", "kind", b"kind", "result", b"result", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "keepalive", b"keepalive", "kind", b"kind", "result", b"result", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "keepalive", b"keepalive", "kind", b"kind", "result", b"result", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "result", "error", "keepalive"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "result", "error", "keepalive", "closed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___WorkerMessage: _TypeAlias = WorkerMessage  # noqa: Y015
+
+@_typing.final
+class SessionClosed(_message.Message):
+    """The worker's last message on the framed link (a worker's --link-socket), which has no gRPC
+    status: why the worker refused or ended the session. Never sent on a gRPC Connect stream,
+    which ends with the same code and details as its status.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """A grpc.StatusCode's name, e.g. "UNAUTHENTICATED", "FAILED_PRECONDITION", "ABORTED"."""
+    details: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionClosed: _TypeAlias = SessionClosed  # noqa: Y015
 
 @_typing.final
 class Keepalive(_message.Message):
@@ -122,6 +154,7 @@ class Hello(_message.Message):
     SCHEDULER_ID_FIELD_NUMBER: _builtins.int
     MAX_BATCH_TOKENS_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     scheduler_id: _builtins.str
     """The same for every session of one scheduler process: a worker lets a live session be
@@ -131,6 +164,10 @@ class Hello(_message.Message):
     """The scheduler's token budget per step: the worker refuses larger launches (0: none announced)."""
     keepalive_interval_s: _builtins.float
     """How often the worker sends a Keepalive while a step is pending (0: 1 s)."""
+    token: _builtins.str
+    """The framed link only (a worker's --link-socket): the worker's --worker-token, which gRPC
+    carries as `authorization` metadata instead (empty: none).
+    """
     def __init__(
         self,
         *,
@@ -138,10 +175,11 @@ class Hello(_message.Message):
         scheduler_id: _builtins.str = ...,
         max_batch_tokens: _builtins.int = ...,
         keepalive_interval_s: _builtins.float = ...,
+        token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_s", b"keepalive_interval_s", "max_batch_tokens", b"max_batch_tokens", "protocol_version", b"protocol_version", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_s", b"keepalive_interval_s", "max_batch_tokens", b"max_batch_tokens", "protocol_version", b"protocol_version", "scheduler_id", b"scheduler_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

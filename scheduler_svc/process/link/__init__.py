@@ -1,5 +1,5 @@
-"""The link between the engine core and its frontends (`codec`: the wire forms; `framing`: the
-frames on the socket; `core_side`: what the core serves; `frontend_side`: what a frontend
+"""The link between the engine core and its frontends (`codec`: the wire forms, framed on the
+socket by `stepahead.framing`; `core_side`: what the core serves; `frontend_side`: what a frontend
 process attaches with; `local`: both in one process).
 
 In one process (`--frontends 0`) `LocalCore` calls the core directly and the core calls the

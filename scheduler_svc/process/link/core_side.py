@@ -18,7 +18,7 @@ from scheduler_svc.process.link.codec import (
     spec_from_proto,
     worker_state_to_proto,
 )
-from scheduler_svc.process.link.framing import FrameProtocol
+from stepahead.framing import FrameProtocol
 from stepahead.protocol import WorkerInfo
 from stepahead.v1 import core_pb2, generation_pb2
 

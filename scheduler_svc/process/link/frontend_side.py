@@ -10,7 +10,7 @@ from collections.abc import Callable
 from scheduler_svc.contract import CoreRequestSpec
 from scheduler_svc.frontend.frontend import Frontend
 from scheduler_svc.process.link.codec import outputs_from_proto, spec_to_proto
-from scheduler_svc.process.link.framing import FrameProtocol
+from stepahead.framing import FrameProtocol
 from stepahead.protocol import info_from_proto
 from stepahead.v1 import core_pb2, generation_pb2
 

@@ -1,10 +1,11 @@
-"""The core-frontend link's wire: length-prefixed protobuf frames on a unix stream socket.
+"""The wire of the links between processes of one host (core and frontends; a worker and its
+scheduler over the worker's --link-socket): length-prefixed protobuf frames on a unix stream socket.
 
 Each frame is a 4-byte little-endian length and that many bytes of one serialized message. A
 message is one `transport.write` (one `send` syscall, no completion thread, no HTTP/2 framing,
 flow-control window or per-message task), and what arrives is parsed in the event loop's read
-callback: this is the link that carries one message per step to every frontend, so its cost
-per message is the scheduler's cost per step.
+callback: these links carry a message or two per step each, so their cost per message is the
+scheduler's cost per step.
 """
 
 from __future__ import annotations
