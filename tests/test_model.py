@@ -394,12 +394,7 @@ def test_load_rejects_unsupported_architecture(
     [
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
-        ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
-        (
-            {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64},
-            "sliding_window",
-        ),
     ],
 )
 def test_config_rejects_unsupported_options(override: dict[str, object], message: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -50,7 +51,7 @@ from worker_svc import ranks as ranks_module
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import KVCache, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, build_tiny
-from worker_svc.model import LlamaForCausalLM
+from worker_svc.model import LlamaForCausalLM, new_model
 from worker_svc.tensor_parallel import AllReduce, shard_config, shard_model
 
 CPU = torch.device("cpu")
@@ -149,6 +150,26 @@ def test_two_shards_compute_the_full_models_logits_on_every_rank() -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
     for got0, got1 in zip(*ranks, strict=True):  # the ranks agree bit for bit: the same tokens
         assert torch.equal(got0, got1)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{"qkv_bias": True, "o_bias": True}, {"qkv_bias": True, "qk_norm": True, "sliding_window": 4}],
+    ids=["attention bias", "qwen3 norms, qwen2 bias, mistral window"],
+)
+def test_the_familys_features_shard_too(features: dict[str, object]) -> None:
+    """Biases of column-parallel layers split with their rows; the output projection's bias is
+    added once, after the sum; q/k norms are per head, so every rank holds them whole."""
+    config = dataclasses.replace(TINY_CONFIG, **features)  # type: ignore[arg-type]
+    full = new_model(config, torch.float64, CPU)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.2)
+    expected = logits_of(full, two_row_batch(16))
+    for rank_logits in sharded_logits(full, 2):
+        for got, want in zip(rank_logits, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
 
 
 def test_each_rank_holds_its_share_of_the_heads_and_ffn() -> None:

@@ -46,7 +46,16 @@ def build_engine(config: WorkerConfig, ranks: TensorParallelRanks | None = None)
     threads = where.threads or (_rank_threads(ranks.size) if ranks is not None and shared_cpu else 0)
     if threads:
         torch.set_num_threads(threads)
-    backend = load_backend(where.model, device, dtype, where.sim_step_ms, where.sim_token_us, ranks)
+    backend = load_backend(
+        where.model,
+        device,
+        dtype,
+        where.sim_step_ms,
+        where.sim_token_us,
+        ranks,
+        where.tokenizer,
+        where.max_model_len,
+    )
     engine_config = EngineConfig(
         _kv_slots(config, backend.kv_bytes_per_slot), config.request_slots, config.check_invariants
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -287,15 +288,27 @@ def load_backend(
     sim_step_ms: float,
     sim_token_us: float,
     ranks: TensorParallelRanks | None = None,
+    tokenizer: Path | None = None,
+    max_model_len: int | None = None,
 ) -> ModelBackend:
-    """`tiny`, `sim`, `smollm2`, a `.gguf` file, or a Hugging Face Llama-style checkpoint
-    directory; with `ranks`, this rank's shard of it (loaded on the CPU, then sliced)."""
+    """`tiny`, `sim`, `smollm2`, a `.gguf` file, or a Hugging Face checkpoint directory of the
+    Llama family; with `ranks`, this rank's shard of it (loaded on the CPU, then sliced);
+    `tokenizer` instead of the model's own; `max_model_len`: the context served, at most the
+    model's."""
+    backend: ModelBackend
     if model == "sim":
         if ranks is not None:
             raise ValueError("--tp: the sim device has no weights to shard (run it with --tp 1)")
-        return SimBackend(sim_step_ms, sim_token_us)
-    load_on = device if ranks is None else torch.device("cpu")
-    llama, tokenizer = load_llama(model, load_on, dtype)
-    if ranks is not None:
-        llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
-    return LlamaBackend(llama, tokenizer)
+        backend = SimBackend(sim_step_ms, sim_token_us)
+    else:
+        load_on = device if ranks is None else torch.device("cpu")
+        llama, spec = load_llama(model, load_on, dtype, tokenizer)
+        if ranks is not None:
+            llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
+        backend = LlamaBackend(llama, spec)
+    if max_model_len is not None:
+        if max_model_len > backend.max_context_len:
+            context = backend.max_context_len
+            raise ValueError(f"--max-model-len {max_model_len}: above {backend.name}'s context, {context}")
+        backend.max_context_len = max_model_len
+    return backend

@@ -35,13 +35,24 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     check_tls_server_args(p, args, client_ca_required=True)
     if args.tp is not None and args.tp < 1:
         p.error(f"--tp: must be >= 1, got {args.tp}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        p.error(
+            f"--max-model-len: must be >= 2 (a prompt token and one to generate), got {args.max_model_len}"
+        )
     return config_from_args(args)
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         ModelPlacement(
-            args.model, args.device, args.dtype, args.threads, args.sim_step_ms, args.sim_token_us
+            args.model,
+            args.device,
+            args.dtype,
+            args.threads,
+            args.sim_step_ms,
+            args.sim_token_us,
+            args.tokenizer,
+            args.max_model_len,
         ),
         args.host,
         args.port,
@@ -68,6 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=ModelPlacement.model,
         help="tiny, sim, smollm2, a Llama .gguf file or checkpoint dir",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a tokenizer.json, or a directory with one (and its tokenizer_config.json): for a "
+        "checkpoint that has none of its own",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the longest prompt + completion served (default: the model's context length; at most that)",
     )
     p.add_argument("--host", default=WorkerConfig.host, help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=WorkerConfig.port)

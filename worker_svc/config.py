@@ -22,6 +22,11 @@ class ModelPlacement:
     threads: int = 0  # torch CPU threads (0: torch's default, or the cores shared among ranks)
     sim_step_ms: float = 10.0  # sim: fixed time per step
     sim_token_us: float = 2.0  # sim: extra time per token
+    # A tokenizer.json, or a directory holding one (and tokenizer_config.json), for a checkpoint
+    # without one (None: the model's own)
+    tokenizer: Path | None = None
+    # The longest prompt + completion served, at most the model's (None: the model's)
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The Llama decoder's building blocks: the token-slot KV pool, rotary embeddings, the per-batch
-attention plan, and the layers (parameter names follow HF Llama checkpoints)."""
+attention plan (causal, or within a sliding window), and the layers (parameter names follow HF
+checkpoints of the Llama family)."""
 
 from __future__ import annotations
 
@@ -127,14 +128,16 @@ class AttentionPlan:
     prefills: list[PrefillRow]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, query_group: int) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, query_group: int, window: int | None = None) -> AttentionPlan:
+        """`window`: each query attends only the keys of its last `window` positions, its own
+        included (None: every earlier key)."""
         decode_rows = [i for i, n in enumerate(batch.row_num_tokens) if n == 1]
         prefill_rows = [i for i, n in enumerate(batch.row_num_tokens) if n > 1]
-        decode = _decode_group(batch, decode_rows) if decode_rows else None
-        return cls(decode, [_prefill_row(batch, i, query_group) for i in prefill_rows])
+        decode = _decode_group(batch, decode_rows, window) if decode_rows else None
+        return cls(decode, [_prefill_row(batch, i, query_group, window) for i in prefill_rows])
 
 
-def _decode_group(batch: ForwardBatch, rows: list[int]) -> DecodeGroup:
+def _decode_group(batch: ForwardBatch, rows: list[int], window: int | None) -> DecodeGroup:
     device = batch.input_ids.device
     host_ctx_lens = [batch.row_ctx_lens[i] for i in rows]
     # NOTE: one transfer, through the running step's streams (worker_svc/device_streams.py),
@@ -145,22 +148,28 @@ def _decode_group(batch: ForwardBatch, rows: list[int]) -> DecodeGroup:
     max_len = max(host_ctx_lens)
     req_slots = batch.row_req_slots.index_select(0, row_index)
     table = batch.req_to_token.index_select(0, req_slots)[:, :max_len]
-    valid = torch.arange(max_len, device=device)[None, :] < ctx_lens[:, None]
+    keys = torch.arange(max_len, device=device)[None, :]
+    valid = keys < ctx_lens[:, None]
+    if window is not None:  # the query is at ctx_len - 1
+        valid &= keys >= ctx_lens[:, None] - window
     kv_slots = torch.where(valid, table, torch.zeros_like(table))
     return DecodeGroup(token_index, kv_slots, valid[:, None, None, :])
 
 
-def _prefill_row(batch: ForwardBatch, row: int, query_group: int) -> PrefillRow:
+def _prefill_row(batch: ForwardBatch, row: int, query_group: int, window: int | None) -> PrefillRow:
     device = batch.input_ids.device
     num_tokens, ctx_len = batch.row_num_tokens[row], batch.row_ctx_lens[row]
     req_slot = batch.row_req_slots[row : row + 1]
     kv_slots = batch.req_to_token.index_select(0, req_slot)[:, :ctx_len]
     prefix_len = ctx_len - num_tokens
     mask = None
-    if prefix_len > 0:
+    if prefix_len > 0 or (window is not None and ctx_len > window):
         query_pos = prefix_len + torch.arange(num_tokens, device=device)
-        causal = torch.arange(ctx_len, device=device)[None, :] <= query_pos[:, None]
-        mask = causal.repeat(query_group, 1)[None, None]
+        keys = torch.arange(ctx_len, device=device)[None, :]
+        allowed = keys <= query_pos[:, None]
+        if window is not None:
+            allowed &= keys > query_pos[:, None] - window
+        mask = allowed.repeat(query_group, 1)[None, None]
     return PrefillRow(batch.row_token_starts[row], num_tokens, kv_slots, mask)
 
 
@@ -190,14 +199,17 @@ def grouped_attention(
 
 
 class Linear(nn.Module):
-    """Bias-free linear layer whose weight is left uninitialised until loaded."""
+    """A linear layer (bias-free unless asked) whose weights are left uninitialised until loaded."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    bias: nn.Parameter | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 def store_weights_input_major(model: nn.Module) -> None:
@@ -244,10 +256,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_proj = Linear(config.hidden_size, config.q_size)
-        self.k_proj = Linear(config.hidden_size, config.kv_size)
-        self.v_proj = Linear(config.hidden_size, config.kv_size)
-        self.o_proj = Linear(config.q_size, config.hidden_size)
+        self.q_proj = Linear(config.hidden_size, config.q_size, config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, config.kv_size, config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, config.kv_size, config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias)
+        # Qwen3: each head of q and k normalised over head_dim, before the rotation.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -261,6 +276,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_pool, v_pool = kv
         # Written before attending: every row's context includes its own new tokens.

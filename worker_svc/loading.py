@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+import tokenizers
 import torch
 
 from stepahead.protocol import TokenizerSpec
@@ -72,23 +74,38 @@ def model_config(model: str) -> ModelConfig:
 
 
 def load_llama(
-    model: str, device: torch.device, dtype: torch.dtype
+    model: str, device: torch.device, dtype: torch.dtype, tokenizer: Path | None = None
 ) -> tuple[LlamaForCausalLM, TokenizerSpec]:
     """The model of `tiny`, `smollm2`, a `.gguf` file or a checkpoint directory, in `dtype` on
-    `device`, with its tokenizer."""
+    `device`, with its tokenizer (`tokenizer`: a tokenizer.json, or a directory with one, used
+    instead of the model's own)."""
     if model == "tiny":
-        return build_tiny(dtype, device), BYTE_TOKENIZER
-    if model == SMOLLM2_NAME:
-        return _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME)
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, dtype, device, path.stem)
-    if not path.is_dir():
+        llama, spec = build_tiny(dtype, device), BYTE_TOKENIZER
+    elif model == SMOLLM2_NAME:
+        llama, spec = _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME)
+    elif (path := Path(model)).suffix == ".gguf" and path.is_file():
+        llama, spec = _load_gguf(path, dtype, device, path.stem)
+    elif path.is_dir():
+        model_config(model)  # first: an architecture not served is the first thing to say
+        if tokenizer is None and not (path / TOKENIZER_FILE).is_file():
+            raise ValueError(
+                f"--model {path}: no {TOKENIZER_FILE} there; give the model's tokenizer with "
+                f"--tokenizer PATH (a {TOKENIZER_FILE}, or a directory with one)"
+            )
+        llama = load_hf_checkpoint(path, dtype, device)
+        llama.config = _with_special_ids(llama.config, path)
+        spec = BYTE_TOKENIZER if tokenizer is not None else checkpoint_tokenizer(path)
+    else:
         raise ValueError(
             f"--model: {model!r} is not tiny, sim, {SMOLLM2_NAME}, a .gguf file or a checkpoint directory"
         )
-    llama = load_hf_checkpoint(path, dtype, device)
-    return llama, _checkpoint_tokenizer(path, llama.config.vocab_size)
+    if tokenizer is not None:
+        spec = checkpoint_tokenizer(tokenizer)
+        llama.config = _with_special_ids(llama.config, tokenizer)
+    return llama, spec
+
+
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def _load_gguf(
@@ -103,18 +120,53 @@ def checkpoint_chat_template(path: Path) -> str:
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
-    config = path / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    template = _tokenizer_config(path).get("chat_template")
     return template if isinstance(template, str) else ""
 
 
-def _checkpoint_tokenizer(path: Path, vocab_size: int) -> TokenizerSpec:
-    tokenizer_json = path / "tokenizer.json"
-    if tokenizer_json.is_file():
-        return TokenizerSpec("hf", tokenizer_json.read_bytes(), checkpoint_chat_template(path))
-    if vocab_size < 256:
-        raise ValueError(f"{path}: no tokenizer.json and a vocabulary too small for bytes")
-    return BYTE_TOKENIZER
+def checkpoint_tokenizer(where: Path) -> TokenizerSpec:
+    """The tokenizer of a checkpoint directory (or a --tokenizer: a tokenizer.json, or a
+    directory with one): its tokenizer.json and chat template; ValueError naming what is missing."""
+    where = Path(where)
+    file = where if where.is_file() else where / TOKENIZER_FILE
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {where}: no {TOKENIZER_FILE} there")
+    return TokenizerSpec("hf", file.read_bytes(), checkpoint_chat_template(file.parent))
+
+
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    file = directory / "tokenizer_config.json"
+    loaded = json.loads(file.read_text()) if file.is_file() else {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _with_special_ids(config: ModelConfig, where: Path) -> ModelConfig:
+    """The config with every end-of-sequence id the checkpoint names, as transformers'
+    `generate` stops at them: config.json's, generation_config.json's, and tokenizer_config.json's
+    `eos_token`; and `bos_token` where config.json names none."""
+    directory = where if where.is_dir() else where.parent
+    generation_file = directory / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    eos = [*config.eos_token_ids, *_token_ids(generation.get("eos_token_id"))]
+    bos = config.bos_token_id
+    named = _tokenizer_config(directory)
+    file = where if where.is_file() else where / TOKENIZER_FILE
+    if file.is_file() and named:
+        vocab = tokenizers.Tokenizer.from_str(file.read_text())
+        eos_id = vocab.token_to_id(_token_text(named.get("eos_token")))
+        if eos_id is not None:
+            eos.append(eos_id)
+        if bos is None:
+            bos = vocab.token_to_id(_token_text(named.get("bos_token")))
+    ids = tuple(i for i in dict.fromkeys(eos) if i < config.vocab_size)
+    return replace(config, eos_token_ids=ids, bos_token_id=bos)
+
+
+def _token_text(value: object) -> str:
+    """A special token as tokenizer_config.json writes it: its text, or {"content": text}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,11 +209,17 @@ def portable_normal(shape: tuple[int, ...], std: float, generator: torch.Generat
 
 
 def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
-    """ModelConfig from a HF Llama (or sliding-window-free Mistral) config.json dict."""
-    _check_architecture(d)
-    _check_unsupported_options(d)
+    """ModelConfig from the config.json dict of a checkpoint of the Llama family: Llama, Mistral,
+    Qwen2 or Qwen3; ValueError naming what is not supported."""
+    family = _family(d)
+    _check_unsupported_options(d, family)
     num_heads = int(d["num_attention_heads"])
     rope_theta, rope_scaling = _rope_settings(d)
+    # As transformers builds each: Llama's and Qwen3's attention_bias covers q/k/v and the
+    # output; Qwen2's q/k/v always have a bias, its output never; Mistral has none.
+    attention_bias = bool(d.get("attention_bias", False)) and family in ("llama", "qwen3")
+    window = d.get("sliding_window") if family == "mistral" else None
+    max_len = int(d["max_position_embeddings"])
     return ModelConfig(
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
@@ -172,39 +230,55 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
         rope_theta=rope_theta,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_context_len=int(d["max_position_embeddings"]),
+        max_context_len=max_len,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         eos_token_ids=_token_ids(d.get("eos_token_id")),
         bos_token_id=d.get("bos_token_id"),
         rope_scaling=rope_scaling,
         name=name,
+        qkv_bias=attention_bias or family == "qwen2",
+        o_bias=attention_bias,
+        qk_norm=family == "qwen3",
+        sliding_window=int(window) if window is not None and int(window) < max_len else None,
+        architecture=family,
     )
 
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
-SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
+# The Llama family's members: architectures (config.json) -> model_type.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = set(ARCHITECTURES.values())
 
 
-def _check_architecture(d: dict[str, Any]) -> None:
-    architectures = set(d.get("architectures") or [])
-    if architectures & SUPPORTED_ARCHITECTURES or d.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return
+def _family(d: dict[str, Any]) -> str:
+    """The member of the Llama family a config describes (its model_type)."""
+    architectures = list(d.get("architectures") or [])
+    model_type = d.get("model_type")
+    known = [ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES]
+    if known:
+        return known[0]
+    if not architectures and model_type in MODEL_TYPES:
+        return str(model_type)
     raise ValueError(
-        f"unsupported architecture {sorted(architectures)} "
-        f"(model_type {d.get('model_type')!r}); expected one of "
-        f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported architecture {architectures} (model_type {model_type!r}); supported: "
+        f"{', '.join(sorted(ARCHITECTURES))}"
     )
 
 
-def _check_unsupported_options(d: dict[str, Any]) -> None:
-    for flag in ("attention_bias", "mlp_bias"):
-        if d.get(flag):
-            raise ValueError(f"{flag}=true is not supported")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only 'silu')")
-    window = d.get("sliding_window")
-    if window is not None and window < d["max_position_embeddings"]:
-        raise ValueError(f"sliding_window={window} is not supported")
+def _check_unsupported_options(d: dict[str, Any], family: str) -> None:
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
+    if d.get("use_sliding_window"):
+        raise ValueError(
+            f"use_sliding_window=true is not supported for {family} (Mistral's sliding_window is)"
+        )
 
 
 def _rope_settings(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:

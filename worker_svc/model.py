@@ -1,5 +1,6 @@
-"""The Llama model: its config, the decoder that runs a batch over the token-slot KV pool, and
-filling its weights from named tensors (what every loader in worker_svc.loading ends with)."""
+"""The Llama model and its family (Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's q/k
+norms): its config, the decoder that runs a batch over the token-slot KV pool, and filling its
+weights from named tensors (what every loader in worker_svc.loading ends with)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class ModelConfig:
     bos_token_id: int | None
     rope_scaling: RopeScaling | None
     name: str
+    # What the Llama family's members add (each False/None for Llama itself):
+    qkv_bias: bool = False  # q/k/v projections with a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection with a bias (Llama's attention_bias)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3)
+    sliding_window: int | None = None  # each query attends its last W keys, itself included (Mistral)
+    architecture: str = "llama"  # the family member's name, for messages
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -53,6 +60,8 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
             check_rope_scaling(dict(self.rope_scaling))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     @property
     def q_size(self) -> int:
@@ -80,12 +89,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.query_group = config.num_heads // config.num_kv_heads
+        self.sliding_window = config.sliding_window
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Final-normed hidden states of the sampling rows, [R, hidden]."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary_emb.at(batch.positions, x.dtype)
-        plan = AttentionPlan.build(batch, self.query_group)
+        plan = AttentionPlan.build(batch, self.query_group, self.sliding_window)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, (kv.k[i], kv.v[i]), batch.out_kv_slots, plan)
         normed: torch.Tensor = self.norm(x.index_select(0, batch.sample_token_index))

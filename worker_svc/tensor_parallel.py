@@ -34,13 +34,17 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 class RowParallelLinear(Linear):
     """A Linear over this rank's slice of the input features, summed over the ranks."""
 
-    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce) -> None:
-        super().__init__(in_features, out_features)
+    def __init__(
+        self, in_features: int, out_features: int, all_reduce: AllReduce, bias: bool = False
+    ) -> None:
+        super().__init__(in_features, out_features, bias)
         self._all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
         self._all_reduce(out)
+        if self.bias is not None:  # once, on the sum (every rank holds all of it)
+            out += self.bias
         return out
 
 
@@ -70,16 +74,16 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
 def shard_weight(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s part of the full model's weight `name` (all of it when replicated)."""
     module = name.split(".")[-2] if "." in name else ""
-    if module in COLUMN_PARALLEL:
+    if module in COLUMN_PARALLEL:  # the weight's rows and the bias alike
         return weight.chunk(size, dim=0)[rank]
-    if module in ROW_PARALLEL:
+    if module in ROW_PARALLEL and name.endswith(".weight"):  # a bias is added whole, after the sum
         return weight.chunk(size, dim=1)[rank]
     return weight
 
 
 def _row_parallel(linear: Linear, all_reduce: AllReduce) -> RowParallelLinear:
     out_features, in_features = linear.weight.shape
-    return RowParallelLinear(in_features, out_features, all_reduce)
+    return RowParallelLinear(in_features, out_features, all_reduce, linear.bias is not None)
 
 
 def shard_model(full: LlamaForCausalLM, rank: int, size: int, all_reduce: AllReduce) -> LlamaForCausalLM:
@@ -90,10 +94,8 @@ def shard_model(full: LlamaForCausalLM, rank: int, size: int, all_reduce: AllRed
     for layer in local.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
-        attn.o_proj = RowParallelLinear(attn.o_proj.weight.shape[1], attn.o_proj.weight.shape[0], all_reduce)
-        mlp.down_proj = RowParallelLinear(
-            mlp.down_proj.weight.shape[1], mlp.down_proj.weight.shape[0], all_reduce
-        )
+        attn.o_proj = _row_parallel(attn.o_proj, all_reduce)
+        mlp.down_proj = _row_parallel(mlp.down_proj, all_reduce)
     local.to(weight.device, weight.dtype)
     full_weights = dict(full.named_parameters(remove_duplicate=False))
     with torch.no_grad():

@@ -551,7 +551,7 @@ def _check_fits(prompt_len: int, max_new_tokens: int, info: WorkerInfo) -> None:
     if total > info.max_context_len:
         raise InvalidRequest(
             f"sampling.max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
-            f"({max_new_tokens}) exceeds the context length {info.max_context_len}"
+            f"({max_new_tokens}) exceeds the model's context length (max_model_len) {info.max_context_len}"
         )
     if total > info.kv_slots:
         raise InvalidRequest(

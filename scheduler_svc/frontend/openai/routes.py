@@ -253,12 +253,12 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [_model_card(self._model_name())]})
+        return JSONResponse({"object": "list", "data": [self._model_card(self._model_name())]})
 
     async def model(self, request: Request, model: str) -> JSONResponse:
         self._authorize(request)
         self._check_model(model)
-        return JSONResponse(_model_card(model))
+        return JSONResponse(self._model_card(model))
 
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": stepahead.__version__})
@@ -489,6 +489,18 @@ class OpenAIApi:
             raise HttpError(503, NO_WORKER)
         return self._config.served_model_name or self._frontend.info.model
 
+    def _model_card(self, model: str) -> dict[str, Any]:
+        """vLLM's model card: `max_model_len` is the longest prompt + completion served."""
+        info = self._frontend.info
+        max_model_len = None if info is None else info.max_context_len
+        return {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "stepahead",
+            "max_model_len": max_model_len,
+        }
+
     def _check_model(self, model: str | None) -> str:
         """The served model's name; 404 when `model` names another (None: the served one)."""
         served = self._model_name()
@@ -575,10 +587,6 @@ def _has_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-def _model_card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "stepahead"}
 
 
 def _validation_error(exc: pydantic.ValidationError) -> HttpError:

@@ -1,0 +1,267 @@
+"""The Llama family against transformers: Llama (llama3 rope scaling, tied embeddings, attention
+bias), Mistral (sliding window), Qwen2 (q/k/v bias) and Qwen3 (q/k norms), each a tiny random
+checkpoint written by transformers itself.
+
+Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
+chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
+cuts into prefill chunks, decode rows and padded rows alike. Logits must agree within 1e-4 (float32)
+and greedy tokens exactly; then a checkpoint of each is served and its greedy stream compared with
+transformers' `generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from stepahead.processes import serving_pair
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc
+from tests.live import CALL_TIMEOUT_S
+from worker_svc.forward_batch import ForwardBatch
+from worker_svc.layers import KVCache
+from worker_svc.loading import config_from_hf_dict, load_hf_checkpoint
+from worker_svc.model import LlamaForCausalLM
+
+transformers: Any = importlib.import_module("transformers")  # dev dependency: the reference
+
+CPU = torch.device("cpu")
+VOCAB = 96
+WINDOW = 8  # Mistral's sliding window here: far shorter than the sequences
+LOGIT_TOLERANCE = 1e-4  # float32 against float32, the same weights
+
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+# name: (transformers config class, its arguments beyond COMMON)
+FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": True}),
+    "llama-attention-bias": ("LlamaConfig", {"attention_bias": True}),
+    "mistral-sliding-window": ("MistralConfig", {"sliding_window": WINDOW}),
+    "qwen2": ("Qwen2Config", {"rope_theta": 1e6, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16, "rope_theta": 1e6}),  # head_dim not hidden / heads
+}
+
+
+def hf_checkpoint(kind: str, directory: pathlib.Path) -> Any:
+    """A random model of `kind` from transformers, saved to `directory`; the model itself."""
+    config_class, extra = FAMILY[kind]
+    config = getattr(transformers, config_class)(**COMMON, **extra)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY))
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Any, pathlib.Path]:
+    kind = str(request.param)
+    directory = tmp_path_factory.mktemp(kind)
+    return kind, hf_checkpoint(kind, directory), directory
+
+
+@dataclass
+class PooledSequences:
+    """Sequences over a shuffled token-slot pool, batched the way the worker batches them."""
+
+    model: LlamaForCausalLM
+    slots: int = 1024
+    free: list[int] = field(default_factory=list)
+    req_to_token: torch.Tensor = field(init=False)
+    kv: KVCache = field(init=False)
+    cached: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free = torch.randperm(self.slots, generator=torch.Generator().manual_seed(3)).tolist()
+        self.req_to_token = torch.full((4, self.model.config.max_context_len), self.slots + 99)
+        self.kv = KVCache.allocate(self.model.config, self.slots, torch.float32, CPU)
+
+    def step(self, rows: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Feeds each (sequence, new tokens) row in one batch; the logits of each row's last token."""
+        ids: list[int] = []
+        positions: list[int] = []
+        out_slots: list[int] = []
+        starts: list[int] = []
+        for seq, tokens in rows:
+            start = self.cached.get(seq, 0)
+            new = [self.free.pop() for _ in tokens]
+            self.req_to_token[seq, start : start + len(tokens)] = torch.tensor(new)
+            starts.append(len(ids))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            out_slots += new
+            self.cached[seq] = start + len(tokens)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            out_kv_slots=torch.tensor(out_slots),
+            row_req_slots=torch.tensor([seq for seq, _ in rows]),
+            row_token_starts=starts,
+            row_num_tokens=[len(tokens) for _, tokens in rows],
+            row_ctx_lens=[self.cached[seq] for seq, _ in rows],
+            sample_token_index=torch.tensor([s + len(t) - 1 for s, (_, t) in zip(starts, rows, strict=True)]),
+            req_to_token=self.req_to_token,
+        )
+        with torch.inference_mode():
+            logits: torch.Tensor = self.model(batch, self.kv)
+        return logits
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_greedy(model: Any, tokens: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of `tokens` (EOS taken as any token, as ignore_eos
+    does) and the logits of its first step."""
+    sequence = list(tokens)
+    with torch.no_grad():
+        first = model(torch.tensor([tokens])).logits[0, -1].float()
+        for _ in range(n):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    return sequence[len(tokens) :], first
+
+
+def ours_greedy(
+    model: LlamaForCausalLM, tokens: list[int], n: int, other: list[int]
+) -> tuple[list[int], torch.Tensor]:
+    """Our greedy continuation: `tokens` prefilled in two chunks (the second beside `other`'s
+    whole prompt), then decoded batched with `other`, which decodes beside it."""
+    pool = PooledSequences(model)
+    cut = len(tokens) // 2
+    pool.step([(0, tokens[:cut])])
+    logits = pool.step([(0, tokens[cut:]), (1, other)])
+    first = logits[0]
+    out: list[int] = []
+    other_next = int(logits[1].argmax())
+    for _ in range(n):
+        out.append(int(logits[0].argmax()))
+        logits = pool.step([(1, [other_next]), (0, [out[-1]])]).flip(0)  # decode rows, padded by length
+        other_next = int(logits[1].argmax())
+    return out, first
+
+
+def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pathlib.Path]) -> None:
+    kind, hf_model, directory = pair
+    ours = load_hf_checkpoint(directory, torch.float32, CPU)
+    config = ours.config
+    assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
+        kind == "qwen3",
+        kind in ("qwen2", "llama-attention-bias"),
+        kind == "llama-attention-bias",
+    )
+    assert config.sliding_window == (WINDOW if kind == "mistral-sliding-window" else None)
+    tokens, other = prompt(37, seed=5), prompt(11, seed=6)  # both past the window
+    expected, hf_first = hf_greedy(hf_model, tokens, 24)
+    got, first = ours_greedy(ours, tokens, 24, other)
+    torch.testing.assert_close(first, hf_first, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+    assert got == expected
+    # The batch neighbour's own stream is the same as alone.
+    other_expected, _ = hf_greedy(hf_model, other, 4)
+    alone, _ = ours_greedy(ours, other, 4, prompt(5, seed=7))
+    assert alone == other_expected
+
+
+def test_a_sliding_window_changes_the_outputs() -> None:
+    """The window is not a no-op here: without it the same weights continue differently."""
+    d = {**COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": WINDOW}
+    windowed = config_from_hf_dict(d)
+    full = config_from_hf_dict({**d, "sliding_window": None})
+    assert (windowed.sliding_window, full.sliding_window) == (WINDOW, None)
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(windowed).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    with_window, _ = ours_greedy(model, prompt(37, 5), 16, prompt(11, 6))
+    model.model.sliding_window = None
+    without, _ = ours_greedy(model, prompt(37, 5), 16, prompt(11, 6))
+    assert with_window != without
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "Qwen3MoeForCausalLM"),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
+            "use_sliding_window",
+        ),
+        (
+            {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "yarn",
+        ),
+        ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act"),
+        ({"architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_what_is_not_supported_is_refused_by_name(override: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        config_from_hf_dict({**COMMON, **override})
+
+
+# ---- served ----------------------------------------------------------------------------------
+
+SERVED = ("mistral-sliding-window", "qwen2", "qwen3")
+
+
+def write_char_tokenizer(directory: pathlib.Path) -> None:
+    """A tokenizer.json of one token per printable character, VOCAB ids in all."""
+    chars = [chr(c) for c in range(33, 33 + VOCAB - 3)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+async def greedy_stream(address: str, ids: list[int], n: int) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(
+            input_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
+        )
+        return [t async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
+
+
+@pytest.mark.parametrize("kind", SERVED)
+def test_served_greedy_streams_equal_transformers(kind: str, tmp_path: pathlib.Path) -> None:
+    hf_model = hf_checkpoint(kind, tmp_path / kind)
+    write_char_tokenizer(tmp_path / kind)
+    prompts = [prompt(30 + 7 * i, seed=20 + i) for i in range(3)]
+    expected = [hf_greedy(hf_model, p, 20)[0] for p in prompts]
+    with serving_pair(["--model", str(tmp_path / kind)], ["--mode", "overlap"]) as (_, scheduler):
+
+        async def all_at_once() -> list[list[int]]:
+            return list(await asyncio.gather(*(greedy_stream(scheduler.address, p, 20) for p in prompts)))
+
+        assert asyncio.run(all_at_once()) == expected
