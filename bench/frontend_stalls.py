@@ -23,8 +23,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gguf import GGUFReader
-
 from bench.machine import describe_machine
 from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.frontend.openai import routes as openai_api
@@ -85,7 +83,7 @@ def whole_choice(tokens: int, rng: random.Random) -> openai_api.Choice:
 
 async def measure(quick: bool, repeats: int) -> list[tuple[str, Stall, Stall]]:
     rng = random.Random(0)
-    tokenizer = HFTokenizer(tokenizer_from_gguf(GGUFReader(smollm2_path())).to_str().encode())
+    tokenizer = HFTokenizer(tokenizer_from_gguf(smollm2_path()).to_str().encode())
     text = prompt((64 << 10) if quick else (1 << 20), rng)
     threads = concurrent.futures.ThreadPoolExecutor(1)
     loop = asyncio.get_running_loop()

@@ -3,24 +3,31 @@ written here against the model it was written from, and the worker serving smoll
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import json
 import pathlib
 import random
 from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType, dequantize, quantize
 from tokenizers import Tokenizer
+from tokenizers.implementations.sentencepiece_bpe import SentencePieceBPETokenizer
 
 from scheduler_svc.frontend.tokenizer import REPLACEMENT_CHAR, HFTokenizer
+from stepahead.processes import serving_pair
 from tests.smollm2 import Transformers
+from tests.test_architectures import greedy_stream
 from tests.test_checkpoint import write_tokenizer
 from tests.test_model import SMALL, prefill_all_logits, random_model
 from worker_svc.backends import load_backend
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import GGUFModel, load_gguf
-from worker_svc.layers import KVCache
+from worker_svc.layers import KVCache, rope_inv_freq
 from worker_svc.model import LlamaForCausalLM
 
 CPU = torch.device("cpu")
@@ -299,6 +306,8 @@ GGUF_BLOCK_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -320,8 +329,11 @@ def write_llama_gguf(
     tokenizer_json: dict[str, object],
     architecture: str = "llama",
     tokenizer: tuple[str, str] = ("gpt2", "default"),
+    sentencepiece: list[tuple[str, float, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The model as llama.cpp's converter writes it: matrices Q8_0, norms F32, q/k rows permuted.
+    """The model as llama.cpp's converter writes it: matrices Q8_0, norms and biases F32, q/k rows
+    permuted for `llama` (not for the Qwen architectures); a SentencePiece vocabulary when no
+    tokenizer.json is given.
     Returns the model's weights as the file holds them once dequantized, in the model's layout
     (Q8_0 rounds each row on its own, so rounding and the row permutation commute)."""
     cfg = model.config
@@ -334,14 +346,28 @@ def write_llama_gguf(
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    add_tokenizer(writer, tokenizer_json, *tokenizer)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if tokenizer_json:
+        add_tokenizer(writer, tokenizer_json, *tokenizer)
+    else:
+        add_sentencepiece_tokenizer(writer, sentencepiece)
+    if cfg.rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.array(cfg.rope_factors, dtype=np.float32))
     stored = {}
     for name, weight in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:  # the file holds it once
+            continue
         if weight.ndim == 1:
-            writer.add_tensor(gguf_name(name), weight.numpy())
+            if architecture == "llama" and name.endswith(("q_proj.bias", "k_proj.bias")):
+                heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                writer.add_tensor(gguf_name(name), permute_rotary_rows(weight, heads).numpy())
+            else:
+                writer.add_tensor(gguf_name(name), weight.numpy())
             stored[name] = weight
             continue
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
             weight = permute_rotary_rows(weight, heads)
         writer.add_tensor(gguf_name(name), quantize(weight.numpy(), Q8_0), raw_dtype=Q8_0)
@@ -414,8 +440,7 @@ def test_gguf_tokenizer_matches_the_tokenizer_it_was_written_from(
     ("architecture", "tokenizer", "message"),
     [
         ("gpt2", ("gpt2", "default"), "unsupported GGUF architecture 'gpt2'"),
-        ("llama", ("llama", "default"), "GGUF tokenizer model 'llama' is not supported"),
-        ("llama", ("gpt2", "mystery"), "GGUF pre-tokenizer 'mystery' is not supported"),
+        ("llama", ("bert", "default"), "its tokenizer: .*tokenizer 'bert'"),
     ],
 )
 def test_unsupported_gguf_is_rejected_with_the_reason(
@@ -433,3 +458,155 @@ def test_a_file_that_is_not_gguf_is_rejected(tmp_path: pathlib.Path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_backend(str(tmp_path / "junk.gguf"), CPU, torch.float32, 1.0, 0.0)
+
+
+# ---- the Llama family's other GGUF architectures, and SentencePiece vocabularies -------------
+
+
+def llama3_factors(head_dim: int, theta: float) -> tuple[float, ...]:
+    """What llama.cpp's converter writes as rope_freqs for Llama 3.1's llama3 scaling."""
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    scaled = rope_inv_freq(replace(GGUF_SMALL, rope_theta=theta, rope_scaling=tuple(sorted(LLAMA3.items()))))
+    return tuple(float(f) for f in base / scaled)
+
+
+LLAMA3: dict[str, float | int | str] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+FAMILY_GGUF = {
+    "llama-rope-freqs": ("llama", {"rope_factors": llama3_factors(8, 10000.0)}),
+    "qwen2": ("qwen2", {"qkv_bias": True, "architecture": "qwen2", "tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"qk_norm": True, "head_dim": 16, "architecture": "qwen3"}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_GGUF))
+def test_each_gguf_architecture_loads_as_the_model_it_was_written_from(
+    tmp_path: pathlib.Path, kind: str
+) -> None:
+    architecture, features = FAMILY_GGUF[kind]
+    vocab = write_tokenizer(tmp_path)
+    cfg = replace(GGUF_SMALL, vocab_size=vocab, **features)  # type: ignore[arg-type]
+    model = random_model(cfg, seed=5)
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    stored = write_llama_gguf(tmp_path / f"{kind}.gguf", model, tokenizer_json, architecture)
+    loaded = load_gguf(tmp_path / f"{kind}.gguf", torch.float32, CPU).model
+    assert loaded.config == replace(model.config, eos_token_ids=(1,), bos_token_id=0, name=kind)
+    weights = loaded.state_dict()
+    for name, weight in stored.items():
+        assert torch.equal(weights[name], weight), name
+    expected = random_model(model.config, seed=0)
+    expected.load_state_dict(stored, strict=not model.config.tie_word_embeddings)
+    tokens = list(range(0, vocab, 7))
+    torch.testing.assert_close(
+        prefill_all_logits(loaded, tokens), prefill_all_logits(expected, tokens), atol=0, rtol=0
+    )
+
+
+def test_rope_freqs_are_llama3_scaling_precomputed() -> None:
+    """A Llama 3.1 GGUF's rope_freqs give the rotary frequencies of the llama3 scaling that
+    config.json names (the one tested against transformers)."""
+    scaling = tuple(sorted(LLAMA3.items()))
+    from_freqs = rope_inv_freq(replace(GGUF_SMALL, rope_factors=llama3_factors(8, 10000.0)))
+    from_scaling = rope_inv_freq(replace(GGUF_SMALL, rope_scaling=scaling))
+    torch.testing.assert_close(from_freqs, from_scaling, atol=0, rtol=1e-6)
+    assert not torch.allclose(from_scaling, rope_inv_freq(GGUF_SMALL))  # the scaling matters here
+
+
+SPM_CORPUS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "héllo wörld 你好",
+    "  two  spaces",
+] * 20
+
+
+def sentencepiece_vocabulary() -> list[tuple[str, float, int]]:
+    """A SentencePiece-style vocabulary as llama.cpp writes one: (piece, score, type), with
+    <unk>, <s>, </s>, the 256 byte pieces, then pieces scored by their merge order."""
+    trained = SentencePieceBPETokenizer()
+    trained.train_from_iterator(
+        iter(SPM_CORPUS * 20), vocab_size=200, special_tokens=["<unk>"], show_progress=False
+    )
+    learned = sorted((t for t in trained.get_vocab() if t != "<unk>"), key=trained.get_vocab().__getitem__)
+    pieces: list[tuple[str, float, int]] = [
+        ("<unk>", 0.0, int(TokenType.UNKNOWN)),
+        ("<s>", 0.0, int(TokenType.CONTROL)),
+        ("</s>", 0.0, int(TokenType.CONTROL)),
+    ]
+    pieces += [(f"<0x{b:02X}>", 0.0, int(TokenType.BYTE)) for b in range(256)]
+    pieces += [(piece, -float(i), int(TokenType.NORMAL)) for i, piece in enumerate(learned)]
+    return pieces
+
+
+def add_sentencepiece_tokenizer(writer: GGUFWriter, pieces: list[tuple[str, float, int]] | None) -> None:
+    assert pieces is not None
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([p for p, _, _ in pieces])
+    writer.add_token_scores([s for _, s, _ in pieces])
+    writer.add_token_types([t for _, _, t in pieces])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+
+def test_a_sentencepiece_gguf_tokenizes_as_transformers_reads_the_file(tmp_path: pathlib.Path) -> None:
+    """Llama 2 and Mistral GGUFs carry a SentencePiece vocabulary (no merges, scores): ours and
+    transformers' reading of the same file agree on a varied corpus, BOS included."""
+    transformers: Any = importlib.import_module("transformers")
+    pieces = sentencepiece_vocabulary()
+    model = random_model(replace(GGUF_SMALL, vocab_size=len(pieces)), seed=6)
+    write_llama_gguf(tmp_path / "spm.gguf", model, {}, sentencepiece=pieces)
+    ours = HFTokenizer(load_gguf(tmp_path / "spm.gguf", torch.float32, CPU).tokenizer_json)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    texts = [*SPM_CORPUS, *random_texts(40, seed=9), "", " ", "hello\nworld", "x" * 50]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text), text
+        assert ours.encode(text)[:1] == [1] if text else True  # the file says nothing: BOS, as llama.cpp
+        assert ours.decode(ours.encode(text)) == reference.decode(
+            reference.encode(text), skip_special_tokens=True
+        )
+
+
+# ---- served, against transformers reading the same file ---------------------------------------
+
+# transformers' GGUF reader takes Qwen3's head_dim from Qwen3Config's default (128), as the Qwen3
+# models have it; the file says the same here.
+SERVED_GGUF = {
+    "qwen2": ("qwen2", {"qkv_bias": True, "architecture": "qwen2", "tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"qk_norm": True, "head_dim": 128, "architecture": "qwen3"}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SERVED_GGUF))
+def test_served_gguf_greedy_streams_equal_transformers_reading_the_file(
+    tmp_path: pathlib.Path, kind: str
+) -> None:
+    transformers: Any = importlib.import_module("transformers")
+    architecture, features = SERVED_GGUF[kind]
+    vocab = write_tokenizer(tmp_path)
+    model = random_model(replace(GGUF_SMALL, vocab_size=vocab, **features), seed=8)  # type: ignore[arg-type]
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    write_llama_gguf(tmp_path / f"{kind}.gguf", model, tokenizer_json, architecture)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=f"{kind}.gguf", dtype=torch.float32
+    ).eval()
+    prompts = [[(17 * i + 5 * j) % vocab for j in range(12 + 5 * i)] for i in range(3)]
+    expected = []
+    for prompt in prompts:
+        sequence = list(prompt)
+        with torch.no_grad():
+            for _ in range(16):
+                sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+        expected.append(sequence[len(prompt) :])
+    with serving_pair(["--model", str(tmp_path / f"{kind}.gguf")]) as (_, scheduler):
+
+        async def streams() -> list[list[int]]:
+            return list(await asyncio.gather(*(greedy_stream(scheduler.address, p, 16) for p in prompts)))
+
+        assert asyncio.run(streams()) == expected

@@ -12,7 +12,6 @@ import re
 import jsonschema
 import pytest
 import torch
-from gguf import GGUFReader
 
 from stepahead.protocol import TokenizerSpec
 from worker_svc.gguf import smollm2_path, tokenizer_from_gguf
@@ -46,7 +45,7 @@ def byte_table() -> MatcherTable:
 
 @pytest.fixture(scope="module")
 def smollm2_table() -> tuple[MatcherTable, int]:
-    hf = tokenizer_from_gguf(GGUFReader(smollm2_path()))
+    hf = tokenizer_from_gguf(smollm2_path())
     vocab = hf.get_vocab_size(with_added_tokens=True)
     eos = hf.token_to_id("<|im_end|>")
     assert eos is not None
@@ -92,7 +91,7 @@ def test_a_json_schema_holds_with_smollm2s_tokenizer(
     smollm2_table: tuple[MatcherTable, int], seed: int
 ) -> None:
     table, eos = smollm2_table
-    hf = tokenizer_from_gguf(GGUFReader(smollm2_path()))
+    hf = tokenizer_from_gguf(smollm2_path())
     table.start(seed, Constraint("json", json.dumps(PERSON)))
     text = hf.decode(constrained_sample(table, seed, eos, seed))
     jsonschema.validate(json.loads(text), PERSON)

