@@ -22,6 +22,7 @@ from stepahead.serving import (
 from stepahead.trace import Tracer
 from worker_svc.backends import load_backend
 from worker_svc.config import WorkerConfig
+from worker_svc.dtypes import choose_dtype
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.link_socket import LinkSocket
 from worker_svc.ranks import RankPlace, TensorParallelRanks, join_group
@@ -29,19 +30,13 @@ from worker_svc.server import SERVICE_NAME, WorkerAccess, build_server
 
 log = logging.getLogger("stepahead.worker")
 
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 def build_engine(config: WorkerConfig, ranks: TensorParallelRanks | None = None) -> WorkerEngine:
     where = config.placement
     device_type = where.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = ranks.place.device(device_type) if ranks is not None else torch.device(device_type)
-    dtype = DTYPES[where.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype, why = choose_dtype(where.dtype, device)
+    log.info("dtype: %s", why)
     shared_cpu = ranks is not None and device.type == "cpu"
     threads = where.threads or (_rank_threads(ranks.size) if ranks is not None and shared_cpu else 0)
     if threads:

@@ -22,8 +22,9 @@ from stepahead.serving import (
     setup_logging,
     tls_files,
 )
-from worker_svc.app import DTYPES, rank_place, run_rank, serve
+from worker_svc.app import rank_place, run_rank, serve
 from worker_svc.config import DEFAULT_METRICS_PORT, ModelPlacement, WorkerConfig
+from worker_svc.dtypes import DTYPES
 from worker_svc.launcher import Launcher
 from worker_svc.loading import check_shardable
 
@@ -104,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     p.add_argument(
-        "--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda"
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="default: float32 on cpu (exact), bfloat16 on cuda; the start-up log says which and why",
     )
     p.add_argument("--kv-slots", type=int, default=WorkerConfig.kv_slots, help="KV pool size in tokens")
     p.add_argument(

@@ -1,0 +1,46 @@
+"""The worker's dtype: what `--dtype` names, the default of each device, and why.
+
+On the CPU the default is float32, the exact mode: token for token transformers' (the tests hold
+it so). bfloat16 halves the bytes a decode step reads and runs on the processor's bf16 matrix
+units where it has them (`avx512_bf16`, AMX), but its greedy tokens drift from float32's, so it
+is asked for, not assumed. On CUDA the default is bfloat16 (tensor cores, half the memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def cpu_bf16_units() -> list[str]:
+    """The bf16 matrix units of this processor, as torch's CPU backend sees them."""
+    units = []
+    if torch.cpu._is_avx512_bf16_supported():
+        units.append("avx512_bf16")
+    if torch.cpu._is_amx_tile_supported():
+        units.append("AMX")
+    return units
+
+
+def choose_dtype(requested: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype for `device` (`requested`: --dtype, None for the default) and a sentence on why,
+    for the start-up log."""
+    if device.type != "cpu":
+        name = requested or "bfloat16"
+        return DTYPES[name], f"{name} on {device.type}" + ("" if requested else " (the default there)")
+    units = cpu_bf16_units()
+    if requested is None:
+        hint = f"; this CPU has {' and '.join(units)}: --dtype bfloat16 is faster, not exact" if units else ""
+        return torch.float32, f"float32 on the CPU (the default: exact, token for token transformers'){hint}"
+    if requested in ("bfloat16", "float16") and not units:
+        return DTYPES[requested], (
+            f"{requested} on the CPU as asked; this CPU has no bf16 matrix units (avx512_bf16, AMX): "
+            "it is computed in emulation and may be slower than float32"
+        )
+    return DTYPES[requested], f"{requested} on the CPU as asked"
