@@ -87,10 +87,10 @@ class _Connection:
             first = await anext(messages, None)
             if first is not None:
                 self._check_token(first)
-                async for reply in self._link.servicer.session(
-                    _then(first, messages), _FramedPeer(self._name)
-                ):
-                    self.protocol.send(reply)
+                session = self._link.servicer.session(_then(first, messages), _FramedPeer(self._name))
+                async with contextlib.aclosing(session) as replies:
+                    async for reply in replies:
+                        self.protocol.send(reply)
         except SessionClosedError as closed:
             self.protocol.send(
                 worker_pb2.WorkerMessage(

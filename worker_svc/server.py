@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -132,12 +132,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.SchedulerMessage],
         context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
-        async for message in self.session(request_iterator, context):
-            yield message
+        # Closed with the call, whichever way it ends: the session's end runs at once, not at GC.
+        async with contextlib.aclosing(self.session(request_iterator, context)) as messages:
+            async for message in messages:
+                yield message
 
     async def session(
         self, request_iterator: AsyncIterator[worker_pb2.SchedulerMessage], context: SessionPeer
-    ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+    ) -> AsyncGenerator[worker_pb2.WorkerMessage, None]:
         """One scheduler's session: its Hello, then a result (or a Keepalive) per launch, in
         order, until it ends; a refusal or a takeover ends it through `context.abort`."""
         hello = await self._expect_hello(request_iterator, context)
