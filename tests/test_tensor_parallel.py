@@ -49,7 +49,7 @@ from tests.live import (
 )
 from worker_svc import ranks as ranks_module
 from worker_svc.forward_batch import ForwardBatch
-from worker_svc.layers import KVCache, LlamaDecoderLayer
+from worker_svc.layers import KVCache, Linear, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, build_tiny
 from worker_svc.model import LlamaForCausalLM, new_model
 from worker_svc.tensor_parallel import AllReduce, shard_config, shard_model
@@ -179,6 +179,8 @@ def test_each_rank_holds_its_share_of_the_heads_and_ffn() -> None:
     layer = shard.model.layers[0]
     assert isinstance(layer, LlamaDecoderLayer)
     attn = layer.self_attn
+    assert isinstance(attn.q_proj, Linear) and isinstance(attn.o_proj, Linear)
+    assert isinstance(shard.lm_head, Linear)
     assert tuple(attn.q_proj.weight.shape) == (128, 256)
     assert tuple(attn.o_proj.weight.shape) == (256, 128)
     assert tuple(shard.lm_head.weight.shape) == (258, 256)  # replicated

@@ -35,7 +35,7 @@ def build_engine(config: WorkerConfig, ranks: TensorParallelRanks | None = None)
     where = config.placement
     device_type = where.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = ranks.place.device(device_type) if ranks is not None else torch.device(device_type)
-    dtype, why = choose_dtype(where.dtype, device)
+    dtype, why = choose_dtype(where.dtype, device, where.quantization)
     log.info("dtype: %s", why)
     shared_cpu = ranks is not None and device.type == "cpu"
     threads = where.threads or (_rank_threads(ranks.size) if ranks is not None and shared_cpu else 0)
@@ -50,6 +50,7 @@ def build_engine(config: WorkerConfig, ranks: TensorParallelRanks | None = None)
         ranks,
         where.tokenizer,
         where.max_model_len,
+        where.quantization,
     )
     engine_config = EngineConfig(
         _kv_slots(config, backend.kv_bytes_per_slot), config.request_slots, config.check_invariants

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -13,10 +13,11 @@ from stepahead.protocol import TokenizerSpec
 from worker_svc.device_streams import DeviceStreams, SimDevice, SimStreams, make_streams
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.grammar import allowed, apply_bitmask
-from worker_svc.layers import KVCache, store_weights_input_major
-from worker_svc.loading import BYTE_TOKENIZER, TINY_CONFIG, load_llama
+from worker_svc.layers import KVCache
+from worker_svc.loading import BYTE_TOKENIZER, TINY_CONFIG, load_llama_with_blocks
 from worker_svc.logits_processors import RowProcessing, Sampled, TokenLogprobs, process_logits, token_logprobs
-from worker_svc.model import LlamaForCausalLM
+from worker_svc.model import LlamaForCausalLM, prepare_for_serving
+from worker_svc.quantization import Int4Blocks
 from worker_svc.ranks import TensorParallelRanks
 from worker_svc.sampler import sample
 from worker_svc.tensor_parallel import shard_model
@@ -153,11 +154,16 @@ def _sample(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
 
 
 class LlamaBackend:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: TokenizerSpec) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: TokenizerSpec,
+        quantization: str = "none",
+        int4_blocks: Mapping[str, Int4Blocks] | None = None,
+    ) -> None:
+        """`model` as loaded (and sharded): it is laid out for serving here (`prepare_for_serving`)."""
         config = model.config
-        weight = model.lm_head.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            store_weights_input_major(model)
+        prepare_for_serving(model, quantization, int4_blocks)
         self.model = model
         self.name = config.name
         self.vocab_size = config.vocab_size
@@ -165,15 +171,14 @@ class LlamaBackend:
         self.eos_token_ids = config.eos_token_ids
         self.bos_token_id = config.bos_token_id
         self.tokenizer = tokenizer
-        self.kv_bytes_per_slot = 2 * config.num_layers * config.kv_size * weight.element_size()
+        self.kv_bytes_per_slot = 2 * config.num_layers * config.kv_size * model.dtype.itemsize
         self._kv: KVCache | None = None
 
     def make_streams(self, device: torch.device) -> DeviceStreams:
         return make_streams(device)
 
     def allocate_kv(self, num_slots: int) -> None:
-        weight = self.model.lm_head.weight
-        self._kv = KVCache.allocate(self.model.config, num_slots, weight.dtype, weight.device)
+        self._kv = KVCache.allocate(self.model.config, num_slots, self.model.dtype, self.model.device)
 
     def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Draw:
         assert self._kv is not None, "allocate_kv() first"
@@ -290,11 +295,13 @@ def load_backend(
     ranks: TensorParallelRanks | None = None,
     tokenizer: Path | None = None,
     max_model_len: int | None = None,
+    quantization: str = "none",
 ) -> ModelBackend:
     """`tiny`, `sim`, `smollm2`, a `.gguf` file, or a Hugging Face checkpoint directory of the
     Llama family; with `ranks`, this rank's shard of it (loaded on the CPU, then sliced);
     `tokenizer` instead of the model's own; `max_model_len`: the context served, at most the
-    model's."""
+    model's; `quantization`: its weights kept as `int8` or `int4` (a GGUF's 4-bit weights as
+    stored), see worker_svc.quantization."""
     backend: ModelBackend
     if model == "sim":
         if ranks is not None:
@@ -302,10 +309,11 @@ def load_backend(
         backend = SimBackend(sim_step_ms, sim_token_us)
     else:
         load_on = device if ranks is None else torch.device("cpu")
-        llama, spec = load_llama(model, load_on, dtype, tokenizer)
+        keep_int4 = quantization == "int4"
+        llama, spec, blocks = load_llama_with_blocks(model, load_on, dtype, tokenizer, keep_int4)
         if ranks is not None:
             llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
-        backend = LlamaBackend(llama, spec)
+        backend = LlamaBackend(llama, spec, quantization, blocks)
     if max_model_len is not None:
         if max_model_len > backend.max_context_len:
             context = backend.max_context_len

@@ -27,6 +27,7 @@ from worker_svc.config import DEFAULT_METRICS_PORT, ModelPlacement, WorkerConfig
 from worker_svc.dtypes import DTYPES
 from worker_svc.launcher import Launcher
 from worker_svc.loading import check_shardable
+from worker_svc.quantization import QUANTIZATIONS
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -36,6 +37,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     check_tls_server_args(p, args, client_ca_required=True)
     if args.tp is not None and args.tp < 1:
         p.error(f"--tp: must be >= 1, got {args.tp}")
+    if args.quantization != "none" and args.dtype not in (None, "bfloat16"):
+        p.error(
+            f"--quantization {args.quantization}: computes in bfloat16, not --dtype {args.dtype} "
+            "(--dtype float32 is the exact mode, unquantized)"
+        )
+    if args.quantization != "none" and args.tp is not None and args.tp > 1:
+        p.error(f"--quantization {args.quantization}: serves with --tp 1 only")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error(
             f"--max-model-len: must be >= 2 (a prompt token and one to generate), got {args.max_model_len}"
@@ -54,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             args.sim_token_us,
             args.tokenizer,
             args.max_model_len,
+            args.quantization,
         ),
         args.host,
         args.port,
@@ -109,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(DTYPES),
         default=None,
         help="default: float32 on cpu (exact), bfloat16 on cuda; the start-up log says which and why",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=ModelPlacement.quantization,
+        help="keep the weights quantized on the CPU, computing in bfloat16: int4 (a GGUF's Q4_0/Q4_1 "
+        "weights as the file holds them, others grouped by 32) or int8 (one scale a channel); the "
+        "output layer stays 8-bit. Faster, not exact",
     )
     p.add_argument("--kv-slots", type=int, default=WorkerConfig.kv_slots, help="KV pool size in tokens")
     p.add_argument(

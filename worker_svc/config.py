@@ -27,6 +27,8 @@ class ModelPlacement:
     tokenizer: Path | None = None
     # The longest prompt + completion served, at most the model's (None: the model's)
     max_model_len: int | None = None
+    # Weights kept as none, int8 or int4 on the CPU (worker_svc.quantization)
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,22 @@ def cpu_bf16_units() -> list[str]:
     return units
 
 
-def choose_dtype(requested: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+def choose_dtype(
+    requested: str | None, device: torch.device, quantization: str = "none"
+) -> tuple[torch.dtype, str]:
     """The dtype for `device` (`requested`: --dtype, None for the default) and a sentence on why,
-    for the start-up log."""
+    for the start-up log; ValueError where --quantization rules it out."""
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ValueError(f"--quantization {quantization}: CPU only (torch's CPU int4/int8 kernels)")
+        if requested not in (None, "bfloat16"):
+            raise ValueError(
+                f"--quantization {quantization} computes in bfloat16, not --dtype {requested} "
+                "(its kernels take bfloat16 activations; --dtype float32 is the exact mode, unquantized)"
+            )
+        return torch.bfloat16, (
+            f"{quantization} weights with bfloat16 activations on the CPU (--quantization {quantization})"
+        )
     if device.type != "cpu":
         name = requested or "bfloat16"
         return DTYPES[name], f"{name} on {device.type}" + ("" if requested else " (the default there)")

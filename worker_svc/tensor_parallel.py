@@ -89,14 +89,14 @@ def _row_parallel(linear: Linear, all_reduce: AllReduce) -> RowParallelLinear:
 def shard_model(full: LlamaForCausalLM, rank: int, size: int, all_reduce: AllReduce) -> LlamaForCausalLM:
     """Rank `rank`'s model, on the full model's device and dtype, with copies of its slices
     (the full model can be freed after)."""
-    weight = full.lm_head.weight
-    local = new_model(shard_config(full.config, size), weight.dtype, weight.device)
+    local = new_model(shard_config(full.config, size), full.dtype, full.device)
     for layer in local.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn.o_proj, Linear) and isinstance(mlp.down_proj, Linear)
         attn.o_proj = _row_parallel(attn.o_proj, all_reduce)
         mlp.down_proj = _row_parallel(mlp.down_proj, all_reduce)
-    local.to(weight.device, weight.dtype)
+    local.to(full.device, full.dtype)
     full_weights = dict(full.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, param in local.named_parameters(remove_duplicate=False):
