@@ -3,7 +3,9 @@
 On the CPU the default is float32, the exact mode: token for token transformers' (the tests hold
 it so). bfloat16 halves the bytes a decode step reads and runs on the processor's bf16 matrix
 units where it has them (`avx512_bf16`, AMX), but its greedy tokens drift from float32's, so it
-is asked for, not assumed. On CUDA the default is bfloat16 (tensor cores, half the memory).
+is asked for, not assumed. `--quantization int4|int8` (worker_svc.quantization) computes in
+bfloat16 over weights kept quantized, on the CPU only; the default's log line names it where
+torch's int4 kernel is vectorized. On CUDA the default is bfloat16 (tensor cores, half the memory).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ def cpu_bf16_units() -> list[str]:
     return units
 
 
+# torch's CPU builds whose int4 kernel is vectorized (torch.backends.cpu.get_cpu_capability())
+VECTORIZED_INT4 = ("AVX2", "AVX512")
+
+
+def cpu_vector_isa() -> str:
+    """The instruction set torch's CPU kernels run with here (e.g. AVX512, AVX2, DEFAULT)."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 def choose_dtype(
     requested: str | None, device: torch.device, quantization: str = "none"
 ) -> tuple[torch.dtype, str]:
@@ -49,7 +60,12 @@ def choose_dtype(
         return DTYPES[name], f"{name} on {device.type}" + ("" if requested else " (the default there)")
     units = cpu_bf16_units()
     if requested is None:
-        hint = f"; this CPU has {' and '.join(units)}: --dtype bfloat16 is faster, not exact" if units else ""
+        hints = []
+        if cpu_vector_isa() in VECTORIZED_INT4:
+            hints.append("--quantization int4 is faster (4-bit weights: a Q4 GGUF's as stored), not exact")
+        if units:
+            hints.append(f"this CPU has {' and '.join(units)}: --dtype bfloat16 is faster at large batches")
+        hint = "".join(f"; {h}" for h in hints)
         return torch.float32, f"float32 on the CPU (the default: exact, token for token transformers'){hint}"
     if requested in ("bfloat16", "float16") and not units:
         return DTYPES[requested], (
