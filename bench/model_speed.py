@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -149,6 +151,40 @@ def llama_bench_tok_s(binary: Path, gguf: Path, threads: int, steps: int) -> flo
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
+def service_ms_per_token(mode: str, threads: int, tokens: int, repeats: int) -> float:
+    """Through the services at concurrency 1: a worker (`--model smollm2` in `mode`) and an
+    overlap scheduler on its link socket, one streamed completion of exactly `tokens` tokens at a
+    time over the OpenAI API; ms per token after the first, the best of `repeats` requests."""
+    import openai
+
+    from stepahead.processes import serving_pair
+
+    dtype_name, quantization = MODES[mode]
+    worker = ["--model", SMOLLM2_NAME, "--threads", str(threads), "--dtype", dtype_name]
+    worker += ["--quantization", quantization, "--kv-slots", "2048"]
+    with socket.socket() as probe:  # a free port for the HTTP API
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    with serving_pair(worker, ["--http-port", str(http_port)], link="socket") as (_, scheduler):
+        client = openai.OpenAI(base_url=scheduler.http_url + "/v1", api_key="unused", max_retries=0)
+        best = math.inf
+        for _ in range(repeats + 1):  # the first warms up
+            arrivals = []
+            stream = client.completions.create(
+                model=SMOLLM2_NAME,
+                prompt=PROMPT,
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    arrivals.append(time.perf_counter())
+            best = min(best, (arrivals[-1] - arrivals[0]) / (tokens - 1) * 1e3)
+        return best
+
+
 def load_ours(mode: str) -> LlamaForCausalLM:
     """smollm2 laid out as the worker serves it in `mode` (see MODES)."""
     dtype_name, quantization = MODES[mode]
@@ -185,6 +221,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="PATH",
         help="a llama.cpp `llama-bench` binary: its batch-1 decode on the same file, in the same run "
         "(docs/BENCHMARKS.md says how to build one)",
+    )
+    p.add_argument(
+        "--service",
+        action="store_true",
+        help="also each mode through the services at concurrency 1: ms per token against the raw step",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -224,6 +265,18 @@ def main(argv: list[str] | None = None) -> None:
         cells += [f"{r.ours_tok_s[m] / r.transformers_tok_s:.2f}x" for m in modes]
         cells += ["-" if cpp is None else f"{r.ours_tok_s[m] / cpp:.2f}x" for m in modes]
         print("| " + " | ".join(cells) + " |")
+    if args.service:
+        raw = next((r for r in rows if r.batch == 1), None) or measure(
+            ours, theirs, prompt, 1, args.steps, args.repeats, None
+        )
+        print()
+        print("Through the services at concurrency 1 (overlap, link socket, streamed, exactly 64 tokens):")
+        print("| mode | raw step ms | service ms per token | service / raw |")
+        print("|---|---:|---:|---:|")
+        for mode in modes:
+            step_ms = 1e3 / raw.ours_tok_s[mode]
+            served = service_ms_per_token(mode, args.threads, 64, args.repeats)
+            print(f"| {mode} | {step_ms:.1f} | {served:.1f} | {served / step_ms:.2f}x |")
 
 
 if __name__ == "__main__":

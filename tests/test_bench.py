@@ -1223,3 +1223,23 @@ def test_tool_masks_smoke_run_writes_every_state(tmp_path: Path) -> None:
     assert all(
         v > 0 for part in ("mask_us_per_row", "frontend_us_per_token") for v in document[part].values()
     )
+
+
+def test_model_speed_reads_llama_bench_as_it_is_run(tmp_path: Path) -> None:
+    from bench import model_speed
+
+    # A stand-in llama-bench: checks the command line it is given, prints its JSON report.
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, sys\n"
+        "a = sys.argv[1:]\n"
+        "flag = lambda f: a[a.index(f) + 1]\n"
+        "assert (flag('-t'), flag('-n'), flag('-p')) == ('2', '32', '0')\n"
+        "assert flag('-m').endswith('.gguf') and flag('-o') == 'json'\n"
+        "print(json.dumps([{'n_prompt': 0, 'n_gen': 32, 'avg_ts': 104.25, 'stddev_ts': 1.5}]))\n"
+    )
+    fake.chmod(0o755)
+    assert model_speed.llama_bench_tok_s(fake, tmp_path / "m.gguf", 2, 32) == 104.25
+    assert set(model_speed.MODES) == {"float32", "bfloat16", "int8", "int4"}
+    assert model_speed.MODES["int4"] == ("bfloat16", "int4")

