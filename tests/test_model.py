@@ -59,7 +59,7 @@ def checkpoint_weights(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             for kind in ("weight", "bias"):
                 name = f"model.layers.{i}.{fused}.{kind}"
                 if name in weights:
-                    for part, piece in zip(parts, weights.pop(name).split(list(sizes)), strict=True):
+                    for part, piece in zip(parts, torch.split(weights.pop(name), list(sizes)), strict=True):
                         weights[f"model.layers.{i}.{owner}.{part}.{kind}"] = piece
     return weights
 
