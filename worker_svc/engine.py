@@ -118,6 +118,9 @@ def _enter_inference_mode() -> None:
     guard = torch.inference_mode()
     guard.__enter__()
     _FORWARD_THREAD.inference_mode = guard
+    # NOTE: OpenMP keeps the thread count per thread: a thread of our own starts at the
+    # runtime's default, not at what `--threads` set in the main thread.
+    torch.set_num_threads(torch.get_num_threads())
 
 
 class SessionEnded(RuntimeError):
