@@ -309,7 +309,9 @@ class LlamaAttention(nn.Module):
         return projected
 
     def fuse(self) -> None:
-        """q/k/v as one projection (one matrix product instead of three), for serving."""
+        """q/k/v as one projection (one matrix product instead of three), for serving; once."""
+        if self.qkv_proj is not None:
+            return
         assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
         self.qkv_proj = stack_linears([self.q_proj, self.k_proj, self.v_proj])
         self.q_proj = self.k_proj = self.v_proj = None
@@ -391,7 +393,9 @@ class LlamaMLP(nn.Module):
         self.down_proj: nn.Module = Linear(config.intermediate_size, config.hidden_size)
 
     def fuse(self) -> None:
-        """gate/up as one projection, for serving."""
+        """gate/up as one projection, for serving; once."""
+        if self.gate_up_proj is not None:
+            return
         assert self.gate_proj is not None and self.up_proj is not None
         self.gate_up_proj = stack_linears([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
