@@ -40,7 +40,8 @@ HELD_OUT = (
 )
 
 
-def _prefill(tokens: list[int], sample_all: bool = False) -> ForwardBatch:
+def _prefill_every_logit(tokens: list[int]) -> ForwardBatch:
+    """One row of `tokens`, the logits of each of its positions sampled."""
     n = len(tokens)
     return ForwardBatch(
         input_ids=torch.tensor(tokens),
@@ -50,7 +51,7 @@ def _prefill(tokens: list[int], sample_all: bool = False) -> ForwardBatch:
         row_token_starts=[0],
         row_num_tokens=[n],
         row_ctx_lens=[n],
-        sample_token_index=torch.arange(n) if sample_all else torch.tensor([n - 1]),
+        sample_token_index=torch.arange(n),
         req_to_token=torch.arange(n + 64)[None],
     )
 
@@ -195,7 +196,7 @@ def test_quantized_layers_compute_their_weights() -> None:
     # The int4 kernel packs outputs by 16: another shape is served at 8 bits.
     odd = Linear(96, 24)
     odd.weight.data = torch.randn(24, 96, generator=generator)
-    assert isinstance(quantized_linear([odd], ["x"], "int4", {}), Int8Linear)
+    assert isinstance(quantized_linear(odd, ["x"], "int4", {}), Int8Linear)
 
 
 def test_quantization_flags_refuse_what_they_cannot_serve(capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,7 +218,7 @@ def test_quantization_flags_refuse_what_they_cannot_serve(capsys: pytest.Capture
 def _mean_nll(model: LlamaForCausalLM, tokens: list[int]) -> float:
     kv = KVCache.allocate(model.config, len(tokens) + 64, model.dtype, CPU)
     with torch.inference_mode():
-        logits = model(_prefill(tokens, sample_all=True), kv)
+        logits = model(_prefill_every_logit(tokens), kv)
     nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(tokens[1:]))
     return float(nll)
 

@@ -127,20 +127,15 @@ class Int8Linear(nn.Module):
 
 
 def quantized_linear(
-    layers: Sequence[Linear],
-    names: Sequence[str],
-    mode: str,
-    blocks: Mapping[str, Int4Blocks],
+    layer: Linear, names: Sequence[str], mode: str, blocks: Mapping[str, Int4Blocks]
 ) -> nn.Module:
-    """One quantized layer computing `layers` stacked along their outputs (`names`: their weights'
-    names, to find a file's own 4-bit blocks). In `int4`, a weight that does not pack is int8."""
-    weight = torch.cat([layer.weight for layer in layers])
-    biases = [layer.bias for layer in layers]
-    bias = None if any(b is None for b in biases) else torch.cat([b for b in biases if b is not None])
+    """`layer` quantized in `mode`; `names`: the checkpoint weights it stacks (one, or a fused
+    projection's parts), whose 4-bit blocks a file may hold. In `int4`, a weight that does not
+    pack is int8."""
+    weight, bias = layer.weight, layer.bias
     if mode == "int4" and int4_fits(*weight.shape):
-        own = [blocks.get(name) for name in names]
-        parts = [b for b in own if b is not None]
-        source = Int4Blocks.cat(parts) if len(parts) == len(own) else Int4Blocks.from_weight(weight)
+        own = [blocks[name] for name in names if name in blocks]
+        source = Int4Blocks.cat(own) if len(own) == len(names) else Int4Blocks.from_weight(weight)
         return Int4Linear(source, bias)
     return Int8Linear(weight, bias)
 
@@ -158,8 +153,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
             linear = getattr(owner, attr)
             assert isinstance(linear, Linear), f"{fused} is not a fused Linear"
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            setattr(owner, attr, quantized_linear([linear], names, mode, blocks))
+            setattr(owner, attr, quantized_linear(linear, names, mode, blocks))
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head_mode = mode if head_name in blocks else "int8"
     assert isinstance(model.lm_head, Linear)
-    model.lm_head = quantized_linear([model.lm_head], [head_name], head_mode, blocks)
+    model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks)
