@@ -24,6 +24,7 @@ pytestmark = pytest.mark.anyio
 class Stream:
     def __init__(self) -> None:
         self.ready = asyncio.Event()
+        self.due = True
 
 
 def test_the_factor_doubles_while_behind_and_halves_after_a_calm_spell() -> None:
@@ -97,3 +98,33 @@ async def test_the_frontend_holds_neither_a_first_token_nor_a_finish() -> None:
             messages.append(completions.take()[0][1].token_ids)
     assert messages == [[97], [98, 99, 100], [101, 102, 103, 104], [105, 106]]
     assert completions.done
+
+
+async def test_a_stream_read_while_held_is_not_woken_for_less_than_its_interval() -> None:
+    """--stream-interval 4: woken in one step but read late, after the next step held it again
+    (the factor rose meanwhile); the flush that follows must not send the one token since."""
+    core = ScriptedCore()
+    frontend = Frontend(FrontendConfig(stream_interval=4))
+    frontend.core = core
+    frontend.worker_state(SCRIPTED_INFO, True)
+    completions = frontend.submit("r", [65, 66], params(32, ignore_eos=True))
+    handle = core.specs[0].handle
+
+    def step(token: int) -> None:
+        outputs = StepOutputs()
+        outputs.add(handle, token, None)
+        frontend.send(outputs)
+
+    for token in range(97, 101):
+        step(token)
+    assert completions.ready.is_set()  # four pending: woken at factor 1
+    frontend.pacer.factor = 2
+    step(101)  # due again (five pending): held, its step is odd
+    assert [chunk.token_ids for _, chunk in completions.take()] == [[97, 98, 99, 100, 101]]
+    step(102)  # the held stream's flush step: one token pending
+    assert not completions.ready.is_set()
+    for token in range(103, 106):
+        step(token)
+    frontend.pacer.flush()
+    assert completions.ready.is_set()
+    assert [chunk.token_ids for _, chunk in completions.take()] == [[102, 103, 104, 105]]

@@ -7,7 +7,8 @@ that keeps up sends every token at once. One that falls behind (its event loop r
 lag of a timer it sets itself) wakes a stream only every `factor` steps, so the tokens of those
 steps merge into one message and messages per second stop growing with the token rate; it
 halves the factor again once it has kept up for a while. A request's first token and its finish
-are never held, and nothing is held longer than MAX_HOLD_S.
+are never held, and nothing is held longer than MAX_HOLD_S. A held stream whose reader took its
+tokens meanwhile (woken in an earlier step, read late) is not woken for what came since.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ MAX_HOLD_S = 0.2  # a held stream is woken after this, steps or not
 
 class Wakeable(Protocol):
     ready: asyncio.Event
+
+    @property
+    def due(self) -> bool:
+        """Whether it still has a message's worth of news (its reader may have taken it while
+        it was held)."""
+        ...
 
 
 class StreamPacer:
@@ -60,7 +67,8 @@ class StreamPacer:
 
     def flush(self) -> None:
         for stream in self._held:
-            stream.ready.set()
+            if stream.due:
+                stream.ready.set()
         self._held.clear()
         if self._flush is not None:
             self._flush.cancel()

@@ -53,6 +53,11 @@ class OutputStream:
         return self._decode is not None
 
     @property
+    def due(self) -> bool:
+        """A message's worth of tokens is pending (the finish and a failure wake it themselves)."""
+        return len(self._ids) >= self._interval
+
+    @property
     def has_news(self) -> bool:
         return not self.done and bool(self._ids or self._text or self._calls or self._finish is not None)
 
@@ -63,7 +68,7 @@ class OutputStream:
             self._logprobs.append(logprob)
         if text:
             self._text.append(text)
-        return len(self._ids) >= self._interval
+        return self.due
 
     def decode_later(self, decode: Callable[[list[int]], str]) -> None:
         """Tokens put with `put_id` get their text from `decode`, all of a message's at once, when
@@ -77,7 +82,7 @@ class OutputStream:
         self._undecoded.append(token_id)
         if logprob is not None:
             self._logprobs.append(logprob)
-        return len(self._ids) >= self._interval
+        return self.due
 
     def catch_up(self) -> None:
         """The text of the tokens put with `put_id` so far."""
