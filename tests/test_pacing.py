@@ -2,7 +2,8 @@
 up, every due stream is woken in the step that made it due; once the loop runs late (forced
 here by blocking it), due streams are woken every `factor` steps, so their tokens merge into
 fewer messages, with a request's first token and its finish never held and nothing held past
-MAX_HOLD_S; the factor comes back down once the loop keeps up."""
+MAX_HOLD_S; the factor comes back down once the loop keeps up. A frontend with few messages to
+send (under MIN_MESSAGES_PER_S) holds nothing, however late its loop."""
 
 from __future__ import annotations
 
@@ -27,21 +28,44 @@ class Stream:
         self.due = True
 
 
+BUSY = pacing.MIN_MESSAGES_PER_S * 10  # due wakes a second: a frontend with many streams
+
+
 def test_the_factor_doubles_while_behind_and_halves_after_a_calm_spell() -> None:
     pacer = StreamPacer()
     factors = []
     for _ in range(6):
-        pacer.observe(0.05)
+        pacer.observe(0.05, BUSY)
         factors.append(pacer.factor)
     assert factors == [2, 4, 8, MAX_FACTOR, MAX_FACTOR, MAX_FACTOR]
     calm = 0
     while pacer.factor == MAX_FACTOR:
-        pacer.observe(0.0)
+        pacer.observe(0.0, BUSY)
         calm += 1
     assert calm >= pacing.CALM_PROBES and pacer.factor == MAX_FACTOR // 2
     for _ in range(200):
-        pacer.observe(0.0)
+        pacer.observe(0.0, BUSY)
     assert pacer.factor == 1
+
+
+async def test_few_messages_are_never_held_however_late_the_loop() -> None:
+    """A lone client on a machine whose cores the forward takes: the loop runs late, but its
+    tokens still leave at once; a held stream is woken as soon as the rate falls."""
+    pacer = StreamPacer()
+    for _ in range(20):
+        pacer.observe(0.05, pacing.MIN_MESSAGES_PER_S / 4)
+    assert pacer.factor == 1
+    for _ in range(20):
+        pacer.observe(0.05, BUSY)
+    assert pacer.factor == MAX_FACTOR
+    stream = Stream()
+    pacer.release([stream])
+    assert not stream.ready.is_set()  # held
+    while pacer.factor > 1:
+        pacer.observe(0.05, 0.0)
+    assert stream.ready.is_set()
+    pacer.release([stream])
+    assert stream.ready.is_set()
 
 
 async def test_at_factor_1_every_due_stream_wakes_in_its_step() -> None:
@@ -70,7 +94,9 @@ async def test_behind_due_streams_wake_every_factor_steps_and_never_past_the_hol
 async def test_a_blocked_loop_raises_the_factor_and_stopping_resets_it() -> None:
     pacer = StreamPacer()
     pacer.watch()
+    many = [Stream() for _ in range(int(pacing.MIN_MESSAGES_PER_S * pacing.PROBE_S * 4))]
     for _ in range(8):
+        pacer.release(many)  # four times the rate below which nothing is held
         time.sleep(pacing.PROBE_S)  # the loop is blocked: the probe runs late by about this much
         await asyncio.sleep(0)
     await asyncio.sleep(pacing.PROBE_S * 2)
