@@ -4,6 +4,7 @@ a `WorkerConfig` (see `cli` for the command line)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ from worker_svc.backends import load_backend
 from worker_svc.config import WorkerConfig
 from worker_svc.dtypes import choose_dtype
 from worker_svc.engine import EngineConfig, WorkerEngine
+from worker_svc.forward_thread import forward_thread
 from worker_svc.link_socket import LinkSocket
 from worker_svc.ranks import RankPlace, TensorParallelRanks, join_group
 from worker_svc.server import SERVICE_NAME, WorkerAccess, build_server
@@ -32,6 +34,15 @@ log = logging.getLogger("stepahead.worker")
 
 
 def build_engine(config: WorkerConfig, ranks: TensorParallelRanks | None = None) -> WorkerEngine:
+    """Built on the engine's forward thread, which alone runs torch's parallel work
+    (worker_svc/forward_thread.py)."""
+    forward = forward_thread()
+    return forward.submit(_build_engine, config, ranks, forward).result()
+
+
+def _build_engine(
+    config: WorkerConfig, ranks: TensorParallelRanks | None, forward: concurrent.futures.ThreadPoolExecutor
+) -> WorkerEngine:
     where = config.placement
     device_type = where.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = ranks.place.device(device_type) if ranks is not None else torch.device(device_type)
@@ -56,7 +67,7 @@ def build_engine(config: WorkerConfig, ranks: TensorParallelRanks | None = None)
         _kv_slots(config, backend.kv_bytes_per_slot), config.request_slots, config.check_invariants
     )
     tracer = Tracer(config.trace_file if ranks is None or ranks.is_leader else None, "worker")
-    return WorkerEngine(backend, engine_config, backend.make_streams(device), tracer, ranks)
+    return WorkerEngine(backend, engine_config, backend.make_streams(device), tracer, ranks, forward)
 
 
 def _rank_threads(size: int) -> int:

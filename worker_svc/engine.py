@@ -1,7 +1,8 @@
 """The worker engine: executes launched batches strictly in launch order.
 
 A launch goes through two single-thread executors:
-  forward thread: check the launch (worker_svc/launch_check.py), apply slot
+  forward thread: (the one thread that runs torch's parallel work, worker_svc/forward_thread.py)
+                  check the launch (worker_svc/launch_check.py), apply slot
                   deltas (worker_svc/slots.py), build the batch (worker_svc/rows.py:
                   decode inputs gathered from the FutureMap on the device),
                   forward, process the logits and sample
@@ -38,7 +39,6 @@ need the previous step's tokens, copied back by the copy thread.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ from stepahead.trace import NO_TRACE, Tracer
 from worker_svc.accounting import StepAccounting
 from worker_svc.backends import Draw, ModelBackend
 from worker_svc.device_streams import DeviceStreams, PendingCopy, transfers_through
+from worker_svc.forward_thread import COPY, enter_inference_mode, forward_thread, named
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
 from worker_svc.logits_processors import Sampled, pack_for_host, unpack_from_host
 from worker_svc.ranks import (
@@ -108,21 +109,6 @@ class _Ran:
     grammar: GrammarStep | None = None
 
 
-_FORWARD_THREAD = threading.local()
-
-
-def _enter_inference_mode() -> None:
-    """For the forward thread's whole life: no autograd bookkeeping, and no
-    per-step enter/exit between two forwards (it shows in the device gap)."""
-    # NOTE: inference mode lasts as long as its guard object: it is kept for the thread's life.
-    guard = torch.inference_mode()
-    guard.__enter__()
-    _FORWARD_THREAD.inference_mode = guard
-    # NOTE: OpenMP keeps the thread count per thread: a thread of our own starts at the
-    # runtime's default, not at what `--threads` set in the main thread.
-    torch.set_num_threads(torch.get_num_threads())
-
-
 class SessionEnded(RuntimeError):
     """A launch dropped unrun: its session ended while it waited its turn."""
 
@@ -138,7 +124,9 @@ class WorkerEngine:
         streams: DeviceStreams,
         tracer: Tracer = NO_TRACE,
         ranks: TensorParallelRanks | None = None,
+        forward: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
+        """`forward`: the forward thread (worker_svc/forward_thread.py), a new one if None."""
         self.backend = backend
         self.config = config
         self.streams = streams
@@ -154,10 +142,10 @@ class WorkerEngine:
         )
         self._batches = BatchBuilder(self._slots, device)
         self._no_tokens = torch.empty(0, dtype=torch.int64, device=device)
-        self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-            1, "forward-stream", initializer=_enter_inference_mode
-        )
-        self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, "copy-wait")
+        # NOTE: built on its forward thread where the worker builds it (worker_svc/app.py)
+        self._forward_thread = forward or forward_thread()
+        self._forward_thread.submit(enter_inference_mode)
+        self._copy_thread = named(COPY)
         self._session = EngineSession(
             config.kv_slots, config.request_slots, backend.max_context_len, backend.vocab_size
         )
@@ -258,9 +246,11 @@ class WorkerEngine:
         the same, so these pass too; a rank that finds otherwise has diverged and stops.
         """
         assert self.ranks is not None and not self.ranks.is_leader
-        _enter_inference_mode()
+        self._forward_thread.submit(self._follow_all, self.ranks).result()
+
+    def _follow_all(self, ranks: TensorParallelRanks) -> None:
         try:
-            while self._follow_one(self.ranks):
+            while self._follow_one(ranks):
                 pass
         except GroupBroken as exc:
             fail_stop(exc)

@@ -36,6 +36,7 @@ import torch
 
 from stepahead.grammars import GrammarError, compile_stats
 from stepahead.protocol import GrammarConstraint, Launch, TokenizerSpec
+from worker_svc.forward_thread import named
 from worker_svc.grammar import MatcherTable, grammar_tokenizer, new_bitmask
 from worker_svc.telemetry import WorkerMetrics
 
@@ -123,7 +124,7 @@ class GrammarThread:
         self._metrics = metrics
         self._pin = pin_masks
         self._check = check_invariants
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, "grammar")
+        self._thread = named("grammar")
         self._table: MatcherTable | None = None
         self._pending: set[GrammarStep] = set()  # advances waiting for their step's tokens
         self._pending_lock = threading.Lock()
