@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -162,14 +161,12 @@ def service_against_raw(
     import openai
 
     from stepahead.processes import serving_pair
+    from stepahead_cli.serve import free_port
 
     dtype_name, quantization = MODES[mode]
     worker = ["--model", SMOLLM2_NAME, "--threads", str(threads), "--dtype", dtype_name]
     worker += ["--quantization", quantization, "--kv-slots", "2048"]
-    with socket.socket() as probe:  # a free port for the HTTP API
-        probe.bind(("127.0.0.1", 0))
-        http_port = probe.getsockname()[1]
-    with serving_pair(worker, ["--http-port", str(http_port)], link="socket") as (_, scheduler):
+    with serving_pair(worker, ["--http-port", str(free_port())], link="socket") as (_, scheduler):
         client = openai.OpenAI(base_url=scheduler.http_url + "/v1", api_key="unused", max_retries=0)
         raw, served = math.inf, math.inf
         for attempt in range(repeats + 1):  # the first warms up
