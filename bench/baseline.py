@@ -25,6 +25,12 @@ class Baseline:
         """The link its scheduler reaches the worker by: the framed socket where it has one."""
         return "socket" if "--link-socket" in (self.path / "worker_svc" / "cli.py").read_text() else "grpc"
 
+    @property
+    def serves_generate_many(self) -> bool:
+        """Whether its Generation API has GenerateMany (loadgen's grpc-many backend)."""
+        proto = self.path / "protos" / "stepahead" / "v1" / "generation.proto"
+        return "rpc GenerateMany" in proto.read_text()
+
 
 def checkout(ref: str) -> Baseline:
     commit = _git("rev-parse", "--verify", f"{ref}^{{commit}}")

@@ -8,9 +8,10 @@ report gives each figure's ratio to the baseline's.
 Each (step time, frontend count, code) gets a fresh worker and scheduler, whose points run lowest
 concurrency first, each after a warmup and between two scrapes of both /metrics endpoints
 (`bench.run.measure`), over 1 and over 8 client connections (loadgen's `connections`; one
-connection reaches one frontend process). The machine's speed is printed as the time of a pure
-Python loop (`bench.machine.loop_calibration`). Writes
-bench/results/<UTC date-time>-frontends.{json,md} and prints the table.
+connection reaches one frontend process); `--client grpc-many` sends a connection's requests on
+one GenerateMany call instead of a Generate call each (a baseline without it uses Generate). The
+machine's speed is printed as the time of a pure Python loop (`bench.machine.loop_calibration`).
+Writes bench/results/<UTC date-time>-frontends.{json,md} and prints the table.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from bench.envelope import Envelope, begin
 from bench.figures import CPU, Figures, figures, ratio
 from bench.machine import Machine, load_average, loop_calibration
 from bench.promtext import total
-from bench.run import Endpoints, Measurement, measure, serving
+from bench.run import Endpoints, GrpcClient, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
 
 TITLE = "Stepahead frontends benchmark"
@@ -176,6 +177,7 @@ class PointResult:
     cpu: CpuFigures
     connections: int = 1
     code: Code = "current"
+    client: GrpcClient = "grpc"  # loadgen's gRPC backend
 
     @property
     def point(self) -> tuple[float, int, int, int, bool]:
@@ -211,21 +213,30 @@ def run_plan(
     progress: Progress = to_stderr,
     baseline: Baseline | None = None,
     link: WorkerLink = "socket",
+    client: GrpcClient = "grpc",
 ) -> FrontendsRun:
-    """`link`: how this checkout's scheduler reaches its worker (a baseline uses its own best)."""
+    """`link`: how this checkout's scheduler reaches its worker (a baseline uses its own best);
+    `client`: loadgen's gRPC backend against this checkout (a baseline without GenerateMany is
+    sent Generate calls)."""
     started_at, machine = begin()
     loop_s = loop_calibration()
     progress(f"loop calibration: {loop_s:.2f} s")
-    codes: list[tuple[Code, Path | None, WorkerLink]] = [("current", None, link)]
+    codes: list[tuple[Code, Path | None, WorkerLink, GrpcClient]] = [("current", None, link, client)]
     if baseline is not None:
-        codes.insert(0, ("baseline", baseline.path, baseline.worker_link))
+        baseline_client: GrpcClient = client if baseline.serves_generate_many else "grpc"
+        codes.insert(0, ("baseline", baseline.path, baseline.worker_link, baseline_client))
     results = [
         result
         for step_ms in plan.step_times
         for frontends in plan.frontend_counts
-        for code, path, code_link in codes
+        for code, path, code_link, code_client in codes
         for result in run_pair(
-            plan, Configuration(sim(step_ms), "overlap", code_link, frontends=frontends), progress, code, path
+            plan,
+            Configuration(sim(step_ms), "overlap", code_link, frontends=frontends),
+            progress,
+            code,
+            path,
+            code_client,
         )
     ]
     ordered = tuple(sorted(results, key=lambda r: r.point))
@@ -239,13 +250,14 @@ def run_pair(
     progress: Progress,
     code: Code = "current",
     path: Path | None = None,
+    client: GrpcClient = "grpc",
 ) -> list[PointResult]:
     """One worker and scheduler (of `code`, from `path`) for every concurrency and connection
     count at this step time, lowest first."""
     step_ms = configuration.device.sim_step_ms or 0.0
     with serving(configuration, path) as endpoints:
         return [
-            run_point(plan, configuration, endpoints, c, connections, progress, code)
+            run_point(plan, configuration, endpoints, c, connections, progress, code, client)
             for c in plan.concurrencies(step_ms)
             for connections in plan.connection_counts
         ]
@@ -259,11 +271,12 @@ def run_point(
     connections: int,
     progress: Progress,
     code: Code = "current",
+    client: GrpcClient = "grpc",
 ) -> PointResult:
     case = Case(configuration, plan.workload(concurrency))
-    measured = measure(endpoints, case.workload, connections)
+    measured = measure(endpoints, case.workload, connections, client=client)
     cpu = cpu_figures(configuration.frontends, measured)
-    result = PointResult(case, figures(case, measured), cpu, connections, code)
+    result = PointResult(case, figures(case, measured), cpu, connections, code, client)
     progress(progress_line(result))
     return result
 
@@ -271,7 +284,7 @@ def run_point(
 def progress_line(r: PointResult) -> str:
     step_ms, concurrency, frontends, connections, _ = r.point
     return (
-        f"{r.code}: step {step_ms:g} ms, concurrency {concurrency:>3}, frontends {frontends}, "
+        f"{r.code} ({r.client}): step {step_ms:g} ms, concurrency {concurrency:>3}, frontends {frontends}, "
         f"connections {connections}: {r.figures.output_tokens_per_s:8,.0f} tok/s, busy "
         f"{number(r.figures.device_busy_fraction, 3)}, scheduler {number(r.cpu.scheduler_us_per_token, 1)} "
         f"µs/token, CPUs used {number(r.cpu.cpus_used, 2)}, {r.figures.failed} failed"
@@ -299,6 +312,7 @@ def _point_json(r: PointResult) -> dict[str, Any]:
     return {
         "name": r.case.configuration.name,
         "code": r.code,
+        "client": r.client,
         "step_ms": step_ms,
         "concurrency": concurrency,
         "frontends": frontends,
@@ -331,7 +345,7 @@ def _row(r: PointResult) -> str:
     step_ms, concurrency, frontends, connections, _ = r.point
     f, c = r.figures, r.cpu
     cells = [
-        r.code,
+        r.code if r.client == "grpc" else f"{r.code}, {r.client}",
         f"{step_ms:g}",
         str(concurrency),
         str(frontends),
@@ -400,11 +414,15 @@ def notes(run: FrontendsRun) -> list[str]:
     links = {r.code: r.case.configuration.transport for r in run.results}
     baseline = [] if run.baseline is None else [f"- baseline: commit {run.baseline}, run the same way"]
     links_line = ", ".join(f"{code} over {link}" for code, link in sorted(links.items(), reverse=True))
+    clients = {r.code: r.client for r in run.results}
+    clients_line = ", ".join(f"{code} {client}" for code, client in sorted(clients.items(), reverse=True))
     return [
         f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes {calibration}",
         *baseline,
         f"- the scheduler's link to the worker: {links_line} (socket: the worker's framed --link-socket, "
         "as `stepahead serve` runs it)",
+        f"- loadgen's client: {clients_line} (grpc: a Generate call a request; grpc-many: one "
+        "GenerateMany call a connection, carrying its requests)",
         f"- each point: {p.waves} x concurrency requests, {p.input_len}-token prompts, exactly "
         f"{p.output_len} new tokens (ignore_eos), a closed loop over {connections} client connections; "
         f"warmup: concurrency x 8 tokens; overlap mode; ideal = concurrency x 1000 / step ms",
@@ -454,6 +472,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="this checkout's link to the worker (default socket, as stepahead serve runs it; a "
         "baseline uses its socket where it has one)",
     )
+    p.add_argument(
+        "--client",
+        choices=("grpc", "grpc-many"),
+        default="grpc",
+        help="loadgen's gRPC backend: a Generate call a request (default), or one GenerateMany call a "
+        "connection (a baseline without GenerateMany is sent Generate calls)",
+    )
     return p.parse_args(argv)
 
 
@@ -461,7 +486,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = command_line("bench.frontends", argv)
     baseline = None if args.baseline is None else checkout(args.baseline)
-    run = run_plan(QUICK if args.quick else FULL, baseline=baseline, link=args.worker_link)
+    plan = QUICK if args.quick else FULL
+    run = run_plan(plan, baseline=baseline, link=args.worker_link, client=args.client)
     publish("frontends", run.started_at, to_json(run, command), to_markdown(run, command), args.out)
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from bench.configs import Configuration, Workload
 from bench.promtext import Labels, delta, scrape, total
@@ -21,6 +23,7 @@ from stepahead.processes import Service, serving_pair, spawn_scheduler_in_proces
 SETTLE_TIMEOUT_S = 120.0
 NO_FEATURES = SamplingFeatures()
 NO_CONSTRAINT = Constrained()
+GrpcClient = Literal["grpc", "grpc-many"]
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -82,17 +85,21 @@ def measure(
     connections: int = 1,
     features: SamplingFeatures = NO_FEATURES,
     constrained: Constrained = NO_CONSTRAINT,
+    client: GrpcClient = "grpc",
 ) -> Measurement:
     """Warm up, then one measured run between two scrapes of each process; both runs are
     loadgen's, over `connections` client connections (one reaches a single frontend, which is
     all the scheduler runs by default), every request asking for the sampling `features`, the
-    `constrained` ones held to a JSON Schema."""
-    run_loadgen(_warmup_config(endpoints.address, workload, connections, features, constrained))
+    `constrained` ones held to a JSON Schema; `client`: loadgen's gRPC backend (a Generate call
+    a request, or one GenerateMany call a connection)."""
+    warmup = _warmup_config(endpoints.address, workload, connections, features, constrained)
+    run_loadgen(dataclasses.replace(warmup, backend=client))
     settle(endpoints)
     scheduler_before, worker_before = scrape(endpoints.scheduler_metrics), scrape(endpoints.worker_metrics)
     children_before = _scheduler_children_cpu_s(endpoints)
     cpu_before = time.process_time()
-    summary = run_loadgen(_measured_config(endpoints.address, workload, connections, features, constrained))
+    measured = _measured_config(endpoints.address, workload, connections, features, constrained)
+    summary = run_loadgen(dataclasses.replace(measured, backend=client))
     client_cpu_s = time.process_time() - cpu_before
     children_used = cpu_used(children_before, _scheduler_children_cpu_s(endpoints))
     settle(endpoints)

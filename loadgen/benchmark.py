@@ -14,8 +14,16 @@ from typing import Protocol
 import numpy as np
 
 from loadgen.arrivals import check_arrival_params, send_offsets
-from loadgen.backend import BACKENDS, Backend, BackendName, Constrained, Sampling, SamplingFeatures
-from loadgen.client import GrpcBackend
+from loadgen.backend import (
+    BACKENDS,
+    GRPC_BACKENDS,
+    Backend,
+    BackendName,
+    Constrained,
+    Sampling,
+    SamplingFeatures,
+)
+from loadgen.client import GrpcBackend, GrpcManyBackend
 from loadgen.openai_client import OpenAIBackend, OpenAITarget, base_urls
 from loadgen.records import RequestRecord
 from loadgen.stats import Slos, Summary, summarize
@@ -82,7 +90,7 @@ class BenchmarkConfig:
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "grpc":
+        if self.backend in GRPC_BACKENDS:
             split_servers(self.server)
         for url in base_urls(self.base_url):
             if not url.startswith(("http://", "https://")):
@@ -96,12 +104,12 @@ class BenchmarkConfig:
     @property
     def target(self) -> str:
         """Where the requests go: the gRPC address or the HTTP base URL."""
-        return self.server if self.backend == "grpc" else self.base_url
+        return self.server if self.backend in GRPC_BACKENDS else self.base_url
 
     @property
     def connection_limit(self) -> int | None:
         """The connections in use: gRPC channels, or the HTTP pool's cap (None: no cap)."""
-        if self.backend == "grpc" and self.connections is None:
+        if self.backend in GRPC_BACKENDS and self.connections is None:
             return DEFAULT_CONNECTIONS
         return self.connections
 
@@ -151,6 +159,8 @@ def open_backend(config: BenchmarkConfig) -> Backend:
     sampling = Sampling(config.temperature, config.ignore_eos, config.features, config.constrained)
     if config.backend == "grpc":
         return GrpcBackend(config.server, config.connection_limit or DEFAULT_CONNECTIONS, sampling)
+    if config.backend == "grpc-many":
+        return GrpcManyBackend(config.server, config.connection_limit or DEFAULT_CONNECTIONS, sampling)
     target = OpenAITarget(config.base_url, config.model, config.api_key, chat=config.backend == "openai-chat")
     return OpenAIBackend(target, config.connection_limit, sampling)
 

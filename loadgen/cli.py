@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from loadgen.backend import BACKENDS, BackendError, Constrained, SamplingFeatures
+from loadgen.backend import BACKENDS, GRPC_BACKENDS, BackendError, Constrained, SamplingFeatures
 from loadgen.benchmark import (
     DEFAULT_BASE_URL,
     DEFAULT_CONNECTIONS,
@@ -58,7 +58,8 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default="grpc",
-        help="grpc (default): stepahead.v1.Generation; openai: streaming /v1/completions; "
+        help="grpc (default): stepahead.v1.Generation, a Generate call a request; grpc-many: one "
+        "GenerateMany call a connection, carrying all its requests; openai: streaming /v1/completions; "
         "openai-chat: streaming /v1/chat/completions (text prompts only)",
     )
     group.add_argument(
@@ -300,7 +301,7 @@ def parse_logit_bias(entries: list[str]) -> dict[int, float]:
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
-    if args.backend == "grpc":
+    if args.backend in GRPC_BACKENDS:
         return None
     key: str | None = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     return key or None
@@ -357,14 +358,14 @@ def describe(config: BenchmarkConfig) -> str:
 
 
 def _api(config: BenchmarkConfig) -> str:
-    if config.backend == "grpc":
-        return "grpc"
+    if config.backend in GRPC_BACKENDS:
+        return config.backend
     return f"{config.backend}, model {config.model or 'from /v1/models'}"
 
 
 def _connections(config: BenchmarkConfig) -> str:
     limit = config.connection_limit
-    if config.backend == "grpc":
+    if config.backend in GRPC_BACKENDS:
         return f"{limit} connections"
     return "an uncapped connection pool" if limit is None else f"a pool of at most {limit} connections"
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -122,3 +126,93 @@ class GrpcBackend:
 
     async def close(self) -> None:
         await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+class ManyCall:
+    """One GenerateMany call: every request of a connection goes up it, under an id of this
+    load generator's, and each message down is routed to its requests' timings."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationAsyncStub) -> None:
+        self._stub = stub
+        self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._live: dict[str, tuple[RequestTiming, asyncio.Future[None]]] = {}
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:12]  # concurrent load generators never collide
+        self._reader: asyncio.Task[None] | None = None
+
+    async def send(self, request: pb.GenerateRequest, timing: RequestTiming, clock: Clock) -> None:
+        """Runs one request to its end; a failure is recorded, never raised."""
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read(clock))
+        request.request_id = f"{self._prefix}-{next(self._ids)}"
+        done = asyncio.get_running_loop().create_future()
+        self._live[request.request_id] = (timing, done)
+        timing.sent(clock())
+        self._outbox.put_nowait(pb.GenerateManyRequest(generate=request))
+        try:
+            await done
+        finally:
+            if self._live.pop(request.request_id, None) is not None:  # stopped while it ran
+                self._outbox.put_nowait(
+                    pb.GenerateManyRequest(abort=pb.AbortRequest(request_id=request.request_id))
+                )
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def _read(self, clock: Clock) -> None:
+        call = self._stub.GenerateMany(self._requests())
+        try:
+            async for message in call:
+                now = clock()
+                for response in message.responses:
+                    if (entry := self._live.get(response.request_id)) is not None:
+                        received(entry[0], now, response)
+                        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                            entry[0].ended(now)
+                            self._end(response.request_id)
+                for error in message.errors:
+                    if (entry := self._live.get(error.request_id)) is not None:
+                        entry[0].failed(now, _code_name(error.code), error.message)
+                        self._end(error.request_id)
+            status, detail = "UNKNOWN", "the call ended with the request live"
+        except grpc.aio.AioRpcError as exc:
+            status, detail = exc.code().name, exc.details() or ""
+        for timing, _ in self._live.values():
+            timing.failed(clock(), status, detail)
+        for rid in list(self._live):
+            self._end(rid)
+
+    def _end(self, rid: str) -> None:
+        entry = self._live.pop(rid, None)
+        if entry is not None:
+            entry[1].set_result(None)
+
+
+def _code_name(value: int) -> str:
+    """The name of a google.rpc.Code number (UNKNOWN for one gRPC does not know)."""
+    return next((c.name for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN.name)
+
+
+class GrpcManyBackend(GrpcBackend):
+    """As GrpcBackend, with one GenerateMany call a connection carrying all its requests."""
+
+    def __init__(self, server: str, connections: int, sampling: Sampling) -> None:
+        super().__init__(server, connections, sampling)
+        self.calls = [ManyCall(stub) for stub in self.stubs]
+
+    async def send(self, timing: RequestTiming, clock: Clock) -> None:
+        request = build_request(timing.spec, self.sampling, timing.index)
+        await self.calls[timing.index % len(self.calls)].send(request, timing, clock)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(call.close() for call in self.calls))
+        await super().close()

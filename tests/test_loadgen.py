@@ -31,7 +31,7 @@ from loadgen import (
     run_benchmark,
 )
 from loadgen.arrivals import arrival_intervals, send_offsets
-from loadgen.backend import BackendName, Sampling
+from loadgen.backend import GRPC_BACKENDS, BackendName, Sampling
 from loadgen.cli import build_parser, config_from_args
 from loadgen.cli import run as run_cli
 from loadgen.client import build_request, open_channels, received
@@ -746,6 +746,7 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
         self.received = 0
         self.peers: dict[str, str] = {}  # the client address each text prompt came from
         self.cancelled = 0
+        self.aborted: list[str] = []  # request ids aborted on GenerateMany calls
         self.all_in = asyncio.Event()
 
     async def Generate(
@@ -778,6 +779,65 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
                 completion_tokens=count,
                 finish_reason=pb.FINISH_REASON_LENGTH if count == n else pb.FINISH_REASON_UNSPECIFIED,
             )
+
+    async def GenerateMany(
+        self, requests: AsyncIterator[pb.GenerateManyRequest], context: Context
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        """Generate's script for each request on the call; each message carries what the
+        requests' streams have made since the last (a refusal as an error entry). An abort ends
+        its request's stream without a last response (it counts as cancelled)."""
+        outbox: asyncio.Queue[pb.GenerateResponse | pb.ManyError | None] = asyncio.Queue()
+        streams: dict[str, asyncio.Task[None]] = {}
+
+        async def run(request: pb.GenerateRequest) -> None:
+            self.received += 1
+            self.peers[request.text] = context.peer()
+            if self.received >= self.hold_until:
+                self.all_in.set()
+            await self.all_in.wait()
+            if request.text.startswith("fail:"):
+                code = grpc.StatusCode[request.text.removeprefix("fail:")].value[0]
+                refusal = pb.ManyError(request_id=request.request_id, code=code, message="scripted failure")
+                outbox.put_nowait(refusal)
+                return
+            finished = False
+            try:
+                async for response in self.stream(request):
+                    response.request_id = request.request_id
+                    outbox.put_nowait(response)
+                finished = True
+            finally:
+                self.cancelled += not finished
+
+        async def read() -> None:
+            async for message in requests:
+                if message.WhichOneof("kind") == "generate":
+                    streams[message.generate.request_id] = asyncio.create_task(run(message.generate))
+                else:
+                    self.aborted.append(message.abort.request_id)
+                    streams[message.abort.request_id].cancel()
+            await asyncio.gather(*streams.values(), return_exceptions=True)
+            outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            ended = False
+            while not ended and (item := await outbox.get()) is not None:
+                items = [item]
+                while not outbox.empty():
+                    more = outbox.get_nowait()
+                    if more is None:
+                        ended = True
+                        break
+                    items.append(more)
+                yield pb.GenerateManyResponse(
+                    responses=[i for i in items if isinstance(i, pb.GenerateResponse)],
+                    errors=[i for i in items if isinstance(i, pb.ManyError)],
+                )
+        finally:
+            reader.cancel()
+            for task in streams.values():
+                task.cancel()
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         return pb.AbortResponse()
@@ -838,9 +898,11 @@ def jsonl(tmp_path: Path, lines: list[str]) -> JsonlDataset:
     return JsonlDataset(write_lines(tmp_path, *lines), default_output_len=4)
 
 
-async def test_coalesced_messages_count_every_token_and_warmup_is_not_measured() -> None:
+@pytest.mark.parametrize("backend", GRPC_BACKENDS)
+async def test_coalesced_messages_count_every_token_and_warmup_is_not_measured(backend: BackendName) -> None:
     servicer = ScriptedGeneration(chunk=3)
-    config = BenchmarkConfig(dataset=RandomDataset(input_len=8, output_len=10), num_prompts=6, warmup=2)
+    dataset = RandomDataset(input_len=8, output_len=10)
+    config = BenchmarkConfig(dataset=dataset, num_prompts=6, warmup=2, backend=backend)
     result = await bench_against(servicer, config)
     assert servicer.received == 8 and len(result.records) == 6
     s = result.summary
@@ -849,7 +911,8 @@ async def test_coalesced_messages_count_every_token_and_warmup_is_not_measured()
     assert s.itl.count == 6 * 7 and s.tpot.count == 6 and not result.interrupted
 
 
-async def test_errors_are_counted_by_status_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", GRPC_BACKENDS)
+async def test_errors_are_counted_by_status_name(tmp_path: Path, backend: BackendName) -> None:
     lines = [
         '{"prompt": "fine"}',
         '{"prompt": "fail:INVALID_ARGUMENT"}',
@@ -857,15 +920,16 @@ async def test_errors_are_counted_by_status_name(tmp_path: Path) -> None:
         '{"prompt": "fail:INVALID_ARGUMENT"}',
     ]
     result = await bench_against(
-        ScriptedGeneration(), BenchmarkConfig(dataset=jsonl(tmp_path, lines), num_prompts=4)
+        ScriptedGeneration(), BenchmarkConfig(dataset=jsonl(tmp_path, lines), num_prompts=4, backend=backend)
     )
     assert (result.summary.completed, result.summary.failed) == (1, 3)
     assert result.summary.errors == {"INVALID_ARGUMENT": 2, "UNAVAILABLE": 1}
     assert result.records[1].error_detail == "scripted failure"
 
 
-async def test_max_concurrency_bounds_requests_in_flight() -> None:
-    config = BenchmarkConfig(dataset=RandomDataset(4, 3), num_prompts=12, max_concurrency=3)
+@pytest.mark.parametrize("backend", GRPC_BACKENDS)
+async def test_max_concurrency_bounds_requests_in_flight(backend: BackendName) -> None:
+    config = BenchmarkConfig(dataset=RandomDataset(4, 3), num_prompts=12, max_concurrency=3, backend=backend)
     result = await bench_against(ScriptedGeneration(step_s=0.001, hold_until=3), config)
     assert result.summary.completed == 12 and result.summary.peak_concurrency == 3
 
@@ -890,12 +954,17 @@ async def test_duration_stops_issuing_and_lets_in_flight_requests_finish(
     assert s.duration_s >= max(r.end_time for r in result.records)
 
 
-async def test_stop_cancels_in_flight_requests_and_keeps_the_completed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", GRPC_BACKENDS)
+async def test_stop_cancels_in_flight_requests_and_keeps_the_completed(
+    tmp_path: Path, backend: BackendName
+) -> None:
+    """grpc-many: each cancelled request is aborted on the call, before the call itself goes."""
     servicer = ScriptedGeneration(step_s=0.001, hold_until=4)
     stop = asyncio.Event()
     config = BenchmarkConfig(
         dataset=jsonl(tmp_path, ['{"prompt": "quick", "output_len": 2}'] + ['{"prompt": "hang"}'] * 3),
         num_prompts=4,
+        backend=backend,
     )
     server, address = await serve(servicer)
     try:
@@ -905,13 +974,16 @@ async def test_stop_cancels_in_flight_requests_and_keeps_the_completed(tmp_path:
     finally:
         await server.stop(None)
     assert result.interrupted and servicer.cancelled == 3
+    assert len(servicer.aborted) == (3 if backend == "grpc-many" else 0)
     assert (result.summary.completed, result.summary.failed) == (1, 3)
     assert result.summary.errors == {"CANCELLED": 3}
     assert all(r.end_time <= result.summary.duration_s for r in result.records)
 
 
-async def test_unreachable_server_fails_every_request_as_unavailable() -> None:
-    config = BenchmarkConfig(server="127.0.0.1:1", dataset=RandomDataset(4, 2), num_prompts=3)
+@pytest.mark.parametrize("backend", GRPC_BACKENDS)
+async def test_unreachable_server_fails_every_request_as_unavailable(backend: BackendName) -> None:
+    dataset = RandomDataset(4, 2)
+    config = BenchmarkConfig(server="127.0.0.1:1", dataset=dataset, num_prompts=3, backend=backend)
     result = await run_benchmark(config)
     assert (result.summary.completed, result.summary.failed) == (0, 3)
     assert result.summary.errors == {"UNAVAILABLE": 3}

@@ -13,6 +13,7 @@ from grpc_health.v1 import health
 from scheduler_svc.contract import TokenLogprob
 from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import ApiError, Frontend
+from scheduler_svc.frontend.multiplex import Multiplexed, News, RequestFailure
 from scheduler_svc.frontend.streams import Completions, OutputChunk
 from scheduler_svc.frontend.telemetry import Counting
 from scheduler_svc.frontend.validation import (
@@ -36,6 +37,7 @@ log = logging.getLogger("stepahead.scheduler")
 SERVICE_NAME = "stepahead.v1.Generation"
 # Which frontend serves a call: Generate's trailing metadata, the unary calls' initial metadata.
 FRONTEND_METADATA = "stepahead-frontend"
+MAX_MANY_MESSAGE_BYTES = 1 << 20
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
 T = TypeVar("T")
@@ -61,6 +63,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield response
         finally:
             self._frontend.cancel(completions)  # a no-op once finished: else the client went away
+
+    async def GenerateMany(
+        self,
+        requests: AsyncIterator[generation_pb2.GenerateManyRequest | UnparsableRequest],
+        context: Context,
+    ) -> AsyncIterator[generation_pb2.GenerateManyResponse]:
+        calls = Multiplexed(self._frontend)
+        context.set_trailing_metadata(((FRONTEND_METADATA, self._frontend.name),))  # sent with the status
+        reader = asyncio.create_task(_read_many(requests, calls))
+        messages = self._frontend.telemetry.messages
+        try:
+            while not calls.over:
+                await calls.ready.wait()
+                if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
+                    if isinstance(exc, Unparsable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    raise exc
+                news, failures = calls.take()
+                if news or failures:
+                    for message in many_messages(news, failures):
+                        messages.inc()
+                        yield message
+        finally:
+            reader.cancel()
+            calls.cancel()  # a no-op once all finished: else the client went away
 
     async def Abort(
         self, request: generation_pb2.AbortRequest | UnparsableRequest, context: Context
@@ -90,28 +117,92 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def _stream(
     completions: Completions, context: Context, messages: Counting
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-    prompt_tokens = len(completions.prompt_ids)
     while not completions.done:
         await completions.ready.wait()
         if completions.error is not None:
             await context.abort(*completions.error)
         for index, chunk in completions.take():
             messages.inc()
-            yield generation_pb2.GenerateResponse(
-                request_id=completions.rid,
-                token_ids=chunk.token_ids,
-                text=chunk.text,
-                finish_reason=int(chunk.finish_reason or 0),  # type: ignore[arg-type]
-                prompt_tokens=prompt_tokens,
-                completion_tokens=chunk.completion_tokens,
-                logprobs=_logprobs_to_proto(chunk),
-                index=index,
-                cached_tokens=completions.clients[index].cached_tokens,
-                tool_calls=[
-                    generation_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
-                    for d in chunk.tool_calls
-                ],
-            )
+            yield _response(completions, index, chunk)
+
+
+def _response(completions: Completions, index: int, chunk: OutputChunk) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse()
+    _fill(response, completions, index, chunk)
+    return response
+
+
+def _fill(
+    response: generation_pb2.GenerateResponse, completions: Completions, index: int, chunk: OutputChunk
+) -> None:
+    """A chunk's fields, set in place (a GenerateMany message's responses are added to it, not
+    copied in) and only where not empty (a field set costs even when it holds nothing)."""
+    response.request_id = completions.rid
+    response.token_ids.extend(chunk.token_ids)
+    response.text = chunk.text
+    response.prompt_tokens = len(completions.prompt_ids)
+    response.completion_tokens = chunk.completion_tokens
+    if chunk.finish_reason is not None:
+        response.finish_reason = int(chunk.finish_reason)  # type: ignore[assignment]
+    if index:
+        response.index = index
+    if cached := completions.clients[index].cached_tokens:
+        response.cached_tokens = cached
+    if chunk.logprobs:
+        response.logprobs.extend(_logprobs_to_proto(chunk))
+    for d in chunk.tool_calls:
+        response.tool_calls.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+
+
+class Unparsable(Exception):
+    """A GenerateMany message the deserializer could not parse: the call ends INVALID_ARGUMENT."""
+
+
+async def _read_many(
+    requests: AsyncIterator[generation_pb2.GenerateManyRequest | UnparsableRequest], calls: Multiplexed
+) -> None:
+    """Admits and aborts in the order they come; `calls` is closed after the last (or on an
+    unparsable message, which `Unparsable` reports)."""
+    try:
+        async for message in requests:
+            if isinstance(message, UnparsableRequest):
+                raise Unparsable(message.reason)
+            kind = message.WhichOneof("kind")
+            if kind == "generate":
+                await calls.generate(message.generate)
+            elif kind == "abort":
+                await calls.abort(message.abort.request_id)
+            else:
+                raise Unparsable("kind: a GenerateManyRequest carries generate or abort")
+    finally:
+        calls.close()
+
+
+def _many_error(failure: RequestFailure) -> generation_pb2.ManyError:
+    code: int = failure.code.value[0]
+    return generation_pb2.ManyError(request_id=failure.rid, code=code, message=failure.message)
+
+
+def many_messages(
+    news: list[News], failures: list[RequestFailure]
+) -> list[generation_pb2.GenerateManyResponse]:
+    """What is new as GenerateMany messages: one, unless it would be over MAX_MANY_MESSAGE_BYTES
+    (a client's default receive limit is 4 MiB): then halves, a request's news never split."""
+    message = _many_response(news, failures)
+    if len(news) < 2 or message.ByteSize() <= MAX_MANY_MESSAGE_BYTES:
+        return [message]
+    half = len(news) // 2
+    return many_messages(news[:half], failures) + many_messages(news[half:], [])
+
+
+def _many_response(news: list[News], failures: list[RequestFailure]) -> generation_pb2.GenerateManyResponse:
+    message = generation_pb2.GenerateManyResponse()
+    add = message.responses.add
+    for completions, chunks in news:
+        for index, chunk in chunks:
+            _fill(add(), completions, index, chunk)
+    message.errors.extend(_many_error(f) for f in failures)
+    return message
 
 
 def _logprobs_to_proto(chunk: OutputChunk) -> list[generation_pb2.TokenLogprob]:
@@ -142,6 +233,11 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
             servicer.Generate,
             request_deserializer=lenient_deserializer(pb.GenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "GenerateMany": grpc.stream_stream_rpc_method_handler(
+            servicer.GenerateMany,
+            request_deserializer=lenient_deserializer(pb.GenerateManyRequest),
+            response_serializer=pb.GenerateManyResponse.SerializeToString,
         ),
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort,

@@ -70,7 +70,10 @@ class Utf8ByteDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_ids: Sequence[int]) -> str:
-        data = bytes(token for token in token_ids if 0 <= token < NUM_BYTE_IDS)
+        try:
+            data = bytes(token_ids)  # all of them bytes: the common case
+        except ValueError:
+            data = bytes(token for token in token_ids if 0 <= token < NUM_BYTE_IDS)
         return self._utf8.decode(data, final=False)
 
     def flush(self) -> str:

@@ -628,6 +628,94 @@ class AbortRequest(_message.Message):
 Global___AbortRequest: _TypeAlias = AbortRequest  # noqa: Y015
 
 @_typing.final
+class GenerateManyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATE_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def generate(self) -> Global___GenerateRequest:
+        """Its request_id is required and must not be live on the server."""
+
+    @_builtins.property
+    def abort(self) -> Global___AbortRequest:
+        """Ends a live request (of this call or any other): its last response has
+        FINISH_REASON_ABORT.
+        """
+
+    def __init__(
+        self,
+        *,
+        generate: Global___GenerateRequest | None = ...,
+        abort: Global___AbortRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "generate", b"generate", "kind", b"kind"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "generate", b"generate", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["generate", "abort"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___GenerateManyRequest: _TypeAlias = GenerateManyRequest  # noqa: Y015
+
+@_typing.final
+class GenerateManyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateResponse]:
+        """What is new for each request with news: as Generate's messages, each naming its
+        request_id (and index), a request's in order.
+        """
+
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManyError]:
+        """Requests refused or failed: each is over, nothing more comes for it."""
+
+    def __init__(
+        self,
+        *,
+        responses: _abc.Iterable[Global___GenerateResponse] | None = ...,
+        errors: _abc.Iterable[Global___ManyError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "responses", b"responses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateManyResponse: _TypeAlias = GenerateManyResponse  # noqa: Y015
+
+@_typing.final
+class ManyError(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    code: _builtins.int
+    """A google.rpc.Code, as a Generate call of that request would have ended with."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManyError: _TypeAlias = ManyError  # noqa: Y015
+
+@_typing.final
 class AbortResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

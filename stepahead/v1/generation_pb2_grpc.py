@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=stepahead_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=stepahead_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/stepahead.v1.Generation/GenerateMany',
+                request_serializer=stepahead_dot_v1_dot_generation__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=stepahead_dot_v1_dot_generation__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/stepahead.v1.Generation/Abort',
                 request_serializer=stepahead_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
@@ -57,6 +62,18 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Streams the generated tokens of one request. The first message may come
         only after prefill; each message carries the tokens new since the last one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests on one call, for a client that holds many at once (a router, a gateway, a
+        batch job): requests and aborts go up in any order, each with a request_id of the client's,
+        and each message down carries the news of every request that has some, so the cost of a
+        message is shared by the requests in it. A request that cannot be served ends with an entry
+        in `errors`, the others go on. After the client half-closes, the call ends (OK) once its last
+        request has finished; a cancelled call aborts every request still live on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +99,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=stepahead_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=stepahead_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=stepahead_dot_v1_dot_generation__pb2.GenerateManyRequest.FromString,
+                    response_serializer=stepahead_dot_v1_dot_generation__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -121,6 +143,33 @@ class Generation:
             '/stepahead.v1.Generation/Generate',
             stepahead_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             stepahead_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stepahead.v1.Generation/GenerateMany',
+            stepahead_dot_v1_dot_generation__pb2.GenerateManyRequest.SerializeToString,
+            stepahead_dot_v1_dot_generation__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

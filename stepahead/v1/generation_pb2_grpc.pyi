@@ -35,6 +35,14 @@ class GenerationStub:
     """Streams the generated tokens of one request. The first message may come
     only after prefill; each message carries the tokens new since the last one.
     """
+    GenerateMany: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateManyRequest, _generation_pb2.GenerateManyResponse]
+    """Many requests on one call, for a client that holds many at once (a router, a gateway, a
+    batch job): requests and aborts go up in any order, each with a request_id of the client's,
+    and each message down carries the news of every request that has some, so the cost of a
+    message is shared by the requests in it. A request that cannot be served ends with an entry
+    in `errors`, the others go on. After the client half-closes, the call ends (OK) once its last
+    request has finished; a cancelled call aborts every request still live on it.
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_generation_pb2.AbortRequest, _generation_pb2.AbortResponse]
     """Ends a live request; its stream closes with FINISH_REASON_ABORT."""
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_generation_pb2.GetServerInfoRequest, _generation_pb2.GetServerInfoResponse]
@@ -45,6 +53,14 @@ class GenerationAsyncStub(GenerationStub):
     Generate: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams the generated tokens of one request. The first message may come
     only after prefill; each message carries the tokens new since the last one.
+    """
+    GenerateMany: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateManyRequest, _generation_pb2.GenerateManyResponse]  # type: ignore[assignment]
+    """Many requests on one call, for a client that holds many at once (a router, a gateway, a
+    batch job): requests and aborts go up in any order, each with a request_id of the client's,
+    and each message down carries the news of every request that has some, so the cost of a
+    message is shared by the requests in it. A request that cannot be served ends with an entry
+    in `errors`, the others go on. After the client half-closes, the call ends (OK) once its last
+    request has finished; a cancelled call aborts every request still live on it.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_generation_pb2.AbortRequest, _generation_pb2.AbortResponse]  # type: ignore[assignment]
     """Ends a live request; its stream closes with FINISH_REASON_ABORT."""
@@ -59,6 +75,20 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
         """Streams the generated tokens of one request. The first message may come
         only after prefill; each message carries the tokens new since the last one.
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_generation_pb2.GenerateManyRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateManyResponse], _abc.AsyncIterator[_generation_pb2.GenerateManyResponse]]:
+        """Many requests on one call, for a client that holds many at once (a router, a gateway, a
+        batch job): requests and aborts go up in any order, each with a request_id of the client's,
+        and each message down carries the news of every request that has some, so the cost of a
+        message is shared by the requests in it. A request that cannot be served ends with an entry
+        in `errors`, the others go on. After the client half-closes, the call ends (OK) once its last
+        request has finished; a cancelled call aborts every request still live on it.
         """
 
     @_abc_1.abstractmethod
