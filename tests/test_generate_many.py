@@ -4,8 +4,9 @@ engine core's own frontend and with frontend processes."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import pytest
@@ -16,7 +17,14 @@ from scheduler_svc.frontend.multiplex import News, RequestFailure
 from scheduler_svc.frontend.streams import ClientRequest, Completions, OutputChunk, OutputStream
 from scheduler_svc.frontend.text import RequestText
 from scheduler_svc.frontend.tokenizer import ByteTokenizer
-from stepahead.processes import serving_pair
+from stepahead.processes import (
+    STOP_TIMEOUT_S,
+    Service,
+    serving_pair,
+    spawn_scheduler,
+    spawn_worker,
+    wait_serving,
+)
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from tests.harness import params
@@ -27,6 +35,8 @@ from tests.live import (
     generate,
     paused,
     request,
+    server_info,
+    unused_port,
     wait_all_free,
     wait_frontends_serving,
     wait_info,
@@ -35,6 +45,9 @@ from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-invariants"]
 LONG = 8000  # tokens: 24 s of the sim at 3 ms a step, whatever the machine; the tests end them
+# A restarted worker must come back before live requests give up on it (a hang guard: a worker
+# starts in seconds).
+RETRY = ["--worker-retry-timeout", "600"]
 
 
 def generate_message(req: pb.GenerateRequest) -> pb.GenerateManyRequest:
@@ -303,3 +316,124 @@ def test_news_over_the_size_limit_is_split_between_messages_never_within_a_reque
     assert [e.request_id for e in messages[0].errors] == ["bad"] and not any(m.errors for m in messages[1:])
     small = many_messages(news[:4], failures)
     assert len(small) == 1 and len(small[0].responses) == 4
+
+
+class OpenCall:
+    """A GenerateMany call whose messages up the test sends as it goes; `close()` half-closes."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationAsyncStub) -> None:
+        self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self.call: ManyCall = stub.GenerateMany(self._requests(), timeout=CALL_TIMEOUT_S)
+        self.gathered = Gathered()
+
+    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while (item := await self._outbox.get()) is not None:
+            yield item
+
+    def send(self, message: pb.GenerateManyRequest) -> None:
+        self._outbox.put_nowait(message)
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+
+    async def read_until(self, done: Callable[[Gathered], bool]) -> None:
+        while not done(self.gathered):
+            message = await self.call.read()
+            assert isinstance(message, pb.GenerateManyResponse), message
+            self.gathered.add(message)
+
+    async def read_to_end(self) -> grpc.StatusCode:
+        while isinstance(message := await self.call.read(), pb.GenerateManyResponse):
+            self.gathered.add(message)
+        return await self.call.code()
+
+
+def fault_request(i: int, tokens: int) -> pb.GenerateRequest:
+    return request(f"many fault {i}", tokens, f"m{i}", ignore_eos=True)
+
+
+def streaming(count: int) -> Callable[[Gathered], bool]:
+    return lambda g: sum(1 for (rid, _), rs in g.responses.items() if rs) >= count
+
+
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_a_killed_worker_loses_no_request_on_the_call(frontends: int) -> None:
+    """Twenty requests and a long one on one call, all streaming; the worker is killed (SIGKILL)
+    and another started: every request ends with exactly its own tokens (recomputed where they
+    were lost), the long one is aborted on the call, and the call ends OK."""
+    rng = random.Random(7)
+    lengths = [rng.randint(150, 400) for _ in range(20)]
+    port = unused_port()
+    sim = [*SIM, "--kv-slots", "65536"]
+    worker: Service | None = spawn_worker(sim, port=port)
+    scheduler = spawn_scheduler(f"127.0.0.1:{port}", [*RETRY, *frontend_flags(frontends)])
+    try:
+        wait_serving(scheduler.address)
+        asyncio.run(wait_frontends_serving(scheduler.address, frontends))
+
+        async def scenario() -> tuple[Gathered, grpc.StatusCode]:
+            nonlocal worker
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                many = OpenCall(stub_of(channel))
+                many.send(generate_message(fault_request(len(lengths), LONG)))
+                for i, n in enumerate(lengths):
+                    many.send(generate_message(fault_request(i, n)))
+                await many.read_until(streaming(len(lengths) + 1))
+                assert worker is not None
+                with paused(worker.proc):  # the long one is surely live
+                    assert (await server_info(scheduler.address)).requests_running > 0
+                    worker.proc.kill()
+                    worker.proc.wait(STOP_TIMEOUT_S)
+                worker = await asyncio.to_thread(spawn_worker, sim, port)
+                long_id = f"m{len(lengths)}"
+                await many.read_until(lambda g: all(g.finish(f"m{i}") for i in range(len(lengths))))
+                many.send(abort_message(long_id))
+                many.close()
+                return many.gathered, await many.read_to_end()
+
+        gathered, code = asyncio.run(scenario())
+        assert code == grpc.StatusCode.OK and not gathered.errors
+        for i, n in enumerate(lengths):
+            assert gathered.tokens(f"m{i}") == sim_expected(f"many fault {i}".encode(), n), i
+        assert gathered.finish(f"m{len(lengths)}") == pb.FINISH_REASON_ABORT
+        asyncio.run(wait_all_free(scheduler.address))
+        assert scheduler.stop() == 0
+    finally:
+        for service in (scheduler, worker):
+            if service is not None and service.proc.poll() is None:
+                service.stop()
+
+
+def test_requests_on_the_call_fail_alone_when_no_worker_comes_back() -> None:
+    """The worker is killed under three live requests and none comes back within the retry
+    timeout: each gets an UNAVAILABLE entry, and the call itself ends OK."""
+    port = unused_port()
+    worker = spawn_worker(SIM, port=port)
+    scheduler = spawn_scheduler(f"127.0.0.1:{port}", ["--worker-retry-timeout", "1"])
+    try:
+        wait_serving(scheduler.address)
+
+        async def scenario() -> tuple[Gathered, grpc.StatusCode]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                many = OpenCall(stub_of(channel))
+                for i in range(3):
+                    many.send(generate_message(fault_request(i, LONG)))
+                await many.read_until(streaming(3))
+                with paused(worker.proc):
+                    assert (await server_info(scheduler.address)).requests_running == 3
+                    worker.proc.kill()
+                    worker.proc.wait(STOP_TIMEOUT_S)
+                await many.read_until(lambda g: len(g.errors) == 3)
+                many.close()
+                return many.gathered, await many.read_to_end()
+
+        gathered, code = asyncio.run(scenario())
+        assert code == grpc.StatusCode.OK
+        assert {rid: e.code for rid, e in gathered.errors.items()} == {
+            f"m{i}": grpc.StatusCode.UNAVAILABLE.value[0] for i in range(3)
+        }
+        assert scheduler.stop() == 0
+    finally:
+        for service in (scheduler, worker):
+            if service.proc.poll() is None:
+                service.stop()
