@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from dataclasses import replace
 
 import jsonschema
@@ -318,6 +319,27 @@ def test_a_finished_matcher_takes_nothing_more_while_later_steps_are_in_flight()
         assert engine.grammar_matchers() == 0
     finally:
         engine.shutdown()
+
+
+def test_a_release_queued_at_shutdown_still_frees_its_matcher() -> None:
+    """A release-only launch hands its slot's release to a busy grammar thread, and the engine is
+    shut down at once: the release runs before the thread ends (it was once cancelled, and the
+    drained engine reported a live matcher)."""
+    engine = make_engine("sim", kv_slots=64, request_slots=4, sim_step_ms=0.0)
+    busy = threading.Event()
+    try:
+        engine.begin_session().result()
+        first = prefill(1, 0, [72, 73], [0, 1], new_requests=[choice_request(0, ["ok"])])
+        engine.submit(first).result()
+        assert engine.grammar_matchers() == 1
+        grammar = engine._grammar_thread
+        assert grammar is not None
+        grammar._thread.submit(busy.wait)  # the grammar thread is busy ...
+        engine.submit(Launch(2, released_slots=[0])).result()  # ... when the release is handed
+        threading.Timer(2.0, busy.set).start()  # long after shutdown has been called
+    finally:
+        engine.shutdown()
+    assert engine.grammar_matchers() == 0
 
 
 async def test_a_grammar_that_finishes_ends_its_request_with_stop_at_every_depth() -> None:

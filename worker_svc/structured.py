@@ -165,12 +165,17 @@ class GrammarThread:
         self._thread.submit(self._clear)
 
     def shutdown(self) -> None:
-        """After the forward and copy threads: a step whose copy never ran releases its advance."""
+        """After the forward and copy threads: a step whose copy never ran releases its advance,
+        and every job handed so far runs (none waits any more), so the matchers left are those
+        of slots still registered.
+
+        NOTE: queued jobs are not cancelled: a cancelled release left its slot's matcher
+        behind (a drained engine counted a live matcher after its shutdown)."""
         with self._pending_lock:
             pending = list(self._pending)
         for step in pending:
             step.fail(RuntimeError("the worker engine shut down"))
-        self._thread.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown(wait=True)
         self._closed = True
 
     def live(self) -> int:
