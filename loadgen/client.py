@@ -141,9 +141,11 @@ class ManyCall:
         self._reader: asyncio.Task[None] | None = None
 
     async def send(self, request: pb.GenerateRequest, timing: RequestTiming, clock: Clock) -> None:
-        """Runs one request to its end; a failure is recorded, never raised."""
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read(clock))
+        """Runs one request to its end; a failure is recorded, never raised. The call starts with
+        the first request, and again with the next one after it ended (its requests failed)."""
+        if self._reader is None or self._reader.done():
+            self._outbox = asyncio.Queue()
+            self._reader = asyncio.create_task(self._read(clock, self._outbox))
         request.request_id = f"{self._prefix}-{next(self._ids)}"
         done = asyncio.get_running_loop().create_future()
         self._live[request.request_id] = (timing, done)
@@ -164,12 +166,15 @@ class ManyCall:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
 
-    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
-        while (message := await self._outbox.get()) is not None:
+    @staticmethod
+    async def _requests(
+        outbox: asyncio.Queue[pb.GenerateManyRequest | None],
+    ) -> AsyncIterator[pb.GenerateManyRequest]:
+        while (message := await outbox.get()) is not None:
             yield message
 
-    async def _read(self, clock: Clock) -> None:
-        call = self._stub.GenerateMany(self._requests())
+    async def _read(self, clock: Clock, outbox: asyncio.Queue[pb.GenerateManyRequest | None]) -> None:
+        call = self._stub.GenerateMany(self._requests(outbox))
         try:
             async for message in call:
                 now = clock()

@@ -1243,3 +1243,10 @@ def test_model_speed_reads_llama_bench_as_it_is_run(tmp_path: Path) -> None:
     assert model_speed.llama_bench_tok_s(fake, tmp_path / "m.gguf", 2, 32) == 104.25
     assert set(model_speed.MODES) == {"float32", "bfloat16", "int8", "int4"}
     assert model_speed.MODES["int4"] == ("bfloat16", "int4")
+
+
+def test_rpc_floor_finds_a_cost_per_call_and_per_message() -> None:
+    from bench.rpc_floor import measure
+
+    floor = measure(calls=500, concurrency=16, messages=8)
+    assert floor.per_call_us > 0 and floor.per_message_us > 0, floor

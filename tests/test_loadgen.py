@@ -982,8 +982,17 @@ async def test_stop_cancels_in_flight_requests_and_keeps_the_completed(
 
 @pytest.mark.parametrize("backend", GRPC_BACKENDS)
 async def test_unreachable_server_fails_every_request_as_unavailable(backend: BackendName) -> None:
+    """One at a time over one connection: with grpc-many, a request after a failed call starts
+    a new one."""
     dataset = RandomDataset(4, 2)
-    config = BenchmarkConfig(server="127.0.0.1:1", dataset=dataset, num_prompts=3, backend=backend)
+    config = BenchmarkConfig(
+        server="127.0.0.1:1",
+        dataset=dataset,
+        num_prompts=3,
+        backend=backend,
+        max_concurrency=1,
+        connections=1,
+    )
     result = await run_benchmark(config)
     assert (result.summary.completed, result.summary.failed) == (0, 3)
     assert result.summary.errors == {"UNAVAILABLE": 3}
