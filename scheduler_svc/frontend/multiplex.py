@@ -50,10 +50,6 @@ class Multiplexed:
         self._closed = False
 
     @property
-    def live(self) -> int:
-        return len(self._live)
-
-    @property
     def over(self) -> bool:
         """The client sent its last request, and everything has been taken."""
         return self._closed and not self._live and not self._failures
