@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from bench.configs import Configuration, Workload
 from bench.promtext import Labels, delta, scrape, total
 from loadgen import BenchmarkConfig, Summary, run_benchmark
-from loadgen.backend import Constrained, SamplingFeatures
+from loadgen.backend import Constrained, GrpcBackendName, SamplingFeatures
 from stepahead import event_loop
 from stepahead.processes import Service, serving_pair, spawn_scheduler_in_process, wait_serving
 
@@ -23,7 +22,7 @@ from stepahead.processes import Service, serving_pair, spawn_scheduler_in_proces
 SETTLE_TIMEOUT_S = 120.0
 NO_FEATURES = SamplingFeatures()
 NO_CONSTRAINT = Constrained()
-GrpcClient = Literal["grpc", "grpc-many"]
+GrpcClient = GrpcBackendName
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

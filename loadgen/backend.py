@@ -10,9 +10,10 @@ from typing import Any, Literal, Protocol
 
 from loadgen.timing import Clock, RequestTiming
 
-BackendName = Literal["grpc", "grpc-many", "openai", "openai-chat"]
+GrpcBackendName = Literal["grpc", "grpc-many"]
+BackendName = Literal[GrpcBackendName, "openai", "openai-chat"]
 BACKENDS: tuple[BackendName, ...] = ("grpc", "grpc-many", "openai", "openai-chat")
-GRPC_BACKENDS: tuple[BackendName, ...] = ("grpc", "grpc-many")
+GRPC_BACKENDS: tuple[GrpcBackendName, ...] = ("grpc", "grpc-many")
 # What a constrained request's output is held to unless --json-schema gives a schema: small, so
 # that a model fills it in a few dozen tokens.
 SMALL_SCHEMA = json.dumps(

@@ -41,6 +41,7 @@ from tests.live import (
     wait_frontends_serving,
     wait_info,
 )
+from tests.test_faults import stop_all
 from worker_svc.backends import sim_continuation as sim_expected
 
 SIM = ["--model", "sim", "--sim-step-ms", "3", "--sim-token-us", "0", "--check-invariants"]
@@ -109,6 +110,40 @@ def stub_of(channel: grpc.aio.Channel) -> generation_pb2_grpc.GenerationAsyncStu
     return generation_pb2_grpc.GenerationStub(channel)
 
 
+class OpenCall:
+    """A GenerateMany call whose messages up the test sends as it goes; `close()` half-closes."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationAsyncStub) -> None:
+        self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self.call: ManyCall = stub.GenerateMany(self._requests(), timeout=CALL_TIMEOUT_S)
+        self.gathered = Gathered()
+
+    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while (item := await self._outbox.get()) is not None:
+            yield item
+
+    def send(self, message: pb.GenerateManyRequest) -> None:
+        self._outbox.put_nowait(message)
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+
+    async def read_until(self, done: Callable[[Gathered], bool]) -> None:
+        while not done(self.gathered):
+            message = await self.call.read()
+            assert isinstance(message, pb.GenerateManyResponse), message
+            self.gathered.add(message)
+
+    async def read_to_end(self) -> grpc.StatusCode:
+        while isinstance(message := await self.call.read(), pb.GenerateManyResponse):
+            self.gathered.add(message)
+        return await self.call.code()
+
+
+def streaming(count: int) -> Callable[[Gathered], bool]:
+    return lambda g: sum(1 for (rid, _), rs in g.responses.items() if rs) >= count
+
+
 MIXED = [
     request("alpha", 7, "a", ignore_eos=True),
     request("bravo", 40, "b", n=2),
@@ -164,32 +199,18 @@ def test_a_refused_request_fails_alone_with_its_field_named() -> None:
         asyncio.run(wait_frontends_serving(scheduler.address, 0))
 
         async def scenario() -> tuple[Gathered, grpc.StatusCode]:
-            outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
-
-            async def requests() -> AsyncIterator[pb.GenerateManyRequest]:
-                while (item := await outbox.get()) is not None:
-                    yield item
-
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
-                call = stub_of(channel).GenerateMany(requests(), timeout=CALL_TIMEOUT_S)
-                gathered = Gathered()
-                outbox.put_nowait(generate_message(request("good", LONG, "good", ignore_eos=True)))
-                first = await call.read()
-                assert isinstance(first, pb.GenerateManyResponse)
-                gathered.add(first)  # "good" is live
-                with paused(worker.proc):  # and stays live while the others are refused
-                    outbox.put_nowait(generate_message(request("no id", 3)))
-                    outbox.put_nowait(generate_message(request("bad", 3, "bad", temperature=-1.0)))
-                    outbox.put_nowait(generate_message(request("again", 3, "good")))
-                    while len(gathered.errors) < 3:
-                        message = await call.read()
-                        assert isinstance(message, pb.GenerateManyResponse), message
-                        gathered.add(message)
-                outbox.put_nowait(abort_message("good"))
-                outbox.put_nowait(None)
-                while isinstance(message := await call.read(), pb.GenerateManyResponse):
-                    gathered.add(message)
-                return gathered, await call.code()
+                many = OpenCall(stub_of(channel))
+                many.send(generate_message(request("good", LONG, "good", ignore_eos=True)))
+                await many.read_until(streaming(1))  # "good" is live ...
+                with paused(worker.proc):  # ... and stays live while the others are refused
+                    many.send(generate_message(request("no id", 3)))
+                    many.send(generate_message(request("bad", 3, "bad", temperature=-1.0)))
+                    many.send(generate_message(request("again", 3, "good")))
+                    await many.read_until(lambda g: len(g.errors) == 3)
+                many.send(abort_message("good"))
+                many.close()
+                return many.gathered, await many.read_to_end()
 
         gathered, code = asyncio.run(scenario())
         asyncio.run(wait_all_free(scheduler.address))
@@ -211,28 +232,16 @@ def test_an_abort_on_the_call_ends_its_request_and_a_cancelled_call_frees_everyt
         asyncio.run(wait_frontends_serving(scheduler.address, frontends))
 
         async def scenario() -> tuple[Gathered, list[int]]:
-            outbox: asyncio.Queue[pb.GenerateManyRequest] = asyncio.Queue()
-
-            async def requests() -> AsyncIterator[pb.GenerateManyRequest]:
-                while True:
-                    yield await outbox.get()
-
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
-                call = stub_of(channel).GenerateMany(requests(), timeout=CALL_TIMEOUT_S)
+                many = OpenCall(stub_of(channel))
                 for rid in ("l1", "l2", "l3"):
-                    outbox.put_nowait(generate_message(request(rid, LONG, rid, ignore_eos=True)))
-                gathered = Gathered()
-                while len(gathered.responses) < 3:
-                    message = await call.read()
-                    assert isinstance(message, pb.GenerateManyResponse), message
-                    gathered.add(message)
-                outbox.put_nowait(abort_message("l1"))
-                while not gathered.responses[("l1", 0)][-1].finish_reason:
-                    message = await call.read()
-                    assert isinstance(message, pb.GenerateManyResponse), message
-                    gathered.add(message)
+                    many.send(generate_message(request(rid, LONG, rid, ignore_eos=True)))
+                await many.read_until(streaming(3))
+                many.send(abort_message("l1"))
+                await many.read_until(lambda g: bool(g.finish("l1")))
+                gathered = many.gathered
                 await wait_info(scheduler.address, lambda i: i.requests_running == 2, "2 running")
-                call.cancel()  # the client goes away with l2 and l3 live
+                many.call.cancel()  # the client goes away with l2 and l3 live
             await wait_all_free(scheduler.address)
             after = await generate(scheduler.address, request("after", 5, ignore_eos=True))  # still serving
             return gathered, [t for r in after for t in r.token_ids]
@@ -321,42 +330,8 @@ def test_news_over_the_size_limit_is_split_between_messages_never_within_a_reque
     assert len(small) == 1 and len(small[0].responses) == 4
 
 
-class OpenCall:
-    """A GenerateMany call whose messages up the test sends as it goes; `close()` half-closes."""
-
-    def __init__(self, stub: generation_pb2_grpc.GenerationAsyncStub) -> None:
-        self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
-        self.call: ManyCall = stub.GenerateMany(self._requests(), timeout=CALL_TIMEOUT_S)
-        self.gathered = Gathered()
-
-    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
-        while (item := await self._outbox.get()) is not None:
-            yield item
-
-    def send(self, message: pb.GenerateManyRequest) -> None:
-        self._outbox.put_nowait(message)
-
-    def close(self) -> None:
-        self._outbox.put_nowait(None)
-
-    async def read_until(self, done: Callable[[Gathered], bool]) -> None:
-        while not done(self.gathered):
-            message = await self.call.read()
-            assert isinstance(message, pb.GenerateManyResponse), message
-            self.gathered.add(message)
-
-    async def read_to_end(self) -> grpc.StatusCode:
-        while isinstance(message := await self.call.read(), pb.GenerateManyResponse):
-            self.gathered.add(message)
-        return await self.call.code()
-
-
 def fault_request(i: int, tokens: int) -> pb.GenerateRequest:
     return request(f"many fault {i}", tokens, f"m{i}", ignore_eos=True)
-
-
-def streaming(count: int) -> Callable[[Gathered], bool]:
-    return lambda g: sum(1 for (rid, _), rs in g.responses.items() if rs) >= count
 
 
 @pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
@@ -402,9 +377,7 @@ def test_a_killed_worker_loses_no_request_on_the_call(frontends: int) -> None:
         asyncio.run(wait_all_free(scheduler.address))
         assert scheduler.stop() == 0
     finally:
-        for service in (scheduler, worker):
-            if service is not None and service.proc.poll() is None:
-                service.stop()
+        stop_all(scheduler, worker)
 
 
 def test_requests_on_the_call_fail_alone_when_no_worker_comes_back() -> None:
@@ -437,6 +410,4 @@ def test_requests_on_the_call_fail_alone_when_no_worker_comes_back() -> None:
         }
         assert scheduler.stop() == 0
     finally:
-        for service in (scheduler, worker):
-            if service.proc.poll() is None:
-                service.stop()
+        stop_all(scheduler, worker)
