@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from stepahead.speculative import SpeculativeConfig
 from stepahead.v1 import worker_pb2
 
-PROTOCOL_VERSION = 3  # 2: Keepalive messages while a step computes; 3: grammar constraints
+PROTOCOL_VERSION = 4  # 2: Keepalive messages while a step computes; 3: grammar constraints;
+# 4: speculative decoding (verify rows, token counts)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
 # No HTTP/2 BDP probing: it pings with every burst of data to size the flow-control window for
 # bulk transfers, and these streams carry small messages every step, where each ping and its
@@ -192,6 +194,19 @@ class StepResult:
     held_s: float = 0.0  # the worker's time from reading the launch to sending this result
     link_rtt_s: float | None = None  # set by the scheduler's transport: its wait minus held_s
     grammar_finished: tuple[int, ...] = ()  # sampling rows whose grammar this step's token finished
+    # Tokens each sampling row emitted, token_ids holding them all in row order (a verify row
+    # emits 1 to num_speculative_tokens + 1); empty: one each.
+    token_counts: tuple[int, ...] = ()
+
+    def row_tokens(self) -> list[list[int]]:
+        """Each sampling row's tokens."""
+        if not self.token_counts:
+            return [[t] for t in self.token_ids]
+        rows, at = [], 0
+        for n in self.token_counts:
+            rows.append(self.token_ids[at : at + n])
+            at += n
+        return rows
 
     @property
     def forward_seconds(self) -> float:
@@ -351,6 +366,26 @@ def constraint_of(kind: str, text: str) -> Constraint:
     return Constraint(kind, text)
 
 
+def speculative_to_proto(config: SpeculativeConfig) -> worker_pb2.SpeculativeConfig:
+    return worker_pb2.SpeculativeConfig(
+        method=config.method,
+        num_speculative_tokens=config.num_speculative_tokens,
+        prompt_lookup_min=config.prompt_lookup_min,
+        prompt_lookup_max=config.prompt_lookup_max,
+    )
+
+
+def speculative_from_hello(hello: worker_pb2.Hello) -> SpeculativeConfig | None:
+    """The session's speculative decoding (None: none); ValueError naming the field."""
+    if not hello.HasField("speculative"):
+        return None
+    m = hello.speculative
+    try:
+        return SpeculativeConfig(m.num_speculative_tokens, m.prompt_lookup_min, m.prompt_lookup_max, m.method)
+    except ValueError as exc:
+        raise ValueError(f"hello.speculative.{exc}") from None
+
+
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     msg = worker_pb2.StepResult(
         step_id=result.step_id,
@@ -360,6 +395,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         epoch=result.epoch,
         held_s=result.held_s,
         grammar_finished=result.grammar_finished,
+        token_counts=result.token_counts,
     )
     lp = result.logprobs
     if lp is not None:
@@ -387,4 +423,5 @@ def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = Non
         msg.held_s,
         grammar_finished=finished,
         link_rtt_s=link_rtt_s,
+        token_counts=tuple(msg.token_counts),
     )

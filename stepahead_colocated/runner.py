@@ -34,6 +34,6 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(worker_config)
     start_metrics(engine.metrics.registry, worker_config.metrics, "worker")
     try:
-        run_service("scheduler", serve(config, InProcessTransport(engine)))
+        run_service("scheduler", serve(config, InProcessTransport(engine, config.core.policy.speculative)))
     finally:
         engine.shutdown()

@@ -22,6 +22,7 @@ from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.frontend.streams import Completions, OutputChunk
 from scheduler_svc.process.link.local import LocalCore
 from stepahead.protocol import Launch, StepResult
+from stepahead.speculative import SpeculativeConfig
 from tests.live import SETTLE_TIMEOUT_S
 from worker_svc.backends import load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
@@ -320,18 +321,22 @@ async def serve_workload(
     clock_skew_s: float = 0.0,
     transport: list[WorkerTransport] | None = None,
     instrument: Callable[[EngineCore], None] | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport (behind a link of `link_delay_s` each
     way when set, with a worker clock `clock_skew_s` ahead when set; `transport` receives the
-    one used; `instrument` sees the core before it starts), wait for the drain."""
+    one used; `instrument` sees the core before it starts; `speculative`: decode rows verify
+    drafts), wait for the drain."""
     engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device)
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
-        policy=PolicyConfig(max_batch_tokens=max_batch_tokens, prefix_cache=prefix_cache),
+        policy=PolicyConfig(
+            max_batch_tokens=max_batch_tokens, prefix_cache=prefix_cache, speculative=speculative
+        ),
         late_pick=LatePickConfig(enabled=late_pick),
         depth=DepthConfig(depth),
     )
-    link: WorkerTransport = InProcessTransport(engine)
+    link: WorkerTransport = InProcessTransport(engine, speculative)
     if link_delay_s:
         link = DelayedTransport(link, link_delay_s)
     if clock_skew_s:

@@ -721,14 +721,29 @@ def settled_at(url: str, since: float, completions: int) -> float | None:
     return at if finished == completions else None
 
 
+# Speculative decoding on, so that its panels have data: 1-gram lookups find drafts in the sim's
+# text (its tokens are rarely accepted, which the panels show as such).
+LIVE_SPECULATIVE = (
+    '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+)
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
-    """A sim pair and a Prometheus scraping it (the deploy config, retargeted), after a load."""
+    """A sim pair (speculating) and a Prometheus scraping it (the deploy config, retargeted),
+    after a load."""
     binary, tmp = prometheus_binary(), tmp_path_factory.mktemp("prometheus")
     worker_metrics, scheduler_metrics, prometheus_port = unused_port(), unused_port(), unused_port()
     with serving_pair(
         [*SIM_WORKER, "--metrics-port", str(worker_metrics)],
-        ["--mode", "overlap", "--metrics-port", str(scheduler_metrics)],
+        [
+            "--mode",
+            "overlap",
+            "--metrics-port",
+            str(scheduler_metrics),
+            "--speculative-config",
+            LIVE_SPECULATIVE,
+        ],
     ) as (worker, scheduler):
         live_targets = {
             f"worker:{cli_args('worker').metrics_port}": f"127.0.0.1:{worker_metrics}",

@@ -10,6 +10,7 @@ import torch
 
 from stepahead.protocol import LogitsProcessing
 from worker_svc.logits_processors import (
+    HostSampled,
     RowPenalties,
     RowProcessing,
     Sampled,
@@ -216,11 +217,19 @@ def test_ids_and_logprobs_survive_the_packed_copy(top_n: int) -> None:
     sampled = Sampled(ids, token_logprobs(logits, ids, top_n))
     packed = pack_for_host(sampled)
     assert packed.shape == (3, 2 + 2 * top_n) and packed.dtype == torch.float64
-    tokens, logprobs = unpack_from_host(packed)
-    assert tokens == [4, 39, 0] and logprobs is not None and logprobs.top_n == top_n
+    host = unpack_from_host(packed)
+    logprobs = host.logprobs
+    assert host.tokens == [4, 39, 0] and logprobs is not None and logprobs.top_n == top_n
     lp = sampled.logprobs
     assert lp is not None
     assert logprobs.chosen == lp.chosen.tolist()
     assert logprobs.top_ids == lp.top_ids.flatten().tolist()
     assert logprobs.top_logprobs == lp.top_logprobs.flatten().tolist()
-    assert unpack_from_host(pack_for_host(Sampled(ids))) == ([4, 39, 0], None)
+    assert unpack_from_host(pack_for_host(Sampled(ids))) == HostSampled([4, 39, 0], None, None)
+    # With a verify row, each entry's state rides along as the last column.
+    states = torch.tensor([1, 3, 2])
+    with_states = unpack_from_host(pack_for_host(Sampled(ids, sampled.logprobs, states)), with_states=True)
+    assert with_states.tokens == [4, 39, 0] and with_states.states == [1, 3, 2]
+    assert with_states.logprobs is not None and with_states.logprobs.chosen == logprobs.chosen
+    plain = unpack_from_host(pack_for_host(Sampled(ids, None, states)), with_states=True)
+    assert plain == HostSampled([4, 39, 0], None, [1, 3, 2])

@@ -42,3 +42,10 @@ class StepAccounting:
             "device", f"forward {launch.step_id}", timing.forward_start, timing.forward_end, args
         )
         self._tracer.span("copy", f"copy {launch.step_id}", timing.forward_end, timing.copy_end)
+
+    def speculated(self, drafts: int, draft_tokens: int, accepted: int) -> None:
+        """A step's verify rows: `drafts` of them proposed `draft_tokens` drafts, of which
+        `accepted` were accepted (vLLM's meanings)."""
+        self._metrics.spec_drafts.inc(drafts)
+        self._metrics.spec_draft_tokens.inc(draft_tokens)
+        self._metrics.spec_accepted_tokens.inc(accepted)

@@ -46,14 +46,15 @@ from typing import TypeVar
 
 import torch
 
-from stepahead.protocol import Launch, StepResult, WorkerInfo
+from stepahead.protocol import Launch, StepLogprobs, StepResult, WorkerInfo
+from stepahead.speculative import SpeculativeConfig
 from stepahead.trace import NO_TRACE, Tracer
 from worker_svc.accounting import StepAccounting
 from worker_svc.backends import Draw, ModelBackend
 from worker_svc.device_streams import DeviceStreams, PendingCopy, transfers_through
 from worker_svc.forward_thread import COPY, enter_inference_mode, forward_thread, named
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
-from worker_svc.logits_processors import Sampled, pack_for_host, unpack_from_host
+from worker_svc.logits_processors import HostSampled, Sampled, pack_for_host, unpack_from_host
 from worker_svc.ranks import (
     Command,
     GroupBroken,
@@ -62,9 +63,10 @@ from worker_svc.ranks import (
     decode_session,
     fail_stop,
 )
-from worker_svc.rows import BatchBuilder, device_rows, host_rows, plan_processing
+from worker_svc.rows import BatchBuilder, DeviceRows, HostRows, device_rows, host_rows, plan_processing
 from worker_svc.session import EngineSession
 from worker_svc.slots import RequestSlots
+from worker_svc.speculative import EMITTED, PROPOSED, Drafted, Speculation, accept
 from worker_svc.structured import ConstrainedRows, GrammarStep, GrammarThread, SlotGrammars
 from worker_svc.telemetry import WorkerMetrics
 from worker_svc.tracking import track_prompt_sourced, track_sampled
@@ -99,6 +101,7 @@ class _Enqueued:
     live_after: int  # request slots live once this launch has run
     epoch: int  # the session it ran in
     grammar: GrammarStep | None  # its constrained rows, whose tokens the matchers take
+    entry_rows: list[int] | None = None  # with a verify row: each sampling entry's sampling row
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,11 @@ class _Ran:
 
     sampled: Sampled | None
     grammar: GrammarStep | None = None
+    entry_rows: list[int] | None = None  # with a verify row: each sampling entry's sampling row
+
+
+def _draft_tokens(speculative: SpeculativeConfig | None) -> int:
+    return 0 if speculative is None else speculative.num_speculative_tokens
 
 
 class SessionEnded(RuntimeError):
@@ -141,6 +149,9 @@ class WorkerEngine:
             config.request_slots, backend.vocab_size, backend.max_context_len, device, config.check_invariants
         )
         self._batches = BatchBuilder(self._slots, device)
+        self._speculation = Speculation(
+            config.request_slots, config.kv_slots, backend.max_context_len, device, config.check_invariants
+        )
         self._no_tokens = torch.empty(0, dtype=torch.int64, device=device)
         # NOTE: built on its forward thread where the worker builds it (worker_svc/app.py)
         self._forward_thread = forward or forward_thread()
@@ -203,16 +214,19 @@ class WorkerEngine:
         """What the current session's launches are checked against."""
         return self._session.limits
 
-    def begin_session(self, max_batch_tokens: int | None = None) -> concurrent.futures.Future[WorkerInfo]:
+    def begin_session(
+        self, max_batch_tokens: int | None = None, speculative: SpeculativeConfig | None = None
+    ) -> concurrent.futures.Future[WorkerInfo]:
         """Forget every request slot and counter, after all batches launched so far.
 
         `max_batch_tokens` is the step budget the scheduler announced for this
         session; None holds launches to a bound derived from the KV pool
         (`launch_check.step_budget`). ValueError, at once, if it is below 1.
+        `speculative`: the session's speculative decoding (None: none).
         """
-        limits = self._session.limits_for(max_batch_tokens)
+        limits = self._session.limits_for(max_batch_tokens, _draft_tokens(speculative))
         self._session.ticket += 1  # launches of the session before, still queued, are dropped
-        return self._forward_thread.submit(self._lead_session, max_batch_tokens, limits)
+        return self._forward_thread.submit(self._lead_session, max_batch_tokens, speculative, limits)
 
     @property
     def session_ticket(self) -> int:
@@ -259,7 +273,9 @@ class WorkerEngine:
         """Runs rank 0's next command; False once it is the stop."""
         kind, payload = ranks.receive()
         if kind is Command.SESSION:
-            self._reset_for_session(self._session.limits_for(decode_session(payload)))
+            budget, speculative = decode_session(payload)
+            limits = self._session.limits_for(budget, _draft_tokens(speculative))
+            self._reset_for_session(limits, speculative)
         elif kind is Command.LAUNCH:
             launch = decode_launch(payload)
             self._check(launch)
@@ -275,17 +291,20 @@ class WorkerEngine:
         except GroupBroken as exc:
             fail_stop(exc)
 
-    def _lead_session(self, max_batch_tokens: int | None, limits: LaunchLimits) -> WorkerInfo:
+    def _lead_session(
+        self, max_batch_tokens: int | None, speculative: SpeculativeConfig | None, limits: LaunchLimits
+    ) -> WorkerInfo:
         ranks = self.ranks
         if ranks is not None:
-            self._lead(lambda: ranks.hand_session(max_batch_tokens))
-        return self._reset_for_session(limits)
+            self._lead(lambda: ranks.hand_session(max_batch_tokens, speculative))
+        return self._reset_for_session(limits, speculative)
 
-    def _reset_for_session(self, limits: LaunchLimits) -> WorkerInfo:
+    def _reset_for_session(self, limits: LaunchLimits, speculative: SpeculativeConfig | None) -> WorkerInfo:
         # NOTE: runs on the forward thread, so every launch queued before it
         # counts in the previous session and none after it does; and on the
         # forward stream (`RequestSlots.reset`), ordered with the steps.
         self._slots.reset(self.streams)
+        self._speculation.config = speculative
         self._grammars.clear()
         if self._grammar_thread is not None:
             self._grammar_thread.clear()
@@ -302,15 +321,70 @@ class WorkerEngine:
             if grammar is not None:
                 grammar.fail(exc)
             raise
-        tokens, logprobs = unpack_from_host(host)
+        sampled = unpack_from_host(host, with_states=enqueued.entry_rows is not None)
         finished: tuple[int, ...] = ()
         if grammar is not None:  # the matchers take the tokens; some may finish with them
-            grammar.tokens.set_result(tokens)
+            grammar.tokens.set_result(sampled.tokens)
             finished = grammar.finished.result()
         self._accounting.account(launch, timing, enqueued.live_after)
         start, end = timing.forward_start, timing.forward_end
+        if enqueued.entry_rows is None:
+            return StepResult(
+                launch.step_id,
+                sampled.tokens,
+                start,
+                end,
+                enqueued.epoch,
+                sampled.logprobs,
+                grammar_finished=finished,
+            )
+        return self._verified_result(
+            launch.step_id, sampled, enqueued.entry_rows, finished, start, end, enqueued.epoch
+        )
+
+    def _verified_result(
+        self,
+        step_id: int,
+        sampled: HostSampled,
+        entry_rows: list[int],
+        grammar_entries: tuple[int, ...],
+        start: float,
+        end: float,
+        epoch: int,
+    ) -> StepResult:
+        """A step with verify rows: each sampling row's emitted entries, in row order."""
+        states = sampled.states
+        assert states is not None
+        emitted: list[int] = []
+        counts = [0] * (entry_rows[-1] + 1)
+        proposed = [0] * len(counts)
+        for i, (row, state) in enumerate(zip(entry_rows, states, strict=True)):
+            if state & EMITTED:
+                emitted.append(i)
+                counts[row] += 1
+            if state & PROPOSED:
+                proposed[row] += 1
+        drafting = [row for row, n in enumerate(proposed) if n]
+        self._accounting.speculated(len(drafting), sum(proposed), sum(counts[row] - 1 for row in drafting))
+        lp = sampled.logprobs
+        logprobs = None
+        if lp is not None:
+            n = lp.top_n
+            logprobs = StepLogprobs(
+                [lp.chosen[i] for i in emitted],
+                n,
+                [t for i in emitted for t in lp.top_ids[i * n : (i + 1) * n]],
+                [t for i in emitted for t in lp.top_logprobs[i * n : (i + 1) * n]],
+            )
         return StepResult(
-            launch.step_id, tokens, start, end, enqueued.epoch, logprobs, grammar_finished=finished
+            step_id,
+            [sampled.tokens[i] for i in emitted],
+            start,
+            end,
+            epoch,
+            logprobs,
+            grammar_finished=tuple(entry_rows[i] for i in grammar_entries),
+            token_counts=tuple(counts),
         )
 
     def _enqueue(self, launch: Launch, ticket: int) -> _Enqueued:
@@ -338,7 +412,7 @@ class WorkerEngine:
             # NOTE: handed on only once nothing of the step can fail here (the copy thread
             # always answers it), and before the next launch's deltas and masks: launch order.
             self._grammar_thread.advance(ran.grammar)
-        return _Enqueued(copy, self._slots.live, self._session.epoch, ran.grammar)
+        return _Enqueued(copy, self._slots.live, self._session.epoch, ran.grammar, ran.entry_rows)
 
     def _run(self, launch: Launch) -> _Ran:
         """The launch's slot deltas, then its forward unless it only releases slots."""
@@ -351,10 +425,14 @@ class WorkerEngine:
 
     def _forward(self, launch: Launch) -> _Ran:
         """The launch's batch forward and draws; its ids go to the FutureMap and the history."""
-        rows = host_rows(launch)
+        speculation = self._speculation
+        rows = host_rows(launch, speculation.draft_tokens, self.backend.max_context_len)
         plan_processing(launch, rows, self._slots.table.processing)
         on_device = device_rows(launch, rows, self.streams)
-        batch = self._batches.batch(launch, rows, on_device)
+        drafted = self._draft(rows, on_device) if rows.verify_rows else None
+        batch = self._batches.batch(launch, rows, on_device, drafted)
+        if speculation.config is not None:
+            speculation.record_inputs(batch.out_kv_slots, batch.input_ids)
         if rows.tracked:
             track_prompt_sourced(self._slots.table.processing.history, batch, on_device)
         constrained = self._grammars.rows(rows.sample_req_slots)
@@ -366,7 +444,13 @@ class WorkerEngine:
         draw = self.backend.compute(batch, self._batches.sampling(rows, on_device))
         ids = draw.sample()
         # NOTE: every row not constrained is final: in the FutureMap at once.
-        self._slots.future.store(on_device.sample_req_slots, ids)
+        entry_state = None
+        if drafted is not None:
+            entry_state = self._store_verified(rows, on_device, drafted, ids)
+        else:
+            self._slots.future.store(on_device.sample_req_slots, ids)
+            if speculation.config is not None:
+                speculation.record_sampled(on_device.sample_req_slots, on_device.sample_positions)
         grammar = None
         if constrained is not None:
             grammar = self._draw_constrained(draw, constrained, masks, ids, on_device.sample_req_slots)
@@ -375,7 +459,37 @@ class WorkerEngine:
             track_sampled(self._slots.table.processing.history, on_device, ids)
         if self.ranks is not None and self.config.check_invariants:
             self.ranks.check_same_ids(ids)
-        return _Ran(Sampled(ids, draw.logprobs(ids)), grammar)
+        entry_rows = rows.entry_rows if drafted is not None else None
+        return _Ran(Sampled(ids, draw.logprobs(ids), entry_state), grammar, entry_rows)
+
+    def _draft(self, rows: HostRows, on_device: DeviceRows) -> Drafted:
+        """The launch's verify rows: their pending tokens, drafts and positions, on the device."""
+        pending = self._slots.future.read(on_device.verify_req_slots)
+        drafted = self._speculation.draft(
+            on_device.verify_req_slots, pending, self._slots.req_to_token, rows.verify_width
+        )
+        sampled_at = (drafted.positions + 1).clamp(max=self.backend.max_context_len)
+        on_device.sample_positions.index_copy_(0, on_device.verify_sample_index, sampled_at.reshape(-1))
+        return drafted
+
+    def _store_verified(
+        self, rows: HostRows, on_device: DeviceRows, drafted: Drafted, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A step with verify rows: each row's last emitted token to the FutureMap, and its
+        pending position; returns each sampling entry's state."""
+        speculation = self._speculation
+        plain = on_device.plain_sample_index
+        if rows.plain_sample_index:
+            plain_slots = on_device.sample_req_slots.index_select(0, plain)
+            self._slots.future.store(plain_slots, ids.index_select(0, plain))
+            speculation.record_sampled(plain_slots, on_device.sample_positions.index_select(0, plain))
+        sampled = ids.index_select(0, on_device.verify_sample_index).view(len(rows.verify_rows), -1)
+        accepted = accept(drafted, sampled)
+        self._slots.future.store(on_device.verify_req_slots, accepted.last)
+        speculation.record_accepted(on_device.verify_req_slots, drafted, accepted)
+        state = torch.full_like(ids, EMITTED)
+        state.index_copy_(0, on_device.verify_sample_index, accepted.entry_state.reshape(-1))
+        return state
 
     def _draw_constrained(
         self,

@@ -7,6 +7,16 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class VerifyRows:
+    """A batch's verify rows (speculative decoding): K + 1 queries each, at positions the
+    device holds: row i's query j at `base[i] + j` (worker_svc/speculative.py)."""
+
+    rows: list[int]  # [Bv] host: their row indexes
+    token_index: torch.Tensor  # [Bv * (K + 1)] index into T of their tokens, row-major
+    base: torch.Tensor  # [Bv] the position of each row's first token
+
+
 @dataclass
 class ForwardBatch:
     """Inputs of one forward; tensors live on the model's device.
@@ -25,7 +35,8 @@ class ForwardBatch:
     row_num_tokens: list[int]  # [B] host: tokens row i brings (1 for decode)
     row_ctx_lens: list[int]  # [B] host: start position + num tokens of row i
     sample_token_index: torch.Tensor  # [R] int64: index into T of each sampling row's last token
-    req_to_token: torch.Tensor  # [request_slots, max_context_len] int64 KV slot table
+    req_to_token: torch.Tensor  # [request_slots, max_context_len + 1] int64 KV slot table (+ a spare)
+    verify: VerifyRows | None = None  # None: no verify row
 
     @property
     def num_tokens(self) -> int:

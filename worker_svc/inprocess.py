@@ -10,6 +10,7 @@ import asyncio
 import time
 
 from stepahead.protocol import Launch, StepResult, WorkerInfo
+from stepahead.speculative import SpeculativeConfig
 from worker_svc.engine import WorkerEngine
 
 
@@ -31,11 +32,13 @@ class InProcessSession:
 
 
 class InProcessTransport:
-    def __init__(self, engine: WorkerEngine) -> None:
+    def __init__(self, engine: WorkerEngine, speculative: SpeculativeConfig | None = None) -> None:
+        """`speculative`: each session's speculative decoding (None: none)."""
         self._engine = engine
+        self._speculative = speculative
 
     async def connect(self) -> InProcessSession:
-        info = await asyncio.wrap_future(self._engine.begin_session())
+        info = await asyncio.wrap_future(self._engine.begin_session(speculative=self._speculative))
         return InProcessSession(self._engine, info)
 
     async def close(self) -> None:

@@ -46,6 +46,7 @@ class LaunchLimits:
     max_context_len: int
     vocab_size: int
     max_batch_tokens: int  # tokens per launch
+    draft_tokens: int = 0  # K under speculative decoding: a verify row carries K + 1 (0: none)
 
 
 def step_budget(kv_slots: int, announced: int | None) -> int:
@@ -60,7 +61,7 @@ def step_budget(kv_slots: int, announced: int | None) -> int:
 def check_launch(launch: Launch, limits: LaunchLimits) -> None:
     """Raise LaunchError naming the first field of `launch` that breaks `limits`."""
     _check_row_arrays(launch)
-    _check_row_tokens(launch, limits.max_batch_tokens)
+    _check_row_tokens(launch, limits.max_batch_tokens, limits.draft_tokens)
     _check_token_totals(launch, limits.max_batch_tokens)
     _check_positions(launch, limits.max_context_len)
     _check_range("prompt_ids[{}]", launch.prompt_ids, limits.vocab_size, "the vocabulary")
@@ -102,14 +103,19 @@ def _check_row_arrays(launch: Launch) -> None:
             raise LaunchError(f"{name}: {len(column)} entries for {rows} rows in row_req_slots")
 
 
-def _check_row_tokens(launch: Launch, budget: int) -> None:
+def _check_row_tokens(launch: Launch, budget: int, draft_tokens: int) -> None:
     for i, (n, from_future) in enumerate(zip(launch.row_num_tokens, launch.row_from_future, strict=True)):
         if n < 1:
             raise LaunchError(f"row_num_tokens[{i}]: {n} tokens; a row carries at least 1")
         if n > budget:
             raise LaunchError(f"row_num_tokens[{i}]: {n} tokens exceed the step budget of {budget}")
-        if from_future and n != 1:
-            raise LaunchError(f"row_num_tokens[{i}]: {n} tokens in a row_from_future row, which carries 1")
+        if from_future and n != 1 and n != draft_tokens + 1:
+            carries = "1" if not draft_tokens else f"1, or {draft_tokens + 1} as a verify row"
+            raise LaunchError(
+                f"row_num_tokens[{i}]: {n} tokens in a row_from_future row, which carries {carries}"
+            )
+        if from_future and n > 1 and not launch.row_sample[i]:
+            raise LaunchError(f"row_sample[{i}]: a verify row samples")
 
 
 def _check_token_totals(launch: Launch, budget: int) -> None:
@@ -127,9 +133,16 @@ def _check_token_totals(launch: Launch, budget: int) -> None:
 
 
 def _check_positions(launch: Launch, max_context_len: int) -> None:
-    for i, (start, n) in enumerate(zip(launch.row_start_pos, launch.row_num_tokens, strict=True)):
+    rows = zip(launch.row_start_pos, launch.row_num_tokens, launch.row_from_future, strict=True)
+    for i, (start, n, from_future) in enumerate(rows):
         if start < 0:
             raise LaunchError(f"row_start_pos[{i}]: {start} is negative")
+        if from_future and n > 1:  # a verify row: a bound on its first position, which the worker holds
+            if start >= max_context_len:
+                raise LaunchError(
+                    f"row_start_pos[{i}]: {start} is past the context length of {max_context_len}"
+                )
+            continue
         if start + n > max_context_len:
             raise LaunchError(
                 f"row_start_pos[{i}]: positions {start}..{start + n - 1} exceed "

@@ -130,18 +130,32 @@ class PrefillRow:
 
 
 @dataclass
+class VerifyGroup:
+    """All verify rows (speculative decoding), Q = K + 1 queries each, attended in one padded
+    call; row i's query j sits at position base[i] + j, held on the device."""
+
+    token_index: torch.Tensor  # [Bv * Q] index into T of each row's tokens, row-major
+    queries: int  # Q
+    kv_slots: torch.Tensor  # [Bv, Lmax] KV slots; padding points at slot 0 and is masked out
+    mask: torch.Tensor  # [Bv, 1, group * Q, Lmax] True where query j may read the key
+
+
+@dataclass
 class AttentionPlan:
     decode: DecodeGroup | None
     prefills: list[PrefillRow]
+    verify: VerifyGroup | None = None
 
     @classmethod
     def build(cls, batch: ForwardBatch, query_group: int, window: int | None = None) -> AttentionPlan:
         """`window`: each query attends only the keys of its last `window` positions, its own
         included (None: every earlier key)."""
+        verify_rows = set(batch.verify.rows) if batch.verify is not None else set()
         decode_rows = [i for i, n in enumerate(batch.row_num_tokens) if n == 1]
-        prefill_rows = [i for i, n in enumerate(batch.row_num_tokens) if n > 1]
+        prefill_rows = [i for i, n in enumerate(batch.row_num_tokens) if n > 1 and i not in verify_rows]
         decode = _decode_group(batch, decode_rows, window) if decode_rows else None
-        return cls(decode, [_prefill_row(batch, i, query_group, window) for i in prefill_rows])
+        verify = _verify_group(batch, query_group, window) if verify_rows else None
+        return cls(decode, [_prefill_row(batch, i, query_group, window) for i in prefill_rows], verify)
 
 
 def _decode_group(batch: ForwardBatch, rows: list[int], window: int | None) -> DecodeGroup:
@@ -162,6 +176,24 @@ def _decode_group(batch: ForwardBatch, rows: list[int], window: int | None) -> D
     kv_slots = torch.where(valid, table, torch.zeros_like(table))
     whole = len(rows) == len(batch.row_num_tokens) and all(batch.row_token_starts[i] == i for i in rows)
     return DecodeGroup(token_index, kv_slots, valid[:, None, None, :], whole)
+
+
+def _verify_group(batch: ForwardBatch, query_group: int, window: int | None) -> VerifyGroup:
+    verify = batch.verify
+    assert verify is not None
+    device = batch.input_ids.device
+    queries = batch.row_num_tokens[verify.rows[0]]
+    max_len = max(batch.row_ctx_lens[i] for i in verify.rows)
+    req_slots = batch.row_req_slots.index_select(0, to_device_columns([verify.rows], device)[0])
+    table = batch.req_to_token.index_select(0, req_slots)[:, :max_len]
+    keys = torch.arange(max_len, device=device)[None, None, :]
+    query_pos = verify.base[:, None, None] + torch.arange(queries, device=device)[None, :, None]
+    allowed = keys <= query_pos  # [Bv, Q, Lmax]
+    if window is not None:
+        allowed &= keys > query_pos - window
+    kv_slots = torch.where(allowed.any(1), table, torch.zeros_like(table))
+    mask = allowed.repeat(1, query_group, 1)[:, None]
+    return VerifyGroup(verify.token_index, queries, kv_slots, mask)
 
 
 def _prefill_row(batch: ForwardBatch, row: int, query_group: int, window: int | None) -> PrefillRow:
@@ -347,6 +379,8 @@ class LlamaAttention(nn.Module):
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if plan.decode is not None:
             out.index_copy_(0, plan.decode.token_index, self._attend_decode(q, k_pool, v_pool, plan.decode))
+        if plan.verify is not None:
+            out.index_copy_(0, plan.verify.token_index, self._attend_verify(q, k_pool, v_pool, plan.verify))
         for row in plan.prefills:
             end = row.token_start + row.num_tokens
             out[row.token_start : end] = self._attend_prefill(q[row.token_start : end], k_pool, v_pool, row)
@@ -359,6 +393,16 @@ class LlamaAttention(nn.Module):
         dtype = _attention_dtype(q)
         k, v = _gather(k_pool, group.kv_slots, dtype), _gather(v_pool, group.kv_slots, dtype)
         return grouped_attention(q_rows.to(dtype), k, v, group.mask)[:, 0].to(q.dtype)
+
+    def _attend_verify(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: VerifyGroup
+    ) -> torch.Tensor:
+        q_rows = q.index_select(0, group.token_index)
+        q_rows = q_rows.view(-1, group.queries, *q_rows.shape[1:])
+        dtype = _attention_dtype(q)
+        k, v = _gather(k_pool, group.kv_slots, dtype), _gather(v_pool, group.kv_slots, dtype)
+        out = grouped_attention(q_rows.to(dtype), k, v, group.mask)
+        return out.reshape(-1, out.shape[-1]).to(q.dtype)
 
     def _attend_prefill(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row: PrefillRow

@@ -64,6 +64,8 @@ class Sampled:
 
     token_ids: torch.Tensor  # [R] int64
     logprobs: TokenLogprobs | None = None
+    # With a verify row: per sampling entry, EMITTED | PROPOSED (worker_svc/speculative.py).
+    entry_state: torch.Tensor | None = None
 
 
 class TokenHistory:
@@ -165,29 +167,50 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> To
 
 def pack_for_host(sampled: Sampled) -> torch.Tensor:
     """What one copy takes to the host: the ids [R] int64, or, with log-probabilities,
-    [R, 2 + 2 * top_n] float64 rows (id, chosen, top ids, top log-probabilities)."""
+    [R, 2 + 2 * top_n] float64 rows (id, chosen, top ids, top log-probabilities); with entry
+    states, these as the first column(s) of [R, 2] int64 or [R, 3 + 2 * top_n] float64 rows,
+    the state last."""
     # NOTE: float64 holds every id below 2**53 exactly, and every float32 log-probability.
-    lp = sampled.logprobs
+    lp, state = sampled.logprobs, sampled.entry_state
     if lp is None:
-        return sampled.token_ids
-    columns = (sampled.token_ids[:, None], lp.chosen[:, None], lp.top_ids, lp.top_logprobs)
+        if state is None:
+            return sampled.token_ids
+        return torch.stack((sampled.token_ids, state), 1)
+    columns = [sampled.token_ids[:, None], lp.chosen[:, None], lp.top_ids, lp.top_logprobs]
+    if state is not None:
+        columns.append(state[:, None])
     return torch.cat([c.double() for c in columns], dim=1)
 
 
-def unpack_from_host(host: torch.Tensor) -> tuple[list[int], StepLogprobs | None]:
-    """`pack_for_host`'s tensor, copied to the host, as the step's ids and log-probabilities."""
+@dataclass(frozen=True)
+class HostSampled:
+    """A step's sampled entries on the host."""
+
+    tokens: list[int]
+    logprobs: StepLogprobs | None
+    states: list[int] | None  # per entry, EMITTED | PROPOSED (None: no verify row)
+
+
+def unpack_from_host(host: torch.Tensor, with_states: bool = False) -> HostSampled:
+    """`pack_for_host`'s tensor, copied to the host, as the step's ids and log-probabilities
+    (`with_states`: its entries' states are the last column)."""
+    states: list[int] | None = None
+    if with_states:
+        states = host[:, -1].long().tolist()
+        host = host[:, :-1] if host.shape[1] > 2 else host[:, 0]
     if host.dim() == 1:
         ids: list[int] = host.tolist()
-        return ids, None
+        return HostSampled(ids, None, states)
     top_n = (host.shape[1] - 2) // 2
     tokens: list[int] = host[:, 0].long().tolist()
     top = host[:, 2:]
-    return tokens, StepLogprobs(
+    logprobs = StepLogprobs(
         host[:, 1].tolist(),
         top_n,
         top[:, :top_n].long().flatten().tolist(),
         top[:, top_n:].flatten().tolist(),
     )
+    return HostSampled(tokens, logprobs, states)
 
 
 # ---- what the host decides per step ------------------------------------------------------------

@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from stepahead.protocol import Launch, launch_from_proto, launch_to_proto
+from stepahead.protocol import (
+    Launch,
+    launch_from_proto,
+    launch_to_proto,
+    speculative_from_hello,
+    speculative_to_proto,
+)
+from stepahead.speculative import SpeculativeConfig
 from stepahead.v1 import worker_pb2
 
 log = logging.getLogger("stepahead.worker")
@@ -53,7 +60,7 @@ class GroupBroken(RuntimeError):
 
 
 class Command(enum.IntEnum):
-    SESSION = 1  # payload: the session's max_batch_tokens (0: none announced)
+    SESSION = 1  # payload: a serialized worker.proto Hello (its max_batch_tokens and speculative)
     LAUNCH = 2  # payload: a serialized worker.proto Launch
     STOP = 3
 
@@ -120,8 +127,13 @@ class TensorParallelRanks:
         if not torch.equal(low, high):
             raise GroupBroken(f"rank {self.place.rank}: the ranks sampled different ids")
 
-    def hand_session(self, max_batch_tokens: int | None) -> None:
-        self._send(Command.SESSION, (max_batch_tokens or 0).to_bytes(8, "little"))
+    def hand_session(
+        self, max_batch_tokens: int | None, speculative: SpeculativeConfig | None = None
+    ) -> None:
+        hello = worker_pb2.Hello(max_batch_tokens=max_batch_tokens or 0)
+        if speculative is not None:
+            hello.speculative.CopyFrom(speculative_to_proto(speculative))
+        self._send(Command.SESSION, hello.SerializeToString())
 
     def hand_launch(self, launch: Launch) -> None:
         self.hand_launch_bytes(launch_to_proto(launch).SerializeToString())
@@ -255,8 +267,10 @@ def fail_stop(exc: GroupBroken) -> NoReturn:
     os._exit(GROUP_BROKEN_EXIT)
 
 
-def decode_session(payload: bytes) -> int | None:
-    return int.from_bytes(payload, "little") or None
+def decode_session(payload: bytes) -> tuple[int | None, SpeculativeConfig | None]:
+    """The session's step budget (None: none announced) and speculative decoding."""
+    hello = worker_pb2.Hello.FromString(payload)
+    return hello.max_batch_tokens or None, speculative_from_hello(hello)
 
 
 def decode_launch(payload: bytes) -> Launch:

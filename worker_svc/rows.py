@@ -10,9 +10,10 @@ import torch
 from stepahead.protocol import Launch
 from worker_svc.backends import RowSampling
 from worker_svc.device_streams import DeviceStreams, to_device_columns
-from worker_svc.forward_batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch, VerifyRows
 from worker_svc.logits_processors import ProcessingTable, StepPlan
 from worker_svc.slots import RequestSlots
+from worker_svc.speculative import Drafted
 
 __all__ = ["BatchBuilder", "DeviceRows", "HostRows", "device_rows", "host_rows", "plan_processing"]
 
@@ -36,9 +37,29 @@ class HostRows:
     tracked: bool = False  # a live slot is penalized: the history takes this step's tokens
     history_token_index: list[int] = field(default_factory=list)  # prompt-sourced tokens
     history_output_index: list[int] = field(default_factory=list)  # of them, outputs not counted
+    # Verify rows (speculative decoding, worker_svc/speculative.py): each samples every one of
+    # its K + 1 tokens, so a launch's sampling entries are its sampling rows, a verify row's
+    # counting K + 1. Their positions here are the scheduler's bounds; the device's replace them.
+    verify_rows: list[int] = field(default_factory=list)  # launch row index
+    verify_req_slots: list[int] = field(default_factory=list)
+    verify_token_index: list[int] = field(default_factory=list)  # [Bv * (K + 1)], row-major
+    verify_sample_index: list[int] = field(default_factory=list)  # [Bv * (K + 1)] sampling entries
+    plain_sample_index: list[int] = field(default_factory=list)  # the other sampling entries
+    entry_rows: list[int] = field(default_factory=list)  # each sampling entry's sampling row
+    verify_width: int = 0  # a bound on the verify rows' lengths, for their drafts' lookup
+
+    @property
+    def entries_per_row(self) -> list[int]:
+        """Sampling entries of each sampling row (1, or K + 1 for a verify row)."""
+        counts = [0] * (self.entry_rows[-1] + 1 if self.entry_rows else 0)
+        for row in self.entry_rows:
+            counts[row] += 1
+        return counts
 
 
-def host_rows(launch: Launch) -> HostRows:
+def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0) -> HostRows:
+    """`draft_tokens`: K, under speculative decoding (0: none), when a row read from the
+    FutureMap with K + 1 tokens is a verify row; `context`: the context length."""
     rows = HostRows([], [], [], [], [], [], [], [], [], [])
     t = 0
     for slot, start, n, from_future, sample in zip(
@@ -50,20 +71,46 @@ def host_rows(launch: Launch) -> HostRows:
         strict=True,
     ):
         rows.row_token_starts.append(t)
+        rows.token_req_slots.extend([slot] * n)
+        if from_future and n > 1:
+            _add_verify_row(rows, slot, start, n, t, context)
+            t += n
+            continue
         rows.row_ctx_lens.append(start + n)
         rows.positions.extend(range(start, start + n))
-        rows.token_req_slots.extend([slot] * n)
         if from_future:
             rows.future_token_index.append(t)
             rows.future_req_slots.append(slot)
         else:
             rows.prompt_token_index.extend(range(t, t + n))
         if sample:
+            if draft_tokens:
+                rows.plain_sample_index.append(len(rows.sample_token_index))
+                rows.entry_rows.append(rows.entry_rows[-1] + 1 if rows.entry_rows else 0)
             rows.sample_token_index.append(t + n - 1)
             rows.sample_req_slots.append(slot)
             rows.sample_positions.append(start + n)
         t += n
+    if not rows.verify_rows:
+        rows.plain_sample_index, rows.entry_rows = [], []
     return rows
+
+
+def _add_verify_row(rows: HostRows, slot: int, start: int, n: int, t: int, context: int) -> None:
+    """A verify row of n = K + 1 tokens whose first position is at most `start`."""
+    rows.verify_rows.append(len(rows.row_token_starts) - 1)
+    rows.verify_req_slots.append(slot)
+    rows.row_ctx_lens.append(min(start + n, context))
+    rows.verify_width = max(rows.verify_width, min(start + 1, context))
+    rows.positions.extend(min(start + j, context - 1) for j in range(n))
+    rows.verify_token_index.extend(range(t, t + n))
+    first = len(rows.sample_token_index)
+    rows.verify_sample_index.extend(range(first, first + n))
+    row = rows.entry_rows[-1] + 1 if rows.entry_rows else 0
+    rows.entry_rows.extend([row] * n)
+    rows.sample_token_index.extend(range(t, t + n))
+    rows.sample_req_slots.extend([slot] * n)
+    rows.sample_positions.extend(min(start + 1 + j, context) for j in range(n))
 
 
 def plan_processing(launch: Launch, rows: HostRows, table: ProcessingTable) -> None:
@@ -101,6 +148,10 @@ class DeviceRows:
     history_output_index: torch.Tensor
     mask_rows: torch.Tensor
     mask_ids: torch.Tensor
+    verify_req_slots: torch.Tensor
+    verify_token_index: torch.Tensor
+    verify_sample_index: torch.Tensor
+    plain_sample_index: torch.Tensor
 
 
 def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> DeviceRows:
@@ -121,6 +172,10 @@ def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> Devic
         rows.history_output_index,
         plan.mask_rows if plan is not None else [],
         plan.mask_ids if plan is not None else [],
+        rows.verify_req_slots,
+        rows.verify_token_index,
+        rows.verify_sample_index,
+        rows.plain_sample_index,
     ]
     return DeviceRows(*to_device_columns(columns, streams.device, streams))
 
@@ -133,11 +188,21 @@ class BatchBuilder:
         self._slots = slots
         self._device = device
 
-    def batch(self, launch: Launch, rows: HostRows, on_device: DeviceRows) -> ForwardBatch:
+    def batch(
+        self, launch: Launch, rows: HostRows, on_device: DeviceRows, drafted: Drafted | None = None
+    ) -> ForwardBatch:
+        """`drafted`: the launch's verify rows, whose positions and inputs the device holds."""
         req_to_token = self._slots.req_to_token
-        req_to_token.index_put_((on_device.token_req_slots, on_device.positions), on_device.kv_slots)
+        table_positions = on_device.positions
+        verify = None
+        if drafted is not None:
+            index = on_device.verify_token_index
+            on_device.positions.index_copy_(0, index, drafted.positions.reshape(-1))
+            table_positions = on_device.positions.index_copy(0, index, drafted.table_positions.reshape(-1))
+            verify = VerifyRows(rows.verify_rows, index, drafted.base)
+        req_to_token.index_put_((on_device.token_req_slots, table_positions), on_device.kv_slots)
         return ForwardBatch(
-            input_ids=self._input_ids(rows, on_device),
+            input_ids=self._input_ids(rows, on_device, drafted),
             positions=on_device.positions,
             out_kv_slots=on_device.kv_slots,
             row_req_slots=on_device.row_req_slots,
@@ -146,18 +211,26 @@ class BatchBuilder:
             row_ctx_lens=rows.row_ctx_lens,
             sample_token_index=on_device.sample_token_index,
             req_to_token=req_to_token,
+            verify=verify,
         )
 
-    def _input_ids(self, rows: HostRows, on_device: DeviceRows) -> torch.Tensor:
-        """Prompt ids come from the host, decode ids from the FutureMap on the device."""
-        if not rows.future_token_index:
-            return on_device.prompt_ids
-        from_future = self._slots.future.read(on_device.future_req_slots)
-        if not rows.prompt_token_index:
-            return from_future
+    def _input_ids(self, rows: HostRows, on_device: DeviceRows, drafted: Drafted | None) -> torch.Tensor:
+        """Prompt ids come from the host, decode ids from the FutureMap on the device, a verify
+        row's from its drafts."""
+        if drafted is None:
+            if not rows.future_token_index:
+                return on_device.prompt_ids
+            if not rows.prompt_token_index:
+                return self._slots.future.read(on_device.future_req_slots)
         ids = torch.empty(len(rows.positions), dtype=torch.int64, device=self._device)
-        ids.index_copy_(0, on_device.future_token_index, from_future)
-        ids.index_copy_(0, on_device.prompt_token_index, on_device.prompt_ids)
+        if rows.future_token_index:
+            ids.index_copy_(
+                0, on_device.future_token_index, self._slots.future.read(on_device.future_req_slots)
+            )
+        if rows.prompt_token_index:
+            ids.index_copy_(0, on_device.prompt_token_index, on_device.prompt_ids)
+        if drafted is not None:
+            ids.index_copy_(0, on_device.verify_token_index, drafted.inputs.reshape(-1))
         return ids
 
     def sampling(self, rows: HostRows, on_device: DeviceRows) -> RowSampling:

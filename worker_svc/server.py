@@ -23,6 +23,7 @@ from stepahead.protocol import (
     info_to_proto,
     launch_from_proto,
     result_to_proto,
+    speculative_from_hello,
 )
 from stepahead.serving import NO_PORT_SHARING, add_health_and_reflection, add_port
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
@@ -150,7 +151,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if hello.keepalive_interval_s > 0:
             session.keepalive_interval_s = hello.keepalive_interval_s
         budget = hello.max_batch_tokens or None
-        welcome = asyncio.wrap_future(self._engine.begin_session(max_batch_tokens=budget))
+        try:
+            speculative = speculative_from_hello(hello)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        welcome = asyncio.wrap_future(
+            self._engine.begin_session(max_batch_tokens=budget, speculative=speculative)
+        )
         session.ticket = self._engine.session_ticket
         try:
             # A step of the session before may still be computing: the forward thread is its.

@@ -25,12 +25,12 @@ class EngineSession:
         # turn comes (written on the caller's thread, read on the forward thread).
         self.ticket = 0
 
-    def limits_for(self, max_batch_tokens: int | None) -> LaunchLimits:
-        """What a session announced with `max_batch_tokens` checks launches against;
-        ValueError if it is below 1."""
+    def limits_for(self, max_batch_tokens: int | None, draft_tokens: int = 0) -> LaunchLimits:
+        """What a session announced with `max_batch_tokens` (and `draft_tokens` per verify row
+        under speculative decoding) checks launches against; ValueError if it is below 1."""
         kv_slots, request_slots, max_context_len, vocab_size = self._sizes
         budget = step_budget(kv_slots, max_batch_tokens)
-        return LaunchLimits(kv_slots, request_slots, max_context_len, vocab_size, budget)
+        return LaunchLimits(kv_slots, request_slots, max_context_len, vocab_size, budget, draft_tokens)
 
     def end(self, ticket: int) -> None:
         """The session of `ticket` is over, if it is the live one."""

@@ -93,7 +93,9 @@ class RequestSlots:
     ) -> None:
         self.future = FutureMap(num_slots, device, check_invariants)
         self.table = SlotTable(num_slots, vocab, context, device)
-        self.req_to_token = torch.zeros((num_slots, context), dtype=torch.int64, device=device)
+        # One column past the context: the spare that a verify row's unproposed positions write
+        # (worker_svc/speculative.py), which no row attends.
+        self.req_to_token = torch.zeros((num_slots, context + 1), dtype=torch.int64, device=device)
 
     @property
     def live(self) -> int:
@@ -109,13 +111,22 @@ class RequestSlots:
         self.future.sentinel_reads = 0
 
     def check_live_rows(self, launch: Launch) -> None:
-        """Every row's request slot is registered once the launch's slot deltas apply."""
+        """Every row's request slot is registered once the launch's slot deltas apply; a verify
+        row's request has neither logits processing nor a grammar (they are not verified)."""
         released = set(launch.released_slots)
-        registered = {r.req_slot for r in launch.new_requests}
+        registered = {r.req_slot: r for r in launch.new_requests}
         for i, slot in enumerate(launch.row_req_slots):
-            live = slot in registered or (slot in self.table.host and slot not in released)
-            if not live:
+            request = registered.get(slot)
+            if request is None and slot not in released:
+                request = self.table.host.get(slot)
+            if request is None:
                 raise LaunchError(f"row_req_slots[{i}]: request slot {slot} is not registered")
+            verify = launch.row_from_future[i] and launch.row_num_tokens[i] > 1
+            if verify and (request.processing is not None or request.grammar is not None):
+                raise LaunchError(
+                    f"row_num_tokens[{i}]: a verify row for request slot {slot}, "
+                    "whose logits processing or grammar is not verified"
+                )
 
     def apply_deltas(self, launch: Launch, streams: DeviceStreams) -> None:
         if launch.released_slots:

@@ -1,22 +1,34 @@
-"""Verifying drafted tokens against the model's own distributions, on the device.
+"""Speculative decoding on the worker: n-gram drafts proposed and verified one step ahead,
+with every value the scheduler has not seen kept on the device.
 
-A drafting row runs its last token and its k drafts through one forward: k + 1 positions, each
-with the model's distribution for the token after it (after every logits processor, so
-penalties, bias and masks apply as they would one step at a time). Drafts are accepted from the
-first while they pass; the first that fails is replaced by a token drawn from what is left of
-its distribution, and a row whose drafts all pass gets one more token from the last position.
-So a row emits between 1 and k + 1 tokens a step.
+A verify row (a row read from the FutureMap carrying num_speculative_tokens + 1 = K + 1
+tokens) runs its request's pending token t and K drafts through one forward:
 
-- Greedy rows accept a draft that is the position's argmax, and correct with the argmax: the
-  output is token for token what one-at-a-time greedy decoding gives.
-- Sampled rows use rejection sampling (Leviathan et al. 2023; Chen et al. 2023) for a draft
-  that is certain (prompt lookup proposes one token, probability 1): a draft d is accepted with
-  probability p(d); if rejected, the token is drawn from p with d removed, renormalised. Each
-  emitted token then has exactly the model's distribution.
+    inputs      t        d1        d2   ...  dK
+    positions   b        b+1       b+2  ...  b+K      (b: the slot's position of t)
+    samples     s0       s1        s2   ...  sK       (s_j: the token after input j)
 
-The random numbers come in as arguments (one uniform per draft for its test, one per position
-for the draw), so a seeded request stays reproducible however its rows are batched. Nothing is
-read back to the host.
+Each position is sampled exactly as a one-token decode step would sample it there (the same
+logits processing, the same seeded draw keyed by the position, worker_svc/sampler.py). Draft
+d_j is accepted while it equals s_{j-1}; the row emits s_0 .. s_a, where a drafts were
+accepted: 1 to K + 1 tokens, and always exactly the tokens one-at-a-time decoding gives, for
+greedy and seeded rows alike. For a row sampled at a temperature this is rejection sampling of
+a draft that is certain (prompt lookup proposes one token, probability 1): d is accepted with
+probability p(d), and a rejected position's token is drawn from p without d, renormalised
+(Leviathan et al. 2023), each emitted token having the model's distribution.
+
+What the scheduler cannot know when it launches step k + 1 (how many of step k's drafts were
+accepted) stays here, per request slot:
+- `next_pos`: the position of the slot's pending token (the one in the FutureMap), written by
+  every sampling row; a verify row reads its positions from it;
+- `kv_token`: the token whose K/V each KV pool slot holds, written by every forward; a row's
+  drafts come from its tokens, `kv_token[req_to_token[slot, :b]]` and t, on the device (no
+  host round trip, worker_svc/ngram.py).
+The scheduler reserves K + 1 KV slots for a verify row; the worker writes the first 1 + count
+(t and the proposed drafts) at their positions, and the row's positions past them go to a
+spare column of `req_to_token` (`RequestSlots.spare_column`) that no row attends. Positions
+saturate at the context's last: a row still launched after its request reached the context
+(the scheduler learns it a step late) computes in place and its tokens are dropped.
 """
 
 from __future__ import annotations
@@ -25,54 +37,126 @@ from dataclasses import dataclass
 
 import torch
 
-NO_TOKEN = -1  # past a row's emitted tokens
+from stepahead.speculative import SpeculativeConfig
+from worker_svc.ngram import NO_DRAFT, propose
+
+__all__ = ["Accepted", "Drafted", "Speculation", "accept"]
+
+# Bits of a sampling entry's state in what the copy takes to the host (`Accepted.entry_state`).
+EMITTED = 1  # the entry's sample is one of the row's emitted tokens
+PROPOSED = 2  # the entry's input is a proposed draft (a verify row's entry j >= 1)
 
 
 @dataclass(frozen=True)
-class Verified:
-    tokens: torch.Tensor  # [R, k + 1] int64: the accepted drafts, then the drawn token, then NO_TOKEN
-    counts: torch.Tensor  # [R] int64: tokens emitted, 1 .. draft count + 1
-    accepted: torch.Tensor  # [R] int64: drafts accepted, 0 .. draft count
+class Drafted:
+    """A launch's verify rows, made ready for the forward (all [Bv, ...], on the device)."""
+
+    base: torch.Tensor  # [Bv] position of each row's pending token
+    inputs: torch.Tensor  # [Bv, K + 1] the pending token, then the drafts (unproposed: t again)
+    drafts: torch.Tensor  # [Bv, K] proposed drafts, NO_DRAFT past a row's count
+    counts: torch.Tensor  # [Bv] drafts proposed
+    positions: torch.Tensor  # [Bv, K + 1] each input's position (saturated at the context's last)
+    table_positions: torch.Tensor  # [Bv, K + 1] where its KV slot goes in req_to_token (spare past count)
 
 
-def verify(
-    probs: torch.Tensor,
-    drafts: torch.Tensor,
-    draft_counts: torch.Tensor,
-    greedy: torch.Tensor,
-    accept_uniforms: torch.Tensor,
-    draw_uniforms: torch.Tensor,
-) -> Verified:
-    """`probs` [R, k + 1, V]: position j's distribution for the token after the row's j-th
-    input (its last token, then its drafts); `drafts` [R, k] (past `draft_counts` [R] anything);
-    `greedy` [R] bool; `accept_uniforms` [R, k] and `draw_uniforms` [R, k + 1] in [0, 1)."""
-    rows, positions, vocab = probs.shape
-    k = positions - 1
-    if k < 1:
-        raise ValueError(f"verify: {positions} position(s) a row, so no draft to verify")
-    device = probs.device
-    offsets = torch.arange(k, device=device)
-    proposed = offsets[None, :] < draft_counts[:, None]  # [R, k]
-    safe_drafts = torch.where(proposed, drafts, 0)
-    draft_probs = probs[:, :k].gather(2, safe_drafts[:, :, None])[:, :, 0]  # [R, k]
-    argmax = probs.argmax(-1)  # [R, k + 1]
-    passes = torch.where(greedy[:, None], safe_drafts == argmax[:, :k], accept_uniforms < draft_probs)
-    passes &= proposed
-    accepted = passes.to(torch.int64).cumprod(-1).sum(-1)  # [R]: the leading run of passes
-    # The drawn token, at the first position not accepted: from p there, less the draft it
-    # rejected (none when every draft passed).
-    at = accepted[:, None, None].expand(rows, 1, vocab)
-    last = probs.gather(1, at)[:, 0]  # [R, V]
-    rejected = accepted < draft_counts
-    rejected_draft = safe_drafts.gather(1, accepted.clamp(max=k - 1)[:, None])
-    residual = torch.where(rejected[:, None], last.scatter(1, rejected_draft, 0.0), last)
-    cumulative = residual.cumsum(-1)
-    target = draw_uniforms.gather(1, accepted[:, None]) * cumulative[:, -1:]
-    drawn = torch.searchsorted(cumulative, target, right=True).clamp(max=vocab - 1)[:, 0]
-    # A greedy row takes the argmax: past a rejected draft it differs from that draft anyway.
-    drawn = torch.where(greedy, argmax.gather(1, accepted[:, None])[:, 0], drawn)
-    slots = torch.arange(positions, device=device)[None, :]
-    padded_drafts = torch.cat((safe_drafts, torch.zeros(rows, 1, dtype=drafts.dtype, device=device)), 1)
-    tokens = torch.where(slots < accepted[:, None], padded_drafts, NO_TOKEN)
-    tokens = torch.where(slots == accepted[:, None], drawn[:, None], tokens)
-    return Verified(tokens, accepted + 1, accepted)
+@dataclass(frozen=True)
+class Accepted:
+    """A launch's verify rows after sampling."""
+
+    accepted: torch.Tensor  # [Bv] drafts accepted
+    last: torch.Tensor  # [Bv] each row's last emitted token (its next pending token)
+    entry_state: torch.Tensor  # [Bv, K + 1] EMITTED | PROPOSED bits per sampling entry
+
+
+class Speculation:
+    """The per-slot and per-KV-slot state speculative decoding keeps on the device."""
+
+    def __init__(
+        self,
+        request_slots: int,
+        kv_slots: int,
+        context: int,
+        device: torch.device,
+        check_inputs: bool = False,
+    ) -> None:
+        """`check_inputs`: every verify row's inputs are checked to be token ids (no draft
+        placeholder reaches the embedding); a read back, so --check-invariants only."""
+        self.config: SpeculativeConfig | None = None  # the live session's (None: no speculation)
+        self.context = context
+        self._check_inputs = check_inputs
+        self.next_pos = torch.zeros(request_slots, dtype=torch.int64, device=device)
+        self.kv_token = torch.zeros(max(kv_slots, 1), dtype=torch.int64, device=device)
+
+    @property
+    def draft_tokens(self) -> int:
+        """K: drafts a verify row carries (0: the session does not speculate)."""
+        return 0 if self.config is None else self.config.num_speculative_tokens
+
+    def record_inputs(self, kv_slots: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """A forward's inputs: the token each of its KV slots holds."""
+        self.kv_token.index_copy_(0, kv_slots, input_ids)
+
+    def record_sampled(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows that sampled one token: it is pending at `positions` [R]."""
+        self.next_pos.index_copy_(0, slots, positions)
+
+    def draft(
+        self, slots: torch.Tensor, pending: torch.Tensor, req_to_token: torch.Tensor, width: int
+    ) -> Drafted:
+        """Drafts for verify rows of request `slots` [Bv] whose pending tokens are `pending`
+        [Bv]; `width`: a bound on their lengths (the scheduler's), at most the context."""
+        config = self.config
+        assert config is not None, "a verify row in a session without speculation"
+        k, context = config.num_speculative_tokens, self.context
+        base = self.next_pos.index_select(0, slots)
+        table = req_to_token.index_select(0, slots)[:, :width]
+        history = self.kv_token.index_select(0, table.reshape(-1)).view(table.shape)
+        history.scatter_(1, base[:, None].clamp(max=width - 1), pending[:, None])
+        proposal = propose(history, base + 1, config.prompt_lookup_min, config.prompt_lookup_max, k, context)
+        offsets = torch.arange(k + 1, device=slots.device)
+        positions = base[:, None] + offsets[None, :]
+        proposed = offsets[None, :] <= proposal.counts[:, None]  # t, then the proposed drafts
+        drafts = proposal.tokens
+        filled = torch.where(drafts == NO_DRAFT, pending[:, None], drafts)
+        inputs = torch.cat((pending[:, None], filled), 1)
+        if self._check_inputs:
+            _assert_token_ids(inputs)
+        return Drafted(
+            base=base,
+            inputs=inputs,
+            drafts=drafts,
+            counts=proposal.counts,
+            positions=positions.clamp(max=context - 1),
+            table_positions=torch.where(proposed, positions, context),
+        )
+
+    def record_accepted(self, slots: torch.Tensor, drafted: Drafted, accepted: Accepted) -> None:
+        """Each verify row's pending token is now its last emitted one."""
+        self.next_pos.index_copy_(
+            0, slots, (drafted.base + accepted.accepted + 1).clamp(max=self.context - 1)
+        )
+
+
+class DraftPlaceholderError(RuntimeError):
+    """A verify row's input is not a token id: a draft placeholder would reach the embedding."""
+
+
+def _assert_token_ids(inputs: torch.Tensor) -> None:
+    # NOTE: reads a count back, so the forward thread waits for the device here: under
+    # --check-invariants (tests and debug runs) only, as the FutureMap's sentinel check.
+    bad = int((inputs < 0).sum().item())
+    if bad:
+        raise DraftPlaceholderError(f"{bad} verify row inputs are not token ids (a draft placeholder)")
+
+
+def accept(drafted: Drafted, sampled: torch.Tensor) -> Accepted:
+    """`sampled` [Bv, K + 1]: entry j's token, drawn at position base + j + 1. Drafts pass
+    while each equals the token sampled before it."""
+    k = drafted.drafts.shape[1]
+    offsets = torch.arange(k + 1, device=sampled.device)
+    passes = (drafted.drafts == sampled[:, :k]) & (offsets[None, :k] < drafted.counts[:, None])
+    accepted = passes.to(torch.int64).cumprod(1).sum(1)
+    last = sampled.gather(1, accepted[:, None])[:, 0]
+    emitted = (offsets[None, :] <= accepted[:, None]).to(torch.int64)
+    proposed = ((offsets[None, :] >= 1) & (offsets[None, :] <= drafted.counts[:, None])).to(torch.int64)
+    return Accepted(accepted, last, emitted * EMITTED + proposed * PROPOSED)

@@ -35,6 +35,19 @@ class WorkerMetrics:
             buckets=GAP_BUCKETS,
             registry=self.registry,
         ).labels(*values)
+        self.spec_drafts = counter(
+            "stepahead_spec_decode_num_drafts",
+            "Speculative decoding: verify rows that proposed at least one draft token.",
+        )
+        self.spec_draft_tokens = counter(
+            "stepahead_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed."
+        )
+        self.spec_accepted_tokens = counter(
+            "stepahead_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (each one a token gained over one-at-a-time "
+            "decoding). Acceptance rate: accepted / draft tokens; mean acceptance length: 1 + "
+            "accepted / drafts.",
+        )
         self.live_slots = Gauge(
             "stepahead_live_request_slots",
             "Request slots registered, not released.",

@@ -18,6 +18,7 @@ class ScheduledBatch:
     sampled: list[Request] = field(default_factory=list)
     sampled_slots: list[int] = field(default_factory=list)
     sampled_tags: list[int] = field(default_factory=list)
+    verifying: set[int] = field(default_factory=set)  # sampled rows that are verify rows
     epoch: int = 0  # the worker session it is launched in
     launched_at: float = 0.0  # time.monotonic() when it was sent
 
@@ -38,6 +39,14 @@ class ScheduledBatch:
         assert req.req_slot is not None
         self._add_row(req, req.num_computed, 1, from_future=True, sample=True)
         self.launch.kv_slots.append(kv_slot)
+
+    def add_verify(self, req: Request, first_bound: int, kv_slots: list[int]) -> None:
+        """A verify row (speculative decoding): the request's pending token from the FutureMap
+        and len(kv_slots) - 1 drafts the worker proposes, at positions the worker holds, the
+        first at most `first_bound`."""
+        self.verifying.add(len(self.sampled))
+        self._add_row(req, first_bound, len(kv_slots), from_future=True, sample=True)
+        self.launch.kv_slots.extend(kv_slots)
 
     def add_prefill(self, req: Request, ids: list[int], kv_slots: list[int], sample: bool) -> None:
         """A chunk of known tokens; the chunk that ends them samples the next token."""

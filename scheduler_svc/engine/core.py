@@ -254,7 +254,9 @@ class EngineCore:
             self._recovered()
         self.late_pick.observe(batch.num_tokens, result)
         with self.telemetry.phase("process", batch.step_id):
-            self.policy.update_from_result(batch, result.token_ids, result.logprobs, result.grammar_finished)
+            self.policy.update_from_result(
+                batch, result.token_ids, result.logprobs, result.grammar_finished, result.token_counts
+            )
             self.outbox.flush()
 
     async def _result_in_time(self, batch: ScheduledBatch, handle: StepHandle) -> StepResult:

@@ -44,6 +44,7 @@ from scheduler_svc.engine.running import RunningManager
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from stepahead.protocol import Launch, StepLogprobs, WorkerInfo
+from stepahead.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class PolicyConfig:
     max_running: int = 0  # 0: as many as the worker has request slots
     max_waiting: int = 1024  # new requests beyond this many waiting ones are refused
     prefix_cache: bool = True  # reuse the KV of cached prefixes (scheduler_svc/engine/kv/prefix_cache.py)
+    speculative: SpeculativeConfig | None = None  # decode rows verify drafts (docs/SPECULATIVE.md)
 
 
 @dataclass
@@ -90,7 +92,8 @@ class SchedulingPolicy:
         self.telemetry = telemetry
         self.stats = SchedulerStats()  # counters the tests and benchmarks read (`EngineCore.stats`)
         self.table = RequestTable()
-        self.slots = SessionSlots(config.prefix_cache, telemetry)
+        draft_tokens = 0 if config.speculative is None else config.speculative.num_speculative_tokens
+        self.slots = SessionSlots(config.prefix_cache, telemetry, draft_tokens)
         self.admission = AdmissionManager(self.table, self.slots, telemetry)
         self.running_manager = RunningManager(self.table, self.slots, self.stats, telemetry)
         self.results = ResultProcessor(self.slots, outbox, self.stats, telemetry, self._end)
@@ -214,11 +217,12 @@ class SchedulingPolicy:
         token_ids: list[int],
         logprobs: StepLogprobs | None = None,
         grammar_finished: tuple[int, ...] = (),
+        token_counts: tuple[int, ...] = (),
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
-        them): new tokens and token-level finishes (a finished grammar's among them) go to the
-        outbox."""
-        self.results.apply(batch, token_ids, logprobs, grammar_finished)
+        them; `token_counts`: each sampling row's, when a verify row emitted more than one): new
+        tokens and token-level finishes (a finished grammar's among them) go to the outbox."""
+        self.results.apply(batch, token_ids, logprobs, grammar_finished, token_counts)
         self.update_gauges()
 
     def update_gauges(self) -> None:

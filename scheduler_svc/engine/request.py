@@ -7,6 +7,7 @@ the core knows tokens only, and ends requests on EOS, `stop_token_ids` and
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +41,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     req_slot: int | None = None
     kv_slots: list[int] = field(default_factory=list)
+    # Speculative decoding: per verify row in flight, oldest first, the K KV slots reserved for
+    # its drafts (`kv/manager.py`); its first slot, its pending token's, is in kv_slots already.
+    draft_slots: collections.deque[list[int]] = field(default_factory=collections.deque)
     tree_slots: set[int] = field(default_factory=set)  # of kv_slots, those the prefix cache holds
     cache_node: RadixNode | None = None  # where its cached prefix ends (locked while it lives)
     cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
@@ -63,6 +67,12 @@ class Request:
         rows = self.rows
         if rows is not None:
             rows.known[self.req_slot] += 1  # type: ignore[index]
+
+    @property
+    def drafts(self) -> int:
+        """K: its decode rows are verify rows of K drafts (0: plain decode rows, or no slot)."""
+        rows = self.rows
+        return 0 if rows is None else rows.drafts[self.req_slot]  # type: ignore[index]
 
     @property
     def finished(self) -> bool:

@@ -46,13 +46,18 @@ class ResultProcessor:
         token_ids: Sequence[int],
         logprobs: StepLogprobs | None,
         grammar_finished: tuple[int, ...] = (),
+        token_counts: tuple[int, ...] = (),
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
         them); rows in `grammar_finished` end their request (STOP) after their token.
+        `token_counts`: the tokens each sampling row emitted, when the batch has verify rows.
 
         Plain rows (a request still running since the batch was launched, past its first
         token of this attempt, without log-probabilities or stop ids of its own) are applied a
-        column at a time; the others one by one (`_process_row`)."""
+        column at a time; the others one by one (`_process_row`, `_process_verified`)."""
+        if token_counts or batch.verifying:
+            self._apply_counted(batch, token_ids, logprobs, grammar_finished, token_counts)
+            return
         if len(token_ids) != len(batch.sampled):
             raise ValueError(f"{len(token_ids)} sampled ids for {len(batch.sampled)} sampling rows")
         if not token_ids:
@@ -79,6 +84,56 @@ class ResultProcessor:
             logprob = _row_logprob(logprobs, i, req)
             slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
             self._process_row(req, slot, tag, token_ids[i], logprob, i in finished)
+
+    def _apply_counted(
+        self,
+        batch: ScheduledBatch,
+        token_ids: Sequence[int],
+        logprobs: StepLogprobs | None,
+        grammar_finished: tuple[int, ...],
+        token_counts: tuple[int, ...],
+    ) -> None:
+        """A batch with verify rows: row i emitted token_counts[i] of `token_ids`, in row order."""
+        counts = token_counts or (1,) * len(batch.sampled)
+        if len(counts) != len(batch.sampled) or sum(counts) != len(token_ids):
+            raise ValueError(
+                f"{len(token_ids)} ids in {len(counts)} counts for {len(batch.sampled)} sampling rows"
+            )
+        finished = set(grammar_finished)
+        at = 0
+        for i, (req, n) in enumerate(zip(batch.sampled, counts, strict=True)):
+            slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
+            if i in batch.verifying:
+                self._process_verified(req, slot, tag, token_ids[at : at + n])
+            elif n != 1:
+                raise ValueError(f"sampling row {i}: {n} tokens from a row that is not a verify row")
+            else:
+                logprob = _row_logprob(logprobs, at, req)
+                self._process_row(req, slot, tag, token_ids[at], logprob, i in finished)
+            at += n
+
+    def _process_verified(self, req: Request, slot: int, tag: int, tokens: Sequence[int]) -> None:
+        """A verify row's tokens: its pending token and the drafts accepted hold their KV now,
+        then each token joins the output until one ends the request (the rest are dropped)."""
+        if self.slots.rows.tag[slot] != tag:
+            # Ended, preempted or aborted while this batch was in flight: never streamed (its
+            # reserved slots went back with the request's).
+            self.stats.dropped_inflight_tokens += len(tokens)
+            self.telemetry.dropped_inflight_tokens.inc(len(tokens))
+            return
+        if not tokens:
+            raise ValueError(f"a verify row of request slot {slot} emitted no token")
+        accepted = len(tokens) - 1
+        self.slots.kv.confirm_drafts(req, accepted, req.num_inflight - 1)
+        req.num_computed += accepted
+        req.num_inflight -= 1
+        for token in tokens:
+            req.add_output(token)
+            finish = self._token_finish(req, token)
+            self.outbox.token(req, token, finish)
+            if finish is not None:
+                self._end(req, finish)
+                return
 
     def _apply_plain(self, reqs: list[Request], slots: Column, tokens: Column) -> None:
         rows = self.slots.rows

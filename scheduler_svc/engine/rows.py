@@ -41,14 +41,17 @@ class SlotRows:
         "stop_from",  # prompt_len + min_tokens + 1: a stop token ends it from this length on
         "eos_stops",  # 1: the model's EOS ids end it (not ignore_eos)
         "plain",  # 1: its results need nothing but the columns (no logprobs, no stop ids)
+        "drafts",  # K: its decode rows are verify rows of K drafts (speculative decoding); 0: none
         "kept",  # 1: this attempt's prefill is in the prefix cache (prompt_kept)
         "tag",  # this assignment of the slot (NO_TAG: free)
         "handle",  # its name at its owner
         "owner",  # its owner's number (`owner_ids`)
     )
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, draft_tokens: int = 0) -> None:
+        """`draft_tokens`: K under speculative decoding (0: none)."""
         self.capacity = capacity
+        self.draft_tokens = draft_tokens
         for name in self.COLUMNS:
             a = array("q", bytes(8 * capacity))
             setattr(self, name, a)
@@ -68,6 +71,7 @@ class SlotRows:
     stop_from: array[int]
     eos_stops: array[int]
     plain: array[int]
+    drafts: array[int]
     kept: array[int]
     tag: array[int]
     handle: array[int]
@@ -80,6 +84,7 @@ class SlotRows:
     stop_from_np: Column
     eos_stops_np: Column
     plain_np: Column
+    drafts_np: Column
     kept_np: Column
     tag_np: Column
     handle_np: Column
@@ -105,6 +110,9 @@ class SlotRows:
         self.stop_from[slot] = prompt_len + p.min_tokens + 1
         self.eos_stops[slot] = not p.ignore_eos
         self.plain[slot] = not (p.logprobs or p.stop_token_ids)
+        # NOTE: the worker verifies drafts by sampling each position as a decode step would;
+        # logits processing (its token history and positions) and grammars are not verified.
+        self.drafts[slot] = 0 if p.processes_logits or p.constraint is not None else self.draft_tokens
         self.kept[slot] = kept
         self.tag[slot] = self._next_tag
         self._next_tag += 1

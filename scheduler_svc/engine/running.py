@@ -45,7 +45,7 @@ class RunningManager:
             if req.req_slot is None:  # preempted earlier in this pick
                 continue
             if req.wants_decode():
-                need = 1
+                need = 1 + req.drafts
             elif req.in_prefill:
                 need = min(req.num_known - req.num_computed, budget - batch.num_tokens)
             else:
@@ -54,7 +54,10 @@ class RunningManager:
                 preempted = True
                 if not self._preempt_until_free(need, req):
                     break
-            add_row(self.slots.kv, batch, req, need)
+            if req.in_prefill:
+                add_row(self.slots.kv, batch, req, need)
+            else:
+                add_decode_row(self.slots, batch, req, req.drafts)
         return preempted
 
     def _pick_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
@@ -75,11 +78,17 @@ class RunningManager:
         want = (computed == pending - 1) & (pending < rows.limit_np[slots])
         chosen = slots[want]
         n = len(chosen)
-        if n > budget or n > self.slots.kv.num_free:
+        drafts = rows.drafts_np[chosen] if rows.draft_tokens else None
+        tokens = n if drafts is None else n + int(drafts.sum())
+        if tokens > budget or tokens > self.slots.kv.num_free:
             return False
         if not n:
             return True
         reqs = list(running) if n == len(running) else [running[i] for i in np.flatnonzero(want).tolist()]
+        if drafts is not None and drafts.any():
+            for req, k in zip(reqs, drafts.tolist(), strict=True):
+                add_decode_row(self.slots, batch, req, k)
+            return True
         kv = self.slots.kv.allocate_each(reqs)
         starts = computed[want].tolist()
         rows.computed_np[chosen] += 1
@@ -132,6 +141,24 @@ class RunningManager:
         """
         for req in reversed(list(self.table.running)):
             self.requeue_for_recompute(req, computed=False)
+
+
+def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request, drafts: int) -> None:
+    """`req`'s decode row in `batch` (after `make_room(1 + drafts)` said yes): one token, or a
+    verify row of its pending token and `drafts` drafts that the worker proposes.
+
+    NOTE: a verify row emits 1 to 1 + drafts tokens, which the core learns only when it
+    processes the row. Until then it counts one (`num_computed` and `num_inflight` count a
+    lower bound, so `wants_decode` holds as for plain rows), and tells the worker a bound on the
+    row's first position: the computed positions plus `drafts` for each row in flight."""
+    if not drafts:
+        add_row(slots.kv, batch, req, 1)
+        return
+    kv_slots = slots.kv.allocate_verify(req, drafts)
+    bound = min(req.num_computed + drafts * req.num_inflight, slots.max_context_len - 1)
+    batch.add_verify(req, bound, kv_slots)
+    req.num_computed += 1
+    req.num_inflight += 1
 
 
 def add_row(kv: KvManager, batch: ScheduledBatch, req: Request, num_tokens: int) -> None:

@@ -15,21 +15,25 @@ from stepahead.protocol import WorkerInfo
 
 
 class SessionSlots:
-    def __init__(self, prefix_cache: bool, telemetry: SchedulerTelemetry) -> None:
+    def __init__(self, prefix_cache: bool, telemetry: SchedulerTelemetry, draft_tokens: int = 0) -> None:
+        """`draft_tokens`: K under speculative decoding (0: none)."""
         self._prefix_cache = prefix_cache
         self._telemetry = telemetry
+        self.draft_tokens = draft_tokens
         self.kv = KvManager(0, prefix_cache, telemetry)  # the one owner of KV slots
         self.req_slots = SlotAllocator(0, "request slots")
-        self.rows = SlotRows(0)  # the running requests' per-step state, by request slot
+        self.rows = SlotRows(0, draft_tokens)  # the running requests' per-step state, by request slot
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.max_context_len = 0
         self._pending_releases: list[int] = []
 
     def begin(self, info: WorkerInfo, request_slots: int) -> None:
         """Fresh slot accounting for a new worker session: the old one's KV is gone."""
         self.kv = KvManager(info.kv_slots, self._prefix_cache, self._telemetry)
         self.req_slots = SlotAllocator(request_slots, "request slots")
-        self.rows = SlotRows(request_slots)
+        self.rows = SlotRows(request_slots, self.draft_tokens)
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.max_context_len = info.max_context_len
         self._pending_releases = []
 
     @property

@@ -42,6 +42,7 @@ from stepahead.serving import (
     setup_logging,
     tls_files,
 )
+from stepahead.speculative import SpeculativeConfig, parse_speculative_config
 
 
 def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
@@ -54,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         p.error("--overlap-depth: the serial loop launches one batch at a time (use --mode overlap)")
     if args.overlap_depth != 1 and args.late_pick:
         p.error("--overlap-depth: --late-pick holds the pick of k+1 for forward k; it needs depth 1")
+    spec = args.speculative_config
+    if spec is not None and args.max_batch_tokens < spec.num_speculative_tokens + 1:
+        p.error(
+            f"--max-batch-tokens: {args.max_batch_tokens} is below a verify row's "
+            f"{spec.num_speculative_tokens + 1} tokens (--speculative-config num_speculative_tokens + 1)"
+        )
     return config_from_args(args)
 
 
@@ -62,12 +69,23 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         worker=WorkerConnection(
             args.worker,
-            WorkerLinkConfig(args.worker_token, args.max_batch_tokens, args.worker_step_timeout),
+            WorkerLinkConfig(
+                args.worker_token,
+                args.max_batch_tokens,
+                args.worker_step_timeout,
+                speculative=args.speculative_config,
+            ),
             tls_files(args, "worker_tls"),
         ),
         core=CoreConfig(
             args.mode,
-            PolicyConfig(args.max_batch_tokens, args.max_running, args.max_waiting, args.prefix_cache),
+            PolicyConfig(
+                args.max_batch_tokens,
+                args.max_running,
+                args.max_waiting,
+                args.prefix_cache,
+                args.speculative_config,
+            ),
             worker_retry_timeout_s=args.worker_retry_timeout,
             worker_step_timeout_s=args.worker_step_timeout,
             late_pick=LatePickConfig(enabled=args.late_pick),
@@ -169,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker that says nothing for this long while a step or the handshake is pending is hung "
         "(it sends keepalives while a step computes, so a slow step is not): the session is dropped "
         "and its requests recomputed on the next one",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative,
+        default=PolicyConfig.speculative,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M}: each decode row carries K drafts copied '
+        "from its request's own tokens, verified in the same forward (greedy and seeded output "
+        "unchanged; requests with logits processing, log-probabilities or a grammar do not "
+        "draft). Default: none",
     )
     p.add_argument(
         "--late-pick",
@@ -314,6 +342,13 @@ def text_file(path: str) -> str:
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
+
+
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:

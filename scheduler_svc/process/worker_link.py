@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from scheduler_svc.engine.transport import DEFAULT_SILENCE_TIMEOUT_S, WorkerSession, WorkerUnavailable
-from stepahead.protocol import PROTOCOL_VERSION, StepResult, WorkerStepError, result_from_proto
+from stepahead.protocol import (
+    PROTOCOL_VERSION,
+    StepResult,
+    WorkerStepError,
+    result_from_proto,
+    speculative_to_proto,
+)
+from stepahead.speculative import SpeculativeConfig
 from stepahead.v1 import worker_pb2
 
 
@@ -27,6 +34,7 @@ class WorkerLinkConfig:
     # --worker-step-timeout: a worker silent this long (no Welcome, result or Keepalive) is hung.
     silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
     scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # one per scheduler process
+    speculative: SpeculativeConfig | None = None  # --speculative-config, announced in each Hello
 
 
 def keepalive_interval(silence_timeout_s: float) -> float:
@@ -36,15 +44,16 @@ def keepalive_interval(silence_timeout_s: float) -> float:
 
 
 def hello(link: WorkerLinkConfig, token: str = "") -> worker_pb2.SchedulerMessage:
-    return worker_pb2.SchedulerMessage(
-        hello=worker_pb2.Hello(
-            protocol_version=PROTOCOL_VERSION,
-            scheduler_id=link.scheduler_id,
-            max_batch_tokens=link.max_batch_tokens,
-            keepalive_interval_s=keepalive_interval(link.silence_timeout_s),
-            token=token,
-        )
+    message = worker_pb2.Hello(
+        protocol_version=PROTOCOL_VERSION,
+        scheduler_id=link.scheduler_id,
+        max_batch_tokens=link.max_batch_tokens,
+        keepalive_interval_s=keepalive_interval(link.silence_timeout_s),
+        token=token,
     )
+    if link.speculative is not None:
+        message.speculative.CopyFrom(speculative_to_proto(link.speculative))
+    return worker_pb2.SchedulerMessage(hello=message)
 
 
 class PendingSteps:

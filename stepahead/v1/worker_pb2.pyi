@@ -155,6 +155,7 @@ class Hello(_message.Message):
     MAX_BATCH_TOKENS_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_S_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     scheduler_id: _builtins.str
     """The same for every session of one scheduler process: a worker lets a live session be
@@ -168,6 +169,12 @@ class Hello(_message.Message):
     """The framed link only (a worker's --link-socket): the worker's --worker-token, which gRPC
     carries as `authorization` metadata instead (empty: none).
     """
+    @_builtins.property
+    def speculative(self) -> Global___SpeculativeConfig:
+        """Speculative decoding for this session (absent: none): rows of num_speculative_tokens + 1
+        tokens read from the FutureMap are verify rows (docs/SPECULATIVE.md).
+        """
+
     def __init__(
         self,
         *,
@@ -176,14 +183,44 @@ class Hello(_message.Message):
         max_batch_tokens: _builtins.int = ...,
         keepalive_interval_s: _builtins.float = ...,
         token: _builtins.str = ...,
+        speculative: Global___SpeculativeConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_s", b"keepalive_interval_s", "max_batch_tokens", b"max_batch_tokens", "protocol_version", b"protocol_version", "scheduler_id", b"scheduler_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_s", b"keepalive_interval_s", "max_batch_tokens", b"max_batch_tokens", "protocol_version", b"protocol_version", "scheduler_id", b"scheduler_id", "speculative", b"speculative", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Hello: _TypeAlias = Hello  # noqa: Y015
+
+@_typing.final
+class SpeculativeConfig(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _builtins.int
+    method: _builtins.str
+    """"ngram": drafts copied from each request's own tokens (prompt lookup)."""
+    num_speculative_tokens: _builtins.int
+    prompt_lookup_min: _builtins.int
+    prompt_lookup_max: _builtins.int
+    def __init__(
+        self,
+        *,
+        method: _builtins.str = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        prompt_lookup_min: _builtins.int = ...,
+        prompt_lookup_max: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "num_speculative_tokens", b"num_speculative_tokens", "prompt_lookup_max", b"prompt_lookup_max", "prompt_lookup_min", b"prompt_lookup_min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpeculativeConfig: _TypeAlias = SpeculativeConfig  # noqa: Y015
 
 @_typing.final
 class TokenizerSpec(_message.Message):
@@ -448,6 +485,9 @@ class Launch(_message.Message):
     row_start_pos[i] ... ; its input ids come from the FutureMap (one token,
     the request's last sampled one) when row_from_future[i], else from
     prompt_ids in row order. kv_slots holds one KV slot per token, in row order.
+    Under speculative decoding a row_from_future row of num_speculative_tokens + 1 tokens is a
+    verify row: the FutureMap's token and that many drafts the worker proposes, at positions the
+    worker holds (row_start_pos[i] is then the scheduler's bound on the first).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -520,6 +560,7 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     HELD_S_FIELD_NUMBER: _builtins.int
     GRAMMAR_FINISHED_FIELD_NUMBER: _builtins.int
+    TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     forward_start_unix_s: _builtins.float
     """When the forward ran on the device (worker clock, Unix seconds)."""
@@ -553,6 +594,13 @@ class StepResult(_message.Message):
         token can follow it, so the scheduler ends the request (STOP) after it.
         """
 
+    @_builtins.property
+    def token_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With a verify row in the launch: the tokens each sampling row emitted (1 to
+        num_speculative_tokens + 1), token_ids (and the log-probabilities) holding them all in row
+        order; empty: one each.
+        """
+
     def __init__(
         self,
         *,
@@ -567,10 +615,11 @@ class StepResult(_message.Message):
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         held_s: _builtins.float = ...,
         grammar_finished: _abc.Iterable[_builtins.int] | None = ...,
+        token_counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "forward_end_unix_s", b"forward_end_unix_s", "forward_start_unix_s", b"forward_start_unix_s", "grammar_finished", b"grammar_finished", "held_s", b"held_s", "logprobs", b"logprobs", "step_id", b"step_id", "token_ids", b"token_ids", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "forward_end_unix_s", b"forward_end_unix_s", "forward_start_unix_s", b"forward_start_unix_s", "grammar_finished", b"grammar_finished", "held_s", b"held_s", "logprobs", b"logprobs", "step_id", b"step_id", "token_counts", b"token_counts", "token_ids", b"token_ids", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

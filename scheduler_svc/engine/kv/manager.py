@@ -89,6 +89,24 @@ class KvManager:
             req.kv_slots.append(slot)
         return slots
 
+    def allocate_verify(self, req: Request, drafts: int) -> list[int]:
+        """`drafts` + 1 new slots for a verify row of `req` (after `make_room` said yes): the
+        first for its pending token, at its next position; the drafts' held apart until the
+        row's result says how many of them were accepted (`confirm_drafts`)."""
+        slots = self._slots.allocate(drafts + 1)
+        req.kv_slots.append(slots[0])
+        req.draft_slots.append(slots[1:])
+        return slots
+
+    def confirm_drafts(self, req: Request, accepted: int, later_rows: int) -> None:
+        """`req`'s oldest verify row accepted `accepted` drafts: their slots hold its next
+        positions, after the row's first slot (and before the first slots of the `later_rows`
+        verify rows launched after it); the rest are freed."""
+        reserved = req.draft_slots.popleft()
+        at = len(req.kv_slots) - later_rows
+        req.kv_slots[at:at] = reserved[:accepted]
+        self._slots.free(reserved[accepted:])
+
     def keep(self, req: Request, upto: int) -> None:
         """The prefix cache takes `req`'s KV of its first `upto` positions (computed ones)."""
         self._cache.keep(req, upto)
@@ -103,3 +121,5 @@ class KvManager:
         if req.kv_slots:
             self._slots.free(self._cache.release(req, computed))
             req.kv_slots = []
+        while req.draft_slots:  # verify rows still in flight: their drafts' slots
+            self._slots.free(req.draft_slots.popleft())

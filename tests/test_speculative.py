@@ -1,0 +1,335 @@
+"""Speculative decoding under overlap (docs/SPECULATIVE.md): n-gram drafts proposed on the worker
+and verified one step ahead give exactly the tokens decoding without them gives (greedy and
+seeded), at overlap depths 1 to 3, through preemption, aborts, stops inside an accepted run and
+requests that do not draft (logits processing, log-probabilities, grammars) in the same
+batches; every KV slot comes back. A tiny random model falls into loops under greedy decoding,
+so its drafts are accepted (asserted: the runs must exercise multi-token rows)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+import torch
+
+from bench.promtext import scrape, total
+from scheduler_svc.contract import FinishReason
+from scheduler_svc.engine.outputs import Outbox
+from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
+from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
+from scheduler_svc.process.cli import parse_args
+from stepahead.processes import serving_pair
+from stepahead.protocol import (
+    Constraint,
+    Launch,
+    LogitsProcessing,
+    NewRequest,
+    TokenizerSpec,
+    WorkerInfo,
+    speculative_from_hello,
+)
+from stepahead.speculative import SpeculativeConfig, parse_speculative_config
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc, worker_pb2
+from tests.harness import (
+    WorkItem,
+    make_engine,
+    mixed_workload,
+    params,
+    serve_workload,
+    with_forced_scenarios,
+)
+from tests.live import CALL_TIMEOUT_S, frontend_flags, wait_all_free, worker_stats_after_drain
+from tests.test_equivalence import assert_same_tokens, check_client_views, check_drained
+from tests.test_worker_engine import prefill
+from worker_svc.engine import LaunchError, WorkerEngine
+from worker_svc.speculative import DraftPlaceholderError, Speculation
+
+pytestmark = pytest.mark.anyio
+
+SPEC = SpeculativeConfig(3, 1, 3)
+KV = 600
+
+
+def spec_workload(*, sampled: bool) -> list[WorkItem]:
+    """The mixed workload (EOS, stop ids and strings, lengths, aborts, forced preemption) with
+    requests that do not draft beside the drafting ones."""
+    items = with_forced_scenarios(mixed_workload(48, seed=3, sampled=sampled), KV, sampled=sampled)
+    temperature = 0.9 if sampled else 0.0
+    extra = [
+        WorkItem(
+            "penalized",
+            [40, 41, 42, 40, 41],
+            params(24, temperature=temperature, repetition_penalty=1.3),
+            0.0,
+        ),
+        WorkItem(
+            "logprobs",
+            [50, 51, 52, 50, 51],
+            params(24, temperature=temperature, logprobs=True, top_logprobs=2),
+            0.0,
+        ),
+        WorkItem(
+            "grammar",
+            [60, 61, 62],
+            params(16, temperature=temperature, constraint=Constraint("regex", "[a-c]{3,12}")),
+            0.0,
+        ),
+    ]
+    return [*items[:5], *extra, *items[5:]]
+
+
+def accepted_tokens(engine: WorkerEngine) -> float:
+    return float(engine.metrics.spec_accepted_tokens._value.get())
+
+
+@pytest.mark.parametrize("model", ["sim", "tiny"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+async def test_speculation_gives_the_tokens_decoding_without_it_gives(model: str, sampled: bool) -> None:
+    items = spec_workload(sampled=sampled)
+    kw: dict[str, object] = dict(kv_slots=KV, request_slots=24)
+    reference, core, engine = await serve_workload(model, "overlap", items, **kw)  # type: ignore[arg-type]
+    check_drained(core, engine)
+    for depth in (1, 2, 3):
+        got, core, engine = await serve_workload(
+            model,
+            "overlap",
+            items,
+            depth=depth,
+            speculative=SPEC,
+            **kw,  # type: ignore[arg-type]
+        )
+        check_client_views(items, got)
+        check_drained(core, engine)  # every KV slot free or cached: reserved drafts' slots came back
+        assert core.stats.preemptions > 0, "the workload must exercise preemption"
+        assert_same_tokens(items, reference, got)
+        assert engine.metrics.spec_draft_tokens._value.get() > 0
+        if model == "tiny" and not sampled:
+            assert accepted_tokens(engine) > 100, "the run must accept drafts"
+    assert {v.finish_reason for v in got.values()} >= {
+        FinishReason.LENGTH,
+        FinishReason.STOP,
+        FinishReason.ABORT,
+    }
+
+
+async def test_stops_and_lengths_inside_an_accepted_run_end_it_there() -> None:
+    """A tiny model's greedy output loops, so whole runs of drafts are accepted; a stop token,
+    a stop string or a length limit that falls inside such a run ends the request at that token,
+    as without speculation."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
+    kw: dict[str, object] = dict(kv_slots=2048, request_slots=16)
+    probe = [WorkItem("probe", prompt, params(60, ignore_eos=True), 0.0)]
+    views, _, _ = await serve_workload("tiny", "overlap", probe, **kw)  # type: ignore[arg-type]
+    loop = views["probe"].token_ids
+    late = loop[30:]  # well inside the loop, where drafts are accepted
+    stop_token = late[3]
+    stop_text = bytes(late[5:7]).decode("latin-1") if all(t < 128 for t in late[5:7]) else ""
+    items = [WorkItem(f"len{n}", prompt, params(n, ignore_eos=True), 0.0) for n in range(31, 40)]
+    items.append(
+        WorkItem("stop-id", prompt, params(60, ignore_eos=True, stop_token_ids=frozenset({stop_token})), 0.0)
+    )
+    if stop_text:
+        items.append(WorkItem("stop-text", prompt, params(60, ignore_eos=True, stop=(stop_text,)), 0.0))
+    reference, _, _ = await serve_workload("tiny", "overlap", items, **kw)  # type: ignore[arg-type]
+    for depth in (1, 3):
+        got, core, engine = await serve_workload(
+            "tiny",
+            "overlap",
+            items,
+            depth=depth,
+            speculative=SPEC,
+            **kw,  # type: ignore[arg-type]
+        )
+        check_drained(core, engine)
+        assert accepted_tokens(engine) > 0
+        for item in items:
+            assert got[item.rid].token_ids == reference[item.rid].token_ids, item.rid
+            assert got[item.rid].finish_reason == reference[item.rid].finish_reason, item.rid
+        assert got["stop-id"].token_ids[-1] == stop_token
+        for n in range(31, 40):
+            assert len(got[f"len{n}"].token_ids) == n
+
+
+# ---- the worker: verify rows, their checks, the sentinel ------------------------------------
+
+
+def verify_row(step: int, slot: int, start: int, kv: list[int]) -> Launch:
+    return Launch(
+        step,
+        row_req_slots=[slot],
+        row_start_pos=[start],
+        row_num_tokens=[len(kv)],
+        row_from_future=[True],
+        row_sample=[True],
+        kv_slots=kv,
+    )
+
+
+def test_a_verify_row_needs_a_speculating_session_and_a_plain_request() -> None:
+    engine = make_engine("tiny", kv_slots=64, request_slots=4)
+    try:
+        engine.begin_session().result()
+        engine.submit(
+            prefill(1, 0, [1, 2, 3], [0, 1, 2], new_requests=[NewRequest(0, 0.0, 1.0, 0, 0)])
+        ).result()
+        with pytest.raises(
+            LaunchError, match=r"row_num_tokens\[0\]: 4 tokens in a row_from_future row, which carries 1$"
+        ):
+            engine.submit(verify_row(2, 0, 3, [3, 4, 5, 6])).result()
+        engine.begin_session(speculative=SPEC).result()
+        penalized = NewRequest(0, 0.0, 1.0, 0, 0, LogitsProcessing(prompt_len=3, repetition_penalty=1.2))
+        engine.submit(prefill(1, 0, [1, 2, 3], [0, 1, 2], new_requests=[penalized])).result()
+        with pytest.raises(LaunchError, match=r"row_num_tokens\[0\]: a verify row for request slot 0"):
+            engine.submit(verify_row(2, 0, 3, [3, 4, 5, 6])).result()
+        with pytest.raises(LaunchError, match=r"row_num_tokens\[0\]: 3 tokens .* 1, or 4 as a verify row"):
+            engine.submit(verify_row(3, 0, 3, [3, 4, 5])).result()
+    finally:
+        engine.shutdown()
+
+
+def test_a_verify_row_input_that_is_no_token_id_is_caught() -> None:
+    """The sentinel check of --check-invariants: a placeholder (here a pending token never
+    written) would reach the embedding."""
+    s = Speculation(request_slots=2, kv_slots=8, context=16, device=torch.device("cpu"), check_inputs=True)
+    s.config = SPEC
+    with pytest.raises(DraftPlaceholderError, match="placeholder"):
+        s.draft(torch.tensor([0]), torch.tensor([-1]), torch.zeros(2, 17, dtype=torch.int64), width=4)
+
+
+# ---- the configuration ------------------------------------------------------------------------
+
+
+def test_the_configuration_takes_vllms_json_and_names_a_bad_field() -> None:
+    c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert c == SpeculativeConfig(4, 3, 3)
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}') == SpeculativeConfig(
+        2, 5, 5
+    )
+    bad = {
+        '{"num_speculative_tokens": 2}': "method: required",
+        '{"method": "eagle", "num_speculative_tokens": 2}': "method: one of ngram",
+        '{"method": "ngram"}': "num_speculative_tokens: required",
+        '{"method": "ngram", "num_speculative_tokens": 0}': r"num_speculative_tokens: must be in \[1, 16\]",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}': (
+            "prompt_lookup_min: 4 is above prompt_lookup_max 2"
+        ),
+        '{"method": "ngram", "num_speculative_tokens": "2"}': "num_speculative_tokens: an integer",
+        '{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}': "draft_model: not a field",
+        "[1]": "a JSON object",
+        "{": "not JSON",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            parse_speculative_config(text)
+
+
+def test_the_scheduler_flag_and_the_workers_hello() -> None:
+    config = parse_args(
+        ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]
+    )
+    assert config.core.policy.speculative == SpeculativeConfig(3, 5, 5)
+    assert config.worker.link.speculative == config.core.policy.speculative
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 8}',
+                "--max-batch-tokens",
+                "4",
+            ]
+        )
+    hello = worker_pb2.Hello()
+    assert speculative_from_hello(hello) is None
+    hello.speculative.method = "ngram"
+    hello.speculative.num_speculative_tokens = 40
+    hello.speculative.prompt_lookup_min = hello.speculative.prompt_lookup_max = 2
+    with pytest.raises(ValueError, match=r"^hello.speculative.num_speculative_tokens: must be in"):
+        speculative_from_hello(hello)
+
+
+# ---- live services ----------------------------------------------------------------------------
+
+TINY = ["--model", "tiny", "--kv-slots", "1024", "--request-slots", "16", "--check-invariants"]
+
+
+async def generate(address: str, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(
+            request_id=rid,
+            input_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True),
+        )
+        return [t async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
+
+
+def live_tokens(frontends: int, speculative: bool) -> tuple[dict[str, list[int]], float]:
+    spec = [
+        "--speculative-config",
+        json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+    ]
+    flags = ["--overlap-depth", "2", *frontend_flags(frontends), *(spec if speculative else [])]
+    prompts = {f"r{i}": [5 + i, 6, 7, 8, 5 + i, 6, 7, 8, 9 + i] for i in range(6)}
+    with serving_pair(TINY, flags) as (worker, scheduler):
+
+        async def run() -> dict[str, list[int]]:
+            jobs = [generate(scheduler.address, rid, p, 40 + i) for i, (rid, p) in enumerate(prompts.items())]
+            got = dict(zip(prompts, await asyncio.gather(*jobs), strict=True))
+            await wait_all_free(scheduler.address)
+            stats = await worker_stats_after_drain(worker.address)
+            assert stats.sentinel_reads == 0 and stats.out_of_order_launches == 0
+            return got
+
+        tokens = asyncio.run(run())
+        accepted = total(scrape(worker.metrics_url), "stepahead_spec_decode_num_accepted_tokens_total")
+    return tokens, accepted
+
+
+@pytest.mark.parametrize("frontends", [0, 2])
+def test_live_services_speculate_and_give_the_same_tokens(frontends: int) -> None:
+    plain, none_accepted = live_tokens(frontends, speculative=False)
+    speculated, accepted = live_tokens(frontends, speculative=True)
+    assert speculated == plain
+    assert none_accepted == 0 and accepted > 0
+
+
+# ---- the core's accounting of a verify row ----------------------------------------------------
+
+
+def test_a_verify_rows_kv_slots_join_the_request_in_position_order_and_the_rest_are_freed() -> None:
+    """Two verify rows in flight (depth 2): the first emits 3 tokens (2 drafts accepted), so the
+    request's KV slots are its prompt's, then the first row's first three, then the second
+    row's first; the first row's last slot is free again. The second emits 1: its drafts' slots
+    are freed, and its first slot holds the next position."""
+    policy = SchedulingPolicy(PolicyConfig(speculative=SPEC), Outbox(), SchedulerTelemetry("overlap"))
+    info = WorkerInfo("tiny", 258, 2048, (257,), None, 64, 4, "cpu", TokenizerSpec("byte"))
+    policy.begin_session(info)
+    req = Request("r", [1, 2, 3, 4], params(40), 0)
+    policy.add_request(req)
+    prefill_batch = policy.schedule()
+    first = policy.schedule()
+    second = policy.schedule()
+    assert prefill_batch is not None and first is not None and second is not None
+    prompt_slots = prefill_batch.launch.kv_slots
+    assert first.launch.row_num_tokens == [4] and first.launch.row_from_future == [True]
+    # Bounds on the first positions (true: 4, then 4 + 1..4): computed plus K per row in flight.
+    assert first.launch.row_start_pos == [4 + 3 * 1] and second.launch.row_start_pos == [5 + 3 * 2]
+    v1, v2 = first.launch.kv_slots, second.launch.kv_slots
+    free = policy.kv.num_free
+    policy.update_from_result(prefill_batch, [10])
+    policy.update_from_result(first, [11, 12, 13], token_counts=(3,))
+    assert req.output_ids == [10, 11, 12, 13]
+    assert req.kv_slots == [*prompt_slots, *v1[:3], v2[0]]
+    assert policy.kv.num_free == free + 1 and list(req.draft_slots) == [v2[1:]]
+    assert (req.num_computed, req.num_inflight) == (4 + 3 + 1, 1)
+    policy.update_from_result(second, [14], token_counts=(1,))
+    assert req.kv_slots == [*prompt_slots, *v1[:3], v2[0]]
+    assert policy.kv.num_free == free + 4 and not req.draft_slots
+    third = policy.schedule()
+    assert third is not None and third.launch.row_start_pos == [len(req.prompt_ids) + len(req.output_ids) - 1]
+    policy.abort("r")
+    assert policy.kv.num_free + policy.kv.tree.size == policy.kv.capacity and not req.draft_slots
