@@ -326,10 +326,27 @@ def test_a_verify_rows_kv_slots_join_the_request_in_position_order_and_the_rest_
     assert req.kv_slots == [*prompt_slots, *v1[:3], v2[0]]
     assert policy.kv.num_free == free + 1 and list(req.draft_slots) == [v2[1:]]
     assert (req.num_computed, req.num_inflight) == (4 + 3 + 1, 1)
-    policy.update_from_result(second, [14], token_counts=(1,))
-    assert req.kv_slots == [*prompt_slots, *v1[:3], v2[0]]
-    assert policy.kv.num_free == free + 4 and not req.draft_slots
+    # As the overlap loop does, the next row is picked before the last result is processed.
     third = policy.schedule()
-    assert third is not None and third.launch.row_start_pos == [len(req.prompt_ids) + len(req.output_ids) - 1]
+    assert third is not None and third.launch.row_num_tokens == [4]
+    policy.update_from_result(second, [14], token_counts=(1,))  # no draft accepted
+    assert req.kv_slots == [*prompt_slots, *v1[:3], v2[0], third.launch.kv_slots[0]]
+    assert policy.kv.num_free == free and len(req.draft_slots) == 1  # third's 4 taken, v2's 3 back
+    # So its next decode row carries no drafts (a run of 1: read from the FutureMap at the
+    # position the worker holds, a bound sent), and the one after drafts again.
+    fourth = policy.schedule()
+    assert (
+        fourth is not None and fourth.launch.row_num_tokens == [1] and fourth.launch.row_from_future == [True]
+    )
+    assert fourth.launch.row_start_pos == [req.num_computed - 1 + 3 * 1]
+    policy.update_from_result(third, [15], token_counts=(1,))  # none again: a run of 2 next
+    fifth = policy.schedule()
+    assert fifth is not None
+    policy.update_from_result(fourth, [16])
+    sixth = policy.schedule()
+    policy.update_from_result(fifth, [17], token_counts=(1,))
+    seventh = policy.schedule()
+    picked = [b.launch.row_num_tokens if b else None for b in (fifth, sixth, seventh)]
+    assert picked == [[1], [1], [4]]
     policy.abort("r")
     assert policy.kv.num_free + policy.kv.tree.size == policy.kv.capacity and not req.draft_slots

@@ -94,7 +94,7 @@ def test_drafts_come_from_the_rows_own_tokens_on_the_device() -> None:
     req_to_token[2, :4] = torch.tensor([10, 11, 12, 13])
     s.record_inputs(torch.tensor([10, 11, 12, 13]), torch.tensor([5, 6, 7, 5]))
     s.record_sampled(torch.tensor([2]), torch.tensor([4]))
-    d = s.draft(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8)
+    d = s.draft(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8, drafting=torch.tensor([1]))
     assert d.base.tolist() == [4] and d.counts.tolist() == [3]
     assert d.drafts.tolist() == [[7, 5, 6]] and d.inputs.tolist() == [[6, 7, 5, 6]]
     assert d.positions.tolist() == [[4, 5, 6, 7]] and d.table_positions.tolist() == [[4, 5, 6, 7]]
@@ -106,7 +106,7 @@ def test_positions_past_the_proposal_go_to_the_spare_column_and_saturate_at_the_
     s = speculation(k=3, context=6)
     req_to_token = torch.zeros(4, 7, dtype=torch.int64)
     s.record_sampled(torch.tensor([1]), torch.tensor([4]))
-    d = s.draft(torch.tensor([1]), torch.tensor([9]), req_to_token, width=5)
+    d = s.draft(torch.tensor([1]), torch.tensor([9]), req_to_token, width=5, drafting=torch.tensor([1]))
     assert d.counts.tolist() == [0] and d.inputs.tolist() == [[9, 9, 9, 9]]
     assert d.table_positions.tolist() == [[4, 6, 6, 6]]
     assert d.positions.tolist() == [[4, 5, 5, 5]]
@@ -121,9 +121,24 @@ def test_drafting_and_accepting_read_nothing_back() -> None:
     s.record_inputs(torch.arange(64), torch.randint(0, 5, (64,)))
     s.record_sampled(torch.tensor([0, 1, 3]), torch.tensor([20, 3, 31]))
     slots, pending, sampled = torch.tensor([0, 1, 3]), torch.tensor([1, 2, 3]), torch.randint(0, 5, (3, 4))
+    drafting = torch.tensor([1, 0, 1])
     guard = TransferGuard()
     with guard.guarded():
-        d = s.draft(slots, pending, req_to_token, width=32)
+        d = s.draft(slots, pending, req_to_token, width=32, drafting=drafting)
         a = accept(d, sampled)
         s.record_accepted(slots, d, a)
     assert not guard.violations, guard.violations
+
+
+def test_a_row_that_does_not_draft_this_step_proposes_nothing() -> None:
+    """A decode row of a drafting request (its drafts backed off): positions from the device,
+    no drafts whatever its tokens hold; and with no row drafting, no lookup at all."""
+    s = speculation()
+    req_to_token = torch.zeros(4, 33, dtype=torch.int64)
+    req_to_token[2, :4] = torch.tensor([10, 11, 12, 13])
+    s.record_inputs(torch.tensor([10, 11, 12, 13]), torch.tensor([5, 6, 7, 5]))
+    s.record_sampled(torch.tensor([2]), torch.tensor([4]))
+    for drafting in (torch.tensor([0]), None):
+        d = s.draft(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8, drafting=drafting)
+        assert d.counts.tolist() == [0] and d.drafts.tolist() == [[NO_DRAFT] * 3]
+        assert d.positions[:, 0].tolist() == [4]

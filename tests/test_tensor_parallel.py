@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore
 
+from bench.promtext import scrape, total
 from stepahead.processes import (
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
@@ -289,6 +290,33 @@ def test_tp2_gives_tp1s_tokens_in_both_loops_and_sigterm_stops_every_rank(
         assert re.search(r"^stepahead_tensor_parallel_size\{.*\} 2\.0$", text, re.M), text
         assert worker.stop() == 0  # SIGTERM
         assert not [pid for pid in ranks if _alive(pid)]
+    finally:
+        worker.stop()
+
+
+def test_tp2_speculating_gives_tp1s_tokens(
+    tp1_results: dict[str, Completion], record_property: Callable[[str, object], None]
+) -> None:
+    """Speculative decoding over two ranks: every rank drafts from its own copy of the tokens
+    and verifies the same positions (--check-invariants: the ranks sample the same ids). The
+    greedy requests ask no log-probabilities here, so that they draft too."""
+    reqs = workload()
+    for r in reqs:
+        r.sampling.logprobs, r.sampling.top_logprobs = False, 0
+    worker = spawn_worker([*TINY64, "--tp", "2", "--check-invariants"])
+    try:
+        wait_serving(worker.address)
+        spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+        scheduler = spawn_scheduler(worker.address, ["--overlap-depth", "2", "--speculative-config", spec])
+        try:
+            wait_serving(scheduler.address)
+            got = asyncio.run(run_all(scheduler.address, reqs))
+            asyncio.run(wait_all_free(scheduler.address))
+        finally:
+            scheduler.stop()
+        report(record_property, "tp2 speculative", near_ties(tp1_results, got))
+        accepted = total(scrape(worker.metrics_url), "stepahead_spec_decode_num_accepted_tokens_total")
+        assert accepted > 0, "the run must accept drafts"
     finally:
         worker.stop()
 

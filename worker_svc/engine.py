@@ -463,13 +463,18 @@ class WorkerEngine:
         return _Ran(Sampled(ids, draw.logprobs(ids), entry_state), grammar, entry_rows)
 
     def _draft(self, rows: HostRows, on_device: DeviceRows) -> Drafted:
-        """The launch's verify rows: their pending tokens, drafts and positions, on the device."""
+        """The launch's rows at device-held positions: their pending tokens, drafts (for the
+        verify rows) and positions, on the device."""
         pending = self._slots.future.read(on_device.verify_req_slots)
+        drafting = on_device.verify_drafting if any(rows.verify_drafting) else None
         drafted = self._speculation.draft(
-            on_device.verify_req_slots, pending, self._slots.req_to_token, rows.verify_width
+            on_device.verify_req_slots, pending, self._slots.req_to_token, rows.verify_width, drafting
         )
         sampled_at = (drafted.positions + 1).clamp(max=self.backend.max_context_len)
-        on_device.sample_positions.index_copy_(0, on_device.verify_sample_index, sampled_at.reshape(-1))
+        flat = on_device.verify_flat_index
+        on_device.sample_positions.index_copy_(
+            0, on_device.verify_sample_index, drafted.flat(sampled_at, flat)
+        )
         return drafted
 
     def _store_verified(
@@ -483,12 +488,14 @@ class WorkerEngine:
             plain_slots = on_device.sample_req_slots.index_select(0, plain)
             self._slots.future.store(plain_slots, ids.index_select(0, plain))
             speculation.record_sampled(plain_slots, on_device.sample_positions.index_select(0, plain))
-        sampled = ids.index_select(0, on_device.verify_sample_index).view(len(rows.verify_rows), -1)
+        flat = on_device.verify_flat_index
+        sampled = torch.zeros_like(drafted.positions)  # [Bv, K + 1]: a decode row's one entry first
+        sampled.view(-1).index_copy_(0, flat, ids.index_select(0, on_device.verify_sample_index))
         accepted = accept(drafted, sampled)
         self._slots.future.store(on_device.verify_req_slots, accepted.last)
         speculation.record_accepted(on_device.verify_req_slots, drafted, accepted)
         state = torch.full_like(ids, EMITTED)
-        state.index_copy_(0, on_device.verify_sample_index, accepted.entry_state.reshape(-1))
+        state.index_copy_(0, on_device.verify_sample_index, drafted.flat(accepted.entry_state, flat))
         return state
 
     def _draw_constrained(

@@ -9,11 +9,12 @@ import torch
 
 @dataclass(frozen=True)
 class VerifyRows:
-    """A batch's verify rows (speculative decoding): K + 1 queries each, at positions the
-    device holds: row i's query j at `base[i] + j` (worker_svc/speculative.py)."""
+    """A batch's rows at positions the device holds (speculative decoding: verify rows of K + 1
+    queries, decode rows of 1): row i's query j at `base[i] + j` (worker_svc/speculative.py)."""
 
     rows: list[int]  # [Bv] host: their row indexes
-    token_index: torch.Tensor  # [Bv * (K + 1)] index into T of their tokens, row-major
+    queries: list[int]  # [Bv] host: each one's tokens
+    token_index: list[int]  # host: index into T of their tokens, row-major
     base: torch.Tensor  # [Bv] the position of each row's first token
 
 

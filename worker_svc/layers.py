@@ -4,8 +4,9 @@ checkpoints of the Llama family)."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.device_streams import to_device_columns
-from worker_svc.forward_batch import ForwardBatch
+from worker_svc.forward_batch import ForwardBatch, VerifyRows
 
 if TYPE_CHECKING:
     # NOTE: a type only here; worker_svc.model builds its model from these layers.
@@ -144,18 +145,22 @@ class VerifyGroup:
 class AttentionPlan:
     decode: DecodeGroup | None
     prefills: list[PrefillRow]
-    verify: VerifyGroup | None = None
+    verify: list[VerifyGroup] = field(default_factory=list)  # by queries a row
 
     @classmethod
     def build(cls, batch: ForwardBatch, query_group: int, window: int | None = None) -> AttentionPlan:
         """`window`: each query attends only the keys of its last `window` positions, its own
         included (None: every earlier key)."""
-        verify_rows = set(batch.verify.rows) if batch.verify is not None else set()
-        decode_rows = [i for i, n in enumerate(batch.row_num_tokens) if n == 1]
-        prefill_rows = [i for i, n in enumerate(batch.row_num_tokens) if n > 1 and i not in verify_rows]
+        verify = batch.verify
+        device_rows = set(verify.rows) if verify is not None else set()
+        decode_rows = [i for i, n in enumerate(batch.row_num_tokens) if n == 1 and i not in device_rows]
+        prefill_rows = [i for i, n in enumerate(batch.row_num_tokens) if n > 1 and i not in device_rows]
         decode = _decode_group(batch, decode_rows, window) if decode_rows else None
-        verify = _verify_group(batch, query_group, window) if verify_rows else None
-        return cls(decode, [_prefill_row(batch, i, query_group, window) for i in prefill_rows], verify)
+        groups = []
+        if verify is not None:
+            for queries in sorted(set(verify.queries)):
+                groups.append(_verify_group(batch, verify, queries, query_group, window))
+        return cls(decode, [_prefill_row(batch, i, query_group, window) for i in prefill_rows], groups)
 
 
 def _decode_group(batch: ForwardBatch, rows: list[int], window: int | None) -> DecodeGroup:
@@ -178,22 +183,29 @@ def _decode_group(batch: ForwardBatch, rows: list[int], window: int | None) -> D
     return DecodeGroup(token_index, kv_slots, valid[:, None, None, :], whole)
 
 
-def _verify_group(batch: ForwardBatch, query_group: int, window: int | None) -> VerifyGroup:
-    verify = batch.verify
-    assert verify is not None
+def _verify_group(
+    batch: ForwardBatch, verify: VerifyRows, queries: int, query_group: int, window: int | None
+) -> VerifyGroup:
+    """The rows of `verify` with `queries` tokens each."""
     device = batch.input_ids.device
-    queries = batch.row_num_tokens[verify.rows[0]]
-    max_len = max(batch.row_ctx_lens[i] for i in verify.rows)
-    req_slots = batch.row_req_slots.index_select(0, to_device_columns([verify.rows], device)[0])
+    members = [i for i, n in enumerate(verify.queries) if n == queries]
+    rows = [verify.rows[i] for i in members]
+    starts = [0, *itertools.accumulate(verify.queries)]
+    tokens = [verify.token_index[starts[i] + j] for i in members for j in range(queries)]
+    # NOTE: one transfer, through the running step's streams, as the decode group's.
+    row_index, member_index, token_index = to_device_columns([rows, members, tokens], device)
+    base = verify.base.index_select(0, member_index)
+    max_len = max(batch.row_ctx_lens[i] for i in rows)
+    req_slots = batch.row_req_slots.index_select(0, row_index)
     table = batch.req_to_token.index_select(0, req_slots)[:, :max_len]
     keys = torch.arange(max_len, device=device)[None, None, :]
-    query_pos = verify.base[:, None, None] + torch.arange(queries, device=device)[None, :, None]
+    query_pos = base[:, None, None] + torch.arange(queries, device=device)[None, :, None]
     allowed = keys <= query_pos  # [Bv, Q, Lmax]
     if window is not None:
         allowed &= keys > query_pos - window
     kv_slots = torch.where(allowed.any(1), table, torch.zeros_like(table))
     mask = allowed.repeat(1, query_group, 1)[:, None]
-    return VerifyGroup(verify.token_index, queries, kv_slots, mask)
+    return VerifyGroup(token_index, queries, kv_slots, mask)
 
 
 def _prefill_row(batch: ForwardBatch, row: int, query_group: int, window: int | None) -> PrefillRow:
@@ -379,8 +391,8 @@ class LlamaAttention(nn.Module):
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if plan.decode is not None:
             out.index_copy_(0, plan.decode.token_index, self._attend_decode(q, k_pool, v_pool, plan.decode))
-        if plan.verify is not None:
-            out.index_copy_(0, plan.verify.token_index, self._attend_verify(q, k_pool, v_pool, plan.verify))
+        for group in plan.verify:
+            out.index_copy_(0, group.token_index, self._attend_verify(q, k_pool, v_pool, group))
         for row in plan.prefills:
             end = row.token_start + row.num_tokens
             out[row.token_start : end] = self._attend_prefill(q[row.token_start : end], k_pool, v_pool, row)

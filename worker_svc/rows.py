@@ -37,13 +37,18 @@ class HostRows:
     tracked: bool = False  # a live slot is penalized: the history takes this step's tokens
     history_token_index: list[int] = field(default_factory=list)  # prompt-sourced tokens
     history_output_index: list[int] = field(default_factory=list)  # of them, outputs not counted
-    # Verify rows (speculative decoding, worker_svc/speculative.py): each samples every one of
-    # its K + 1 tokens, so a launch's sampling entries are its sampling rows, a verify row's
-    # counting K + 1. Their positions here are the scheduler's bounds; the device's replace them.
+    # Under speculative decoding every row read from the FutureMap sits at positions the device
+    # holds (worker_svc/speculative.py): a verify row of K + 1 tokens, or a decode row of 1 (a
+    # request that does not draft this step). Each samples every one of its tokens, so a launch's
+    # sampling entries are its sampling rows, a verify row's counting K + 1. Their positions
+    # here are the scheduler's bounds; the device's replace them. "Verify rows" below are both.
     verify_rows: list[int] = field(default_factory=list)  # launch row index
     verify_req_slots: list[int] = field(default_factory=list)
-    verify_token_index: list[int] = field(default_factory=list)  # [Bv * (K + 1)], row-major
-    verify_sample_index: list[int] = field(default_factory=list)  # [Bv * (K + 1)] sampling entries
+    verify_tokens: list[int] = field(default_factory=list)  # each one's tokens: 1 or K + 1
+    verify_drafting: list[int] = field(default_factory=list)  # 1: it carries drafts
+    verify_token_index: list[int] = field(default_factory=list)  # their tokens, row-major
+    verify_sample_index: list[int] = field(default_factory=list)  # their sampling entries
+    verify_flat_index: list[int] = field(default_factory=list)  # each token's place in [Bv, K + 1]
     plain_sample_index: list[int] = field(default_factory=list)  # the other sampling entries
     entry_rows: list[int] = field(default_factory=list)  # each sampling entry's sampling row
     verify_width: int = 0  # a bound on the verify rows' lengths, for their drafts' lookup
@@ -72,8 +77,8 @@ def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0) -> HostRo
     ):
         rows.row_token_starts.append(t)
         rows.token_req_slots.extend([slot] * n)
-        if from_future and n > 1:
-            _add_verify_row(rows, slot, start, n, t, context)
+        if from_future and draft_tokens:
+            _add_verify_row(rows, slot, start, n, t, context, draft_tokens)
             t += n
             continue
         rows.row_ctx_lens.append(start + n)
@@ -96,10 +101,14 @@ def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0) -> HostRo
     return rows
 
 
-def _add_verify_row(rows: HostRows, slot: int, start: int, n: int, t: int, context: int) -> None:
-    """A verify row of n = K + 1 tokens whose first position is at most `start`."""
+def _add_verify_row(rows: HostRows, slot: int, start: int, n: int, t: int, context: int, k: int) -> None:
+    """A row of n (1, or K + 1 with drafts) tokens whose first position is at most `start`."""
+    at = len(rows.verify_rows) * (k + 1)
+    rows.verify_flat_index.extend(range(at, at + n))
     rows.verify_rows.append(len(rows.row_token_starts) - 1)
     rows.verify_req_slots.append(slot)
+    rows.verify_tokens.append(n)
+    rows.verify_drafting.append(int(n > 1))
     rows.row_ctx_lens.append(min(start + n, context))
     rows.verify_width = max(rows.verify_width, min(start + 1, context))
     rows.positions.extend(min(start + j, context - 1) for j in range(n))
@@ -149,8 +158,10 @@ class DeviceRows:
     mask_rows: torch.Tensor
     mask_ids: torch.Tensor
     verify_req_slots: torch.Tensor
+    verify_drafting: torch.Tensor
     verify_token_index: torch.Tensor
     verify_sample_index: torch.Tensor
+    verify_flat_index: torch.Tensor
     plain_sample_index: torch.Tensor
 
 
@@ -173,8 +184,10 @@ def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> Devic
         plan.mask_rows if plan is not None else [],
         plan.mask_ids if plan is not None else [],
         rows.verify_req_slots,
+        rows.verify_drafting,
         rows.verify_token_index,
         rows.verify_sample_index,
+        rows.verify_flat_index,
         rows.plain_sample_index,
     ]
     return DeviceRows(*to_device_columns(columns, streams.device, streams))
@@ -196,10 +209,12 @@ class BatchBuilder:
         table_positions = on_device.positions
         verify = None
         if drafted is not None:
-            index = on_device.verify_token_index
-            on_device.positions.index_copy_(0, index, drafted.positions.reshape(-1))
-            table_positions = on_device.positions.index_copy(0, index, drafted.table_positions.reshape(-1))
-            verify = VerifyRows(rows.verify_rows, index, drafted.base)
+            index, flat = on_device.verify_token_index, on_device.verify_flat_index
+            on_device.positions.index_copy_(0, index, drafted.flat(drafted.positions, flat))
+            table_positions = on_device.positions.index_copy(
+                0, index, drafted.flat(drafted.table_positions, flat)
+            )
+            verify = VerifyRows(rows.verify_rows, rows.verify_tokens, rows.verify_token_index, drafted.base)
         req_to_token.index_put_((on_device.token_req_slots, table_positions), on_device.kv_slots)
         return ForwardBatch(
             input_ids=self._input_ids(rows, on_device, drafted),
@@ -230,7 +245,9 @@ class BatchBuilder:
         if rows.prompt_token_index:
             ids.index_copy_(0, on_device.prompt_token_index, on_device.prompt_ids)
         if drafted is not None:
-            ids.index_copy_(0, on_device.verify_token_index, drafted.inputs.reshape(-1))
+            ids.index_copy_(
+                0, on_device.verify_token_index, drafted.flat(drafted.inputs, on_device.verify_flat_index)
+            )
         return ids
 
     def sampling(self, rows: HostRows, on_device: DeviceRows) -> RowSampling:

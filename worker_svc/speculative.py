@@ -58,6 +58,12 @@ class Drafted:
     positions: torch.Tensor  # [Bv, K + 1] each input's position (saturated at the context's last)
     table_positions: torch.Tensor  # [Bv, K + 1] where its KV slot goes in req_to_token (spare past count)
 
+    @staticmethod
+    def flat(grid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The rows' real tokens of a [Bv, K + 1] `grid`, row-major (`index`: their places in it;
+        a decode row has one)."""
+        return grid.reshape(-1).index_select(0, index)
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -101,22 +107,36 @@ class Speculation:
         self.next_pos.index_copy_(0, slots, positions)
 
     def draft(
-        self, slots: torch.Tensor, pending: torch.Tensor, req_to_token: torch.Tensor, width: int
+        self,
+        slots: torch.Tensor,
+        pending: torch.Tensor,
+        req_to_token: torch.Tensor,
+        width: int,
+        drafting: torch.Tensor | None = None,
     ) -> Drafted:
-        """Drafts for verify rows of request `slots` [Bv] whose pending tokens are `pending`
-        [Bv]; `width`: a bound on their lengths (the scheduler's), at most the context."""
+        """Drafts for the rows of request `slots` [Bv] whose pending tokens are `pending` [Bv];
+        `width`: a bound on their lengths (the scheduler's), at most the context; `drafting`
+        [Bv]: which rows carry drafts (None: none does, and no lookup runs)."""
         config = self.config
         assert config is not None, "a verify row in a session without speculation"
         k, context = config.num_speculative_tokens, self.context
         base = self.next_pos.index_select(0, slots)
-        table = req_to_token.index_select(0, slots)[:, :width]
-        history = self.kv_token.index_select(0, table.reshape(-1)).view(table.shape)
-        history.scatter_(1, base[:, None].clamp(max=width - 1), pending[:, None])
-        proposal = propose(history, base + 1, config.prompt_lookup_min, config.prompt_lookup_max, k, context)
         offsets = torch.arange(k + 1, device=slots.device)
         positions = base[:, None] + offsets[None, :]
-        proposed = offsets[None, :] <= proposal.counts[:, None]  # t, then the proposed drafts
-        drafts = proposal.tokens
+        if drafting is None:
+            drafts = torch.full((len(slots), k), NO_DRAFT, dtype=torch.int64, device=slots.device)
+            counts = torch.zeros_like(base)
+        else:
+            table = req_to_token.index_select(0, slots)[:, :width]
+            history = self.kv_token.index_select(0, table.reshape(-1)).view(table.shape)
+            history.scatter_(1, base[:, None].clamp(max=width - 1), pending[:, None])
+            lengths = (base + 1).clamp(max=width)
+            proposal = propose(
+                history, lengths, config.prompt_lookup_min, config.prompt_lookup_max, k, context
+            )
+            counts = proposal.counts * drafting
+            drafts = torch.where(offsets[None, 1:] <= counts[:, None], proposal.tokens, NO_DRAFT)
+        proposed = offsets[None, :] <= counts[:, None]  # t, then the proposed drafts
         filled = torch.where(drafts == NO_DRAFT, pending[:, None], drafts)
         inputs = torch.cat((pending[:, None], filled), 1)
         if self._check_inputs:
@@ -125,7 +145,7 @@ class Speculation:
             base=base,
             inputs=inputs,
             drafts=drafts,
-            counts=proposal.counts,
+            counts=counts,
             positions=positions.clamp(max=context - 1),
             table_positions=torch.where(proposed, positions, context),
         )

@@ -34,10 +34,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return self.launch.num_tokens
 
-    def add_decode(self, req: Request, kv_slot: int) -> None:
-        """One token: the request's last sampled one, read from the FutureMap."""
+    def add_decode(self, req: Request, kv_slot: int, start: int | None = None) -> None:
+        """One token: the request's last sampled one, read from the FutureMap; `start`: its
+        position (None: the computed positions), or under speculative decoding a bound on it."""
         assert req.req_slot is not None
-        self._add_row(req, req.num_computed, 1, from_future=True, sample=True)
+        self._add_row(req, req.num_computed if start is None else start, 1, from_future=True, sample=True)
         self.launch.kv_slots.append(kv_slot)
 
     def add_verify(self, req: Request, first_bound: int, kv_slots: list[int]) -> None:

@@ -70,9 +70,17 @@ class Request:
 
     @property
     def drafts(self) -> int:
-        """K: its decode rows are verify rows of K drafts (0: plain decode rows, or no slot)."""
+        """K: its decode rows may be verify rows of K drafts (0: plain decode rows, or no slot)."""
         rows = self.rows
         return 0 if rows is None else rows.drafts[self.req_slot]  # type: ignore[index]
+
+    @property
+    def next_drafts(self) -> int:
+        """Drafts its next decode row carries: K, or 0 while it backs off (`running.py`)."""
+        rows = self.rows
+        if rows is None or rows.skip[self.req_slot]:  # type: ignore[index]
+            return 0
+        return rows.drafts[self.req_slot]  # type: ignore[index]
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.rows import Column
+from scheduler_svc.engine.running import note_accepted
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from stepahead.protocol import StepLogprobs
@@ -125,6 +126,7 @@ class ResultProcessor:
             raise ValueError(f"a verify row of request slot {slot} emitted no token")
         accepted = len(tokens) - 1
         self.slots.kv.confirm_drafts(req, accepted, req.num_inflight - 1)
+        note_accepted(self.slots.rows, slot, accepted)
         req.num_computed += accepted
         req.num_inflight -= 1
         for token in tokens:

@@ -42,6 +42,8 @@ class SlotRows:
         "eos_stops",  # 1: the model's EOS ids end it (not ignore_eos)
         "plain",  # 1: its results need nothing but the columns (no logprobs, no stop ids)
         "drafts",  # K: its decode rows are verify rows of K drafts (speculative decoding); 0: none
+        "skip",  # decode rows it still takes without drafts (its drafts were rejected lately)
+        "backoff",  # the last such run's length (0: its last verify row accepted a draft)
         "kept",  # 1: this attempt's prefill is in the prefix cache (prompt_kept)
         "tag",  # this assignment of the slot (NO_TAG: free)
         "handle",  # its name at its owner
@@ -72,6 +74,8 @@ class SlotRows:
     eos_stops: array[int]
     plain: array[int]
     drafts: array[int]
+    skip: array[int]
+    backoff: array[int]
     kept: array[int]
     tag: array[int]
     handle: array[int]
@@ -85,6 +89,8 @@ class SlotRows:
     eos_stops_np: Column
     plain_np: Column
     drafts_np: Column
+    skip_np: Column
+    backoff_np: Column
     kept_np: Column
     tag_np: Column
     handle_np: Column
@@ -113,6 +119,7 @@ class SlotRows:
         # NOTE: the worker verifies drafts by sampling each position as a decode step would;
         # logits processing (its token history and positions) and grammars are not verified.
         self.drafts[slot] = 0 if p.processes_logits or p.constraint is not None else self.draft_tokens
+        self.skip[slot] = self.backoff[slot] = 0
         self.kept[slot] = kept
         self.tag[slot] = self._next_tag
         self._next_tag += 1

@@ -14,7 +14,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.requests import RequestTable
-from scheduler_svc.engine.rows import Column
+from scheduler_svc.engine.rows import Column, SlotRows
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 
@@ -45,7 +45,7 @@ class RunningManager:
             if req.req_slot is None:  # preempted earlier in this pick
                 continue
             if req.wants_decode():
-                need = 1 + req.drafts
+                need = 1 + req.next_drafts
             elif req.in_prefill:
                 need = min(req.num_known - req.num_computed, budget - batch.num_tokens)
             else:
@@ -57,7 +57,7 @@ class RunningManager:
             if req.in_prefill:
                 add_row(self.slots.kv, batch, req, need)
             else:
-                add_decode_row(self.slots, batch, req, req.drafts)
+                add_decode_row(self.slots, batch, req)
         return preempted
 
     def _pick_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
@@ -79,15 +79,17 @@ class RunningManager:
         chosen = slots[want]
         n = len(chosen)
         drafts = rows.drafts_np[chosen] if rows.draft_tokens else None
-        tokens = n if drafts is None else n + int(drafts.sum())
+        tokens = n
+        if drafts is not None:
+            tokens += int(np.where(rows.skip_np[chosen] == 0, drafts, 0).sum())
         if tokens > budget or tokens > self.slots.kv.num_free:
             return False
         if not n:
             return True
         reqs = list(running) if n == len(running) else [running[i] for i in np.flatnonzero(want).tolist()]
         if drafts is not None and drafts.any():
-            for req, k in zip(reqs, drafts.tolist(), strict=True):
-                add_decode_row(self.slots, batch, req, k)
+            for req in reqs:
+                add_decode_row(self.slots, batch, req)
             return True
         kv = self.slots.kv.allocate_each(reqs)
         starts = computed[want].tolist()
@@ -143,22 +145,44 @@ class RunningManager:
             self.requeue_for_recompute(req, computed=False)
 
 
-def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request, drafts: int) -> None:
-    """`req`'s decode row in `batch` (after `make_room(1 + drafts)` said yes): one token, or a
-    verify row of its pending token and `drafts` drafts that the worker proposes.
+DRAFT_BACKOFF_MAX = 16  # decode rows without drafts, at most, after verify rows that accepted none
 
-    NOTE: a verify row emits 1 to 1 + drafts tokens, which the core learns only when it
-    processes the row. Until then it counts one (`num_computed` and `num_inflight` count a
-    lower bound, so `wants_decode` holds as for plain rows), and tells the worker a bound on the
-    row's first position: the computed positions plus `drafts` for each row in flight."""
-    if not drafts:
-        add_row(slots.kv, batch, req, 1)
-        return
-    kv_slots = slots.kv.allocate_verify(req, drafts)
-    bound = min(req.num_computed + drafts * req.num_inflight, slots.max_context_len - 1)
-    batch.add_verify(req, bound, kv_slots)
+
+def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request) -> None:
+    """`req`'s decode row in `batch` (after `make_room(1 + req.next_drafts)` said yes): one
+    token, or a verify row of its pending token and K drafts that the worker proposes.
+
+    NOTE: a verify row emits 1 to K + 1 tokens, which the core learns only when it processes
+    the row. Until then it counts one (`num_computed` and `num_inflight` count a lower bound, so
+    `wants_decode` holds as for plain rows), and tells the worker a bound on the row's first
+    position: the computed positions plus K for each row in flight (the worker holds the true
+    one, for a decode row of a drafting request too).
+
+    A request whose verify row accepted no draft takes its next decode rows without drafts,
+    1, 2, 4 .. DRAFT_BACKOFF_MAX of them (`note_accepted`): on free text, where few drafts are
+    found or accepted, it decodes one token a step and spends little on drafts."""
+    k = req.drafts
+    bound = min(req.num_computed + k * req.num_inflight, slots.max_context_len - 1)
+    rows, slot = slots.rows, req.req_slot
+    assert slot is not None
+    if not k or rows.skip[slot]:
+        if k:
+            rows.skip[slot] -= 1
+        batch.add_decode(req, slots.kv.allocate(req, 1)[0], bound)
+    else:
+        batch.add_verify(req, bound, slots.kv.allocate_verify(req, k))
     req.num_computed += 1
     req.num_inflight += 1
+
+
+def note_accepted(rows: SlotRows, slot: int, accepted: int) -> None:
+    """A verify row of request slot `slot` accepted `accepted` drafts: none doubles the run of
+    decode rows it takes without drafts next (up to DRAFT_BACKOFF_MAX); any ends it."""
+    if accepted:
+        rows.skip[slot] = rows.backoff[slot] = 0
+        return
+    run = min(max(1, 2 * rows.backoff[slot]), DRAFT_BACKOFF_MAX)
+    rows.skip[slot] = rows.backoff[slot] = run
 
 
 def add_row(kv: KvManager, batch: ScheduledBatch, req: Request, num_tokens: int) -> None:

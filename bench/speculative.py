@@ -1,0 +1,239 @@
+"""python -m bench.speculative [--quick] [--out DIR]: speculative decoding (prompt lookup) on
+SmolLM2-135M-Instruct through the services, with and without it side by side.
+
+Two kinds of chat prompt: copy-heavy (repeat or lightly edit a passage or a function given in
+the prompt, where prompt lookup finds the output's next tokens) and free text (open questions,
+where it finds few). For each kind and concurrency (1, 4, 16), a closed loop of greedy requests
+against a fresh worker and scheduler, once with `--speculative-config` and once without (the
+same processes' flags otherwise, in turns). Greedy outputs are the same either way, so both runs
+generate the same tokens. Reports output tok/s, time per output token after the first (median
+over requests), the draft acceptance rate and mean acceptance length (the worker's
+`stepahead_spec_decode_*` counters), and the ratio of tok/s. The machine's speed is printed as
+the time of a pure Python loop. Writes bench/results/<UTC date-time>-speculative.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+
+from bench.machine import loop_calibration
+from bench.promtext import scrape, total
+from bench.save import RESULTS, command_line, publish
+from stepahead.processes import serving_pair
+from stepahead.v1 import generation_pb2 as pb
+from stepahead.v1 import generation_pb2_grpc
+
+NAME = "speculative"
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+CALL_TIMEOUT_S = 600.0
+
+PASSAGE = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long "
+    "discussion, the members agreed to increase funding for the library by ten percent, to "
+    "repair the roof of the community hall before winter, and to hire two more teachers for the "
+    "primary school. The chair thanked everyone for their patience and closed the meeting at six."
+)
+FUNCTION = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+"""
+COPY = (
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite this Python function, renaming the variable `subtotal` to `amount`:\n\n{FUNCTION}",
+    f"Correct any spelling mistakes in this text and return it in full:\n\n{PASSAGE}",
+    f"Copy this code exactly, adding a docstring:\n\n{FUNCTION}",
+)
+FREE = (
+    "Write a short story about a fox who learns to swim.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "What are three good habits for staying healthy?",
+    "Describe a day at the beach in a few sentences.",
+)
+KINDS = {"copy": COPY, "free": FREE}
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    concurrencies: tuple[int, ...]
+    requests_per_slot: int  # requests per point: this x the concurrency, at least min_requests
+    max_tokens: int
+    min_requests: int = 4
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_slot * concurrency)
+
+
+FULL = Plan("full", (1, 4, 16), 2, 96)
+QUICK = Plan("quick", (1, 4), 1, 48)
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: str
+    concurrency: int
+    speculative: bool
+    tokens: int
+    seconds: float
+    tpot_p50_ms: float
+    drafts: float
+    draft_tokens: float
+    accepted: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_length(self) -> float | None:
+        return 1 + self.accepted / self.drafts if self.drafts else None
+
+
+async def one_request(
+    stub: generation_pb2_grpc.GenerationAsyncStub, rid: str, prompt: str, max_tokens: int
+) -> tuple[int, float]:
+    """Tokens generated, and seconds per token after the first (0 with one token)."""
+    request = pb.GenerateRequest(
+        request_id=rid,
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
+        sampling=pb.SamplingParams(max_new_tokens=max_tokens),
+    )
+    arrivals: list[tuple[float, int]] = []
+    async for response in stub.Generate(request, timeout=CALL_TIMEOUT_S):
+        if response.token_ids:
+            arrivals.append((time.perf_counter(), len(response.token_ids)))
+    tokens = sum(n for _, n in arrivals)
+    if tokens < 2:
+        return tokens, 0.0
+    return tokens, (arrivals[-1][0] - arrivals[0][0]) / (tokens - arrivals[0][1])
+
+
+async def closed_loop(
+    address: str, prompts: tuple[str, ...], concurrency: int, count: int, max_tokens: int
+) -> tuple[int, float, list[float]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub: generation_pb2_grpc.GenerationAsyncStub = generation_pb2_grpc.GenerationStub(channel)
+        queue = list(range(count))
+        results: list[tuple[int, float]] = []
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop(0)
+                results.append(
+                    await one_request(
+                        stub, f"r{i}-{time.monotonic_ns()}", prompts[i % len(prompts)], max_tokens
+                    )
+                )
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return sum(t for t, _ in results), seconds, [s for t, s in results if t > 1]
+
+
+def spec_counters(metrics_url: str) -> tuple[float, float, float]:
+    samples = scrape(metrics_url)
+    return tuple(  # type: ignore[return-value]
+        total(samples, f"stepahead_spec_decode_num_{name}_total")
+        for name in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+
+
+def run(plan: Plan, threads: int, model: str = "smollm2") -> list[Point]:
+    """Both runs (without, then with speculation) on fresh services each, every point."""
+    points: list[Point] = []
+    worker = ["--model", model, "--threads", str(threads), "--kv-slots", "8192"]
+    for speculative in (False, True):
+        flags = ["--speculative-config", json.dumps(SPECULATIVE)] if speculative else []
+        with serving_pair(worker, flags) as (w, scheduler):
+            asyncio.run(closed_loop(scheduler.address, FREE, 1, 1, 8))  # warm up
+            for kind, prompts in KINDS.items():
+                for concurrency in plan.concurrencies:
+                    count = plan.requests(concurrency)
+                    before = spec_counters(w.metrics_url)
+                    tokens, seconds, tpots = asyncio.run(
+                        closed_loop(scheduler.address, prompts, concurrency, count, plan.max_tokens)
+                    )
+                    after = spec_counters(w.metrics_url)
+                    drafts, draft_tokens, accepted = (b - a for a, b in zip(before, after, strict=True))
+                    point = Point(
+                        kind,
+                        concurrency,
+                        speculative,
+                        tokens,
+                        seconds,
+                        statistics.median(tpots) * 1e3,
+                        drafts,
+                        draft_tokens,
+                        accepted,
+                    )
+                    print(
+                        f"  {kind} c={concurrency} speculative={speculative}: {point.tok_s:.1f} tok/s",
+                        flush=True,
+                    )
+                    points.append(point)
+    return points
+
+
+def markdown(points: list[Point], command: str, calibration: float) -> str:
+    def find(kind: str, c: int, spec: bool) -> Point:
+        return next(p for p in points if (p.kind, p.concurrency, p.speculative) == (kind, c, spec))
+
+    lines = [
+        f"`{command}`, loop calibration {calibration:.2f} s, speculative config `{json.dumps(SPECULATIVE)}`",
+        "",
+        "| prompts | concurrency | tok/s without | tok/s with | ratio | TPOT p50 ms without | with "
+        "| acceptance | mean acceptance length |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in KINDS:
+        for c in sorted({p.concurrency for p in points}):
+            off, on = find(kind, c, False), find(kind, c, True)
+            acceptance = "-" if on.acceptance is None else f"{on.acceptance:.2f}"
+            length = "-" if on.mean_length is None else f"{on.mean_length:.2f}"
+            lines.append(
+                f"| {kind} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}x | "
+                f"{off.tpot_p50_ms:.1f} | {on.tpot_p50_ms:.1f} | {acceptance} | {length} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, shorter outputs")
+    p.add_argument("--threads", type=int, default=2, help="the worker's torch threads (default 2)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    started = datetime.now(UTC)
+    calibration = loop_calibration()
+    print(f"loop calibration: {calibration:.2f} s", flush=True)
+    points = run(plan, args.threads)
+    command = command_line("bench.speculative", argv)
+    document = {
+        "plan": asdict(plan),
+        "calibration_s": calibration,
+        "speculative": SPECULATIVE,
+        "points": [asdict(p) for p in points],
+    }
+    publish(NAME, started, document, markdown(points, command, calibration), args.out)
+
+
+if __name__ == "__main__":
+    main()
