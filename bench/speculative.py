@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct through the services, with and without it side by side.
 
 Two kinds of chat prompt: copy-heavy (repeat or lightly edit a passage or a function given in
 the prompt, where prompt lookup finds the output's next tokens) and free text (open questions,
-where it finds few). For each kind and concurrency (1, 4, 16), a closed loop of greedy requests
-against a fresh worker and scheduler, once with `--speculative-config` and once without (the
-same processes' flags otherwise, in turns). Greedy outputs are the same either way, so both runs
+where it finds few). Two pairs of services run at once, the same but for `--speculative-config`
+on one; for each kind and concurrency (1, 4, 16), a closed loop of greedy requests against each,
+in turns (which goes first alternates). Greedy outputs are the same either way, so both runs
 generate the same tokens. Reports output tok/s, time per output token after the first (median
 over requests), the draft acceptance rate and mean acceptance length (the worker's
 `stepahead_spec_decode_*` counters), and the ratio of tok/s. The machine's speed is printed as
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -28,7 +29,7 @@ import grpc
 from bench.machine import loop_calibration
 from bench.promtext import scrape, total
 from bench.save import RESULTS, command_line, publish
-from stepahead.processes import serving_pair
+from stepahead.processes import Service, serving_pair
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 
@@ -91,6 +92,8 @@ class Point:
     drafts: float
     draft_tokens: float
     accepted: float
+    verify_rows: float  # the scheduler's: verify rows processed
+    verify_tokens: float  # and the tokens they emitted
 
     @property
     def tok_s(self) -> float:
@@ -147,48 +150,60 @@ async def closed_loop(
     return sum(t for t, _ in results), seconds, [s for t, s in results if t > 1]
 
 
-def spec_counters(metrics_url: str) -> tuple[float, float, float]:
-    samples = scrape(metrics_url)
-    return tuple(  # type: ignore[return-value]
-        total(samples, f"stepahead_spec_decode_num_{name}_total")
-        for name in ("drafts", "draft_tokens", "accepted_tokens")
-    )
+def spec_counters(worker_url: str, scheduler_url: str) -> tuple[float, ...]:
+    """The worker's drafts, draft tokens and accepted tokens; the scheduler's verify rows and
+    their tokens."""
+    worker, scheduler = scrape(worker_url), scrape(scheduler_url)
+    names = ("drafts", "draft_tokens", "accepted_tokens")
+    counts = [total(worker, f"stepahead_spec_decode_num_{name}_total") for name in names]
+    counts += [total(scheduler, f"stepahead_spec_verify_{name}_total") for name in ("rows", "tokens")]
+    return tuple(counts)
 
 
 def run(plan: Plan, threads: int, model: str = "smollm2") -> list[Point]:
-    """Both runs (without, then with speculation) on fresh services each, every point."""
+    """Two pairs of services at once, one speculating; at each point the two runs in turns
+    (which goes first alternates), so that a drift of the machine's speed falls on both."""
     points: list[Point] = []
     worker = ["--model", model, "--threads", str(threads), "--kv-slots", "8192"]
-    for speculative in (False, True):
-        flags = ["--speculative-config", json.dumps(SPECULATIVE)] if speculative else []
-        with serving_pair(worker, flags) as (w, scheduler):
-            asyncio.run(closed_loop(scheduler.address, FREE, 1, 1, 8))  # warm up
-            for kind, prompts in KINDS.items():
-                for concurrency in plan.concurrencies:
-                    count = plan.requests(concurrency)
-                    before = spec_counters(w.metrics_url)
-                    tokens, seconds, tpots = asyncio.run(
-                        closed_loop(scheduler.address, prompts, concurrency, count, plan.max_tokens)
-                    )
-                    after = spec_counters(w.metrics_url)
-                    drafts, draft_tokens, accepted = (b - a for a, b in zip(before, after, strict=True))
-                    point = Point(
-                        kind,
-                        concurrency,
-                        speculative,
-                        tokens,
-                        seconds,
-                        statistics.median(tpots) * 1e3,
-                        drafts,
-                        draft_tokens,
-                        accepted,
-                    )
+    with contextlib.ExitStack() as stack:
+        pairs = {}
+        for speculative in (False, True):
+            flags = ["--speculative-config", json.dumps(SPECULATIVE)] if speculative else []
+            pairs[speculative] = stack.enter_context(serving_pair(worker, flags))
+            asyncio.run(closed_loop(pairs[speculative][1].address, FREE, 1, 1, 8))  # warm up
+        turn = 0
+        for kind, prompts in KINDS.items():
+            for concurrency in plan.concurrencies:
+                for speculative in (False, True) if turn % 2 == 0 else (True, False):
+                    w, scheduler = pairs[speculative]
+                    point = measure(w, scheduler, kind, prompts, concurrency, speculative, plan)
                     print(
-                        f"  {kind} c={concurrency} speculative={speculative}: {point.tok_s:.1f} tok/s",
+                        f"  {kind} c={concurrency} speculative={speculative}: {point.tok_s:.1f} tok/s, "
+                        f"{point.verify_rows:.0f} verify rows, {point.verify_tokens:.0f} of their tokens",
                         flush=True,
                     )
                     points.append(point)
+                turn += 1
     return points
+
+
+def measure(
+    worker: Service,
+    scheduler: Service,
+    kind: str,
+    prompts: tuple[str, ...],
+    concurrency: int,
+    speculative: bool,
+    plan: Plan,
+) -> Point:
+    count = plan.requests(concurrency)
+    before = spec_counters(worker.metrics_url, scheduler.metrics_url)
+    tokens, seconds, tpots = asyncio.run(
+        closed_loop(scheduler.address, prompts, concurrency, count, plan.max_tokens)
+    )
+    after = spec_counters(worker.metrics_url, scheduler.metrics_url)
+    counts = (b - a for a, b in zip(before, after, strict=True))
+    return Point(kind, concurrency, speculative, tokens, seconds, statistics.median(tpots) * 1e3, *counts)
 
 
 def markdown(points: list[Point], command: str, calibration: float) -> str:
@@ -199,17 +214,19 @@ def markdown(points: list[Point], command: str, calibration: float) -> str:
         f"`{command}`, loop calibration {calibration:.2f} s, speculative config `{json.dumps(SPECULATIVE)}`",
         "",
         "| prompts | concurrency | tok/s without | tok/s with | ratio | TPOT p50 ms without | with "
-        "| acceptance | mean acceptance length |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| acceptance | mean acceptance length | verify rows | tokens per verify row |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind in KINDS:
         for c in sorted({p.concurrency for p in points}):
             off, on = find(kind, c, False), find(kind, c, True)
             acceptance = "-" if on.acceptance is None else f"{on.acceptance:.2f}"
             length = "-" if on.mean_length is None else f"{on.mean_length:.2f}"
+            per_row = f"{on.verify_tokens / on.verify_rows:.2f}" if on.verify_rows else "-"
             lines.append(
                 f"| {kind} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}x | "
-                f"{off.tpot_p50_ms:.1f} | {on.tpot_p50_ms:.1f} | {acceptance} | {length} |"
+                f"{off.tpot_p50_ms:.1f} | {on.tpot_p50_ms:.1f} | {acceptance} | {length} | "
+                f"{on.verify_rows:.0f} | {per_row} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -197,6 +197,9 @@ class StepResult:
     # Tokens each sampling row emitted, token_ids holding them all in row order (a verify row
     # emits 1 to num_speculative_tokens + 1); empty: one each.
     token_counts: tuple[int, ...] = ()
+    # With token_counts: whether prompt lookup found drafts for each sampling row's request at
+    # this step (carried or not): the scheduler drafts for a request while it finds some.
+    drafts_found: tuple[bool, ...] = ()
 
     def row_tokens(self) -> list[list[int]]:
         """Each sampling row's tokens."""
@@ -396,6 +399,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         held_s=result.held_s,
         grammar_finished=result.grammar_finished,
         token_counts=result.token_counts,
+        drafts_found=result.drafts_found,
     )
     lp = result.logprobs
     if lp is not None:
@@ -424,4 +428,5 @@ def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = Non
         grammar_finished=finished,
         link_rtt_s=link_rtt_s,
         token_counts=tuple(msg.token_counts),
+        drafts_found=tuple(msg.drafts_found),
     )

@@ -19,6 +19,8 @@ from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.rows import SlotRows
+from scheduler_svc.engine.running import DRAFT_BACKOFF_MAX, note_accepted
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from scheduler_svc.process.cli import parse_args
 from stepahead.processes import serving_pair
@@ -348,5 +350,21 @@ def test_a_verify_rows_kv_slots_join_the_request_in_position_order_and_the_rest_
     seventh = policy.schedule()
     picked = [b.launch.row_num_tokens if b else None for b in (fifth, sixth, seventh)]
     assert picked == [[1], [1], [4]]
+    # The worker's lookup found no draft for it at sixth's step: its next row carries none.
+    policy.update_from_result(sixth, [18], token_counts=(1,), drafts_found=(False,))  # type: ignore[arg-type]
+    eighth = policy.schedule()
+    assert eighth is not None and eighth.launch.row_num_tokens == [1]
     policy.abort("r")
     assert policy.kv.num_free + policy.kv.tree.size == policy.kv.capacity and not req.draft_slots
+
+
+def test_verify_rows_that_gain_little_back_off_doubling_up_to_the_most() -> None:
+    rows = SlotRows(2, draft_tokens=4)
+    rows.drafts[0] = 4
+    runs = []
+    for accepted in (1, 0, 1, 0, 0, 0, 0, 0):  # fewer than half of 4: a failure each
+        note_accepted(rows, 0, accepted)
+        runs.append(rows.skip[0])
+    assert runs == [1, 2, 4, 8, 16, 32, 32, 32] and DRAFT_BACKOFF_MAX == 32
+    note_accepted(rows, 0, 2)  # half: the run ends
+    assert (rows.skip[0], rows.backoff[0]) == (0, 0)

@@ -13,7 +13,7 @@ from stepahead.speculative import SpeculativeConfig
 from tests.transfer_guard import TransferGuard
 from worker_svc.ngram import NO_DRAFT
 from worker_svc.sampler import sample
-from worker_svc.speculative import EMITTED, PROPOSED, Drafted, Speculation, accept
+from worker_svc.speculative import EMITTED, FOUND, PROPOSED, Drafted, Speculation, accept
 
 # Chi-square at the 0.999 quantile for 2 degrees of freedom (a vocabulary of 4, less the draft).
 CHI2_2_999 = 13.82
@@ -28,6 +28,7 @@ def drafted(drafts: list[list[int]], counts: list[int]) -> Drafted:
         inputs=zeros,
         drafts=torch.tensor(drafts),
         counts=torch.tensor(counts),
+        found=torch.tensor(counts),
         positions=zeros,
         table_positions=zeros,
     )
@@ -39,11 +40,11 @@ def test_drafts_pass_while_each_equals_the_token_sampled_before_it() -> None:
     a = accept(d, sampled)
     assert a.accepted.tolist() == [3, 1, 2, 0]
     assert a.last.tolist() == [4, 2, 3, 5]  # every draft passed: the last position's token follows
-    e, p = EMITTED, PROPOSED
+    e, p, f = EMITTED, PROPOSED, FOUND
     assert a.entry_state.tolist() == [
-        [e, e | p, e | p, e | p],
-        [e, e | p, p, p],  # the second draft failed: that position's token replaces it
-        [e, e | p, e | p, 0],  # two drafts proposed, both pass; the third entry's input is filler
+        [e | f, e | p, e | p, e | p],
+        [e | f, e | p, p, p],  # the second draft failed: that position's token replaces it
+        [e | f, e | p, e | p, 0],  # two drafts proposed, both pass; the third entry's input is filler
         [e, 0, 0, 0],  # no drafts: one token, as without speculation
     ]
 
@@ -132,7 +133,7 @@ def test_drafting_and_accepting_read_nothing_back() -> None:
 
 def test_a_row_that_does_not_draft_this_step_proposes_nothing() -> None:
     """A decode row of a drafting request (its drafts backed off): positions from the device,
-    no drafts whatever its tokens hold; and with no row drafting, no lookup at all."""
+    no drafts whatever its tokens hold, but what the lookup found is reported."""
     s = speculation()
     req_to_token = torch.zeros(4, 33, dtype=torch.int64)
     req_to_token[2, :4] = torch.tensor([10, 11, 12, 13])
@@ -142,3 +143,4 @@ def test_a_row_that_does_not_draft_this_step_proposes_nothing() -> None:
         d = s.draft(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8, drafting=drafting)
         assert d.counts.tolist() == [0] and d.drafts.tolist() == [[NO_DRAFT] * 3]
         assert d.positions[:, 0].tolist() == [4]
+        assert d.found.tolist() == [3]  # what it would have carried: the scheduler is told

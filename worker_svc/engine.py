@@ -66,7 +66,7 @@ from worker_svc.ranks import (
 from worker_svc.rows import BatchBuilder, DeviceRows, HostRows, device_rows, host_rows, plan_processing
 from worker_svc.session import EngineSession
 from worker_svc.slots import RequestSlots
-from worker_svc.speculative import EMITTED, PROPOSED, Drafted, Speculation, accept
+from worker_svc.speculative import EMITTED, FOUND, PROPOSED, Drafted, Speculation, accept
 from worker_svc.structured import ConstrainedRows, GrammarStep, GrammarThread, SlotGrammars
 from worker_svc.telemetry import WorkerMetrics
 from worker_svc.tracking import track_prompt_sourced, track_sampled
@@ -358,12 +358,15 @@ class WorkerEngine:
         emitted: list[int] = []
         counts = [0] * (entry_rows[-1] + 1)
         proposed = [0] * len(counts)
+        found = [False] * len(counts)
         for i, (row, state) in enumerate(zip(entry_rows, states, strict=True)):
             if state & EMITTED:
                 emitted.append(i)
                 counts[row] += 1
             if state & PROPOSED:
                 proposed[row] += 1
+            if state & FOUND:
+                found[row] = True
         drafting = [row for row, n in enumerate(proposed) if n]
         self._accounting.speculated(len(drafting), sum(proposed), sum(counts[row] - 1 for row in drafting))
         lp = sampled.logprobs
@@ -385,6 +388,7 @@ class WorkerEngine:
             logprobs,
             grammar_finished=tuple(entry_rows[i] for i in grammar_entries),
             token_counts=tuple(counts),
+            drafts_found=tuple(found),
         )
 
     def _enqueue(self, launch: Launch, ticket: int) -> _Enqueued:

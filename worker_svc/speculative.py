@@ -45,6 +45,7 @@ __all__ = ["Accepted", "Drafted", "Speculation", "accept"]
 # Bits of a sampling entry's state in what the copy takes to the host (`Accepted.entry_state`).
 EMITTED = 1  # the entry's sample is one of the row's emitted tokens
 PROPOSED = 2  # the entry's input is a proposed draft (a verify row's entry j >= 1)
+FOUND = 4  # on a row's first entry: the lookup found drafts for it at this step, carried or not
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Drafted:
     inputs: torch.Tensor  # [Bv, K + 1] the pending token, then the drafts (unproposed: t again)
     drafts: torch.Tensor  # [Bv, K] proposed drafts, NO_DRAFT past a row's count
     counts: torch.Tensor  # [Bv] drafts proposed
+    found: torch.Tensor  # [Bv] drafts the lookup found, whether the row carries them or not
     positions: torch.Tensor  # [Bv, K + 1] each input's position (saturated at the context's last)
     table_positions: torch.Tensor  # [Bv, K + 1] where its KV slot goes in req_to_token (spare past count)
 
@@ -71,7 +73,7 @@ class Accepted:
 
     accepted: torch.Tensor  # [Bv] drafts accepted
     last: torch.Tensor  # [Bv] each row's last emitted token (its next pending token)
-    entry_state: torch.Tensor  # [Bv, K + 1] EMITTED | PROPOSED bits per sampling entry
+    entry_state: torch.Tensor  # [Bv, K + 1] EMITTED | PROPOSED | FOUND bits per sampling entry
 
 
 class Speculation:
@@ -116,26 +118,22 @@ class Speculation:
     ) -> Drafted:
         """Drafts for the rows of request `slots` [Bv] whose pending tokens are `pending` [Bv];
         `width`: a bound on their lengths (the scheduler's), at most the context; `drafting`
-        [Bv]: which rows carry drafts (None: none does, and no lookup runs)."""
+        [Bv]: which rows carry drafts (None: none does). Every row is looked up: what it found
+        tells the scheduler whether its next rows should carry drafts."""
         config = self.config
         assert config is not None, "a verify row in a session without speculation"
         k, context = config.num_speculative_tokens, self.context
         base = self.next_pos.index_select(0, slots)
         offsets = torch.arange(k + 1, device=slots.device)
         positions = base[:, None] + offsets[None, :]
-        if drafting is None:
-            drafts = torch.full((len(slots), k), NO_DRAFT, dtype=torch.int64, device=slots.device)
-            counts = torch.zeros_like(base)
-        else:
-            table = req_to_token.index_select(0, slots)[:, :width]
-            history = self.kv_token.index_select(0, table.reshape(-1)).view(table.shape)
-            history.scatter_(1, base[:, None].clamp(max=width - 1), pending[:, None])
-            lengths = (base + 1).clamp(max=width)
-            proposal = propose(
-                history, lengths, config.prompt_lookup_min, config.prompt_lookup_max, k, context
-            )
-            counts = proposal.counts * drafting
-            drafts = torch.where(offsets[None, 1:] <= counts[:, None], proposal.tokens, NO_DRAFT)
+        table = req_to_token.index_select(0, slots)[:, :width]
+        history = self.kv_token.index_select(0, table.reshape(-1)).view(table.shape)
+        history.scatter_(1, base[:, None].clamp(max=width - 1), pending[:, None])
+        lengths = (base + 1).clamp(max=width)
+        low, high = config.prompt_lookup_min, config.prompt_lookup_max
+        proposal = propose(history, lengths, low, high, k, context)
+        counts = proposal.counts * drafting if drafting is not None else torch.zeros_like(base)
+        drafts = torch.where(offsets[None, 1:] <= counts[:, None], proposal.tokens, NO_DRAFT)
         proposed = offsets[None, :] <= counts[:, None]  # t, then the proposed drafts
         filled = torch.where(drafts == NO_DRAFT, pending[:, None], drafts)
         inputs = torch.cat((pending[:, None], filled), 1)
@@ -146,6 +144,7 @@ class Speculation:
             inputs=inputs,
             drafts=drafts,
             counts=counts,
+            found=proposal.counts,
             positions=positions.clamp(max=context - 1),
             table_positions=torch.where(proposed, positions, context),
         )
@@ -179,4 +178,5 @@ def accept(drafted: Drafted, sampled: torch.Tensor) -> Accepted:
     last = sampled.gather(1, accepted[:, None])[:, 0]
     emitted = (offsets[None, :] <= accepted[:, None]).to(torch.int64)
     proposed = ((offsets[None, :] >= 1) & (offsets[None, :] <= drafted.counts[:, None])).to(torch.int64)
-    return Accepted(accepted, last, emitted * EMITTED + proposed * PROPOSED)
+    found = ((offsets[None, :] == 0) & (drafted.found[:, None] > 0)).to(torch.int64)
+    return Accepted(accepted, last, emitted * EMITTED + proposed * PROPOSED + found * FOUND)

@@ -255,7 +255,12 @@ class EngineCore:
         self.late_pick.observe(batch.num_tokens, result)
         with self.telemetry.phase("process", batch.step_id):
             self.policy.update_from_result(
-                batch, result.token_ids, result.logprobs, result.grammar_finished, result.token_counts
+                batch,
+                result.token_ids,
+                result.logprobs,
+                result.grammar_finished,
+                result.token_counts,
+                result.drafts_found,
             )
             self.outbox.flush()
 

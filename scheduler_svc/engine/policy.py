@@ -218,11 +218,12 @@ class SchedulingPolicy:
         logprobs: StepLogprobs | None = None,
         grammar_finished: tuple[int, ...] = (),
         token_counts: tuple[int, ...] = (),
+        drafts_found: tuple[bool, ...] = (),
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
         them; `token_counts`: each sampling row's, when a verify row emitted more than one): new
         tokens and token-level finishes (a finished grammar's among them) go to the outbox."""
-        self.results.apply(batch, token_ids, logprobs, grammar_finished, token_counts)
+        self.results.apply(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
         self.update_gauges()
 
     def update_gauges(self) -> None:

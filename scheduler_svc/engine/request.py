@@ -78,7 +78,7 @@ class Request:
     def next_drafts(self) -> int:
         """Drafts its next decode row carries: K, or 0 while it backs off (`running.py`)."""
         rows = self.rows
-        if rows is None or rows.skip[self.req_slot]:  # type: ignore[index]
+        if rows is None or rows.skip[self.req_slot] or not rows.found[self.req_slot]:  # type: ignore[index]
             return 0
         return rows.drafts[self.req_slot]  # type: ignore[index]
 

@@ -48,16 +48,18 @@ class ResultProcessor:
         logprobs: StepLogprobs | None,
         grammar_finished: tuple[int, ...] = (),
         token_counts: tuple[int, ...] = (),
+        drafts_found: tuple[bool, ...] = (),
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
         them); rows in `grammar_finished` end their request (STOP) after their token.
-        `token_counts`: the tokens each sampling row emitted, when the batch has verify rows.
+        `token_counts`: the tokens each sampling row emitted, when the batch has verify rows;
+        `drafts_found`: with them, whether the worker's lookup found drafts for each row.
 
         Plain rows (a request still running since the batch was launched, past its first
         token of this attempt, without log-probabilities or stop ids of its own) are applied a
         column at a time; the others one by one (`_process_row`, `_process_verified`)."""
         if token_counts or batch.verifying:
-            self._apply_counted(batch, token_ids, logprobs, grammar_finished, token_counts)
+            self._apply_counted(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
             return
         if len(token_ids) != len(batch.sampled):
             raise ValueError(f"{len(token_ids)} sampled ids for {len(batch.sampled)} sampling rows")
@@ -93,19 +95,25 @@ class ResultProcessor:
         logprobs: StepLogprobs | None,
         grammar_finished: tuple[int, ...],
         token_counts: tuple[int, ...],
+        drafts_found: tuple[bool, ...] = (),
     ) -> None:
-        """A batch with verify rows: row i emitted token_counts[i] of `token_ids`, in row order."""
+        """A batch with verify rows: row i emitted token_counts[i] of `token_ids`, in row order;
+        drafts_found[i]: the worker's lookup found drafts for its request (None: not told)."""
         counts = token_counts or (1,) * len(batch.sampled)
         if len(counts) != len(batch.sampled) or sum(counts) != len(token_ids):
             raise ValueError(
                 f"{len(token_ids)} ids in {len(counts)} counts for {len(batch.sampled)} sampling rows"
             )
         finished = set(grammar_finished)
+        rows = self.slots.rows
         at = 0
         for i, (req, n) in enumerate(zip(batch.sampled, counts, strict=True)):
             slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
+            found = drafts_found[i] if drafts_found else True
+            if rows.tag[slot] == tag and rows.drafts[slot]:
+                rows.found[slot] = found
             if i in batch.verifying:
-                self._process_verified(req, slot, tag, token_ids[at : at + n])
+                self._process_verified(req, slot, tag, token_ids[at : at + n], found)
             elif n != 1:
                 raise ValueError(f"sampling row {i}: {n} tokens from a row that is not a verify row")
             else:
@@ -113,9 +121,12 @@ class ResultProcessor:
                 self._process_row(req, slot, tag, token_ids[at], logprob, i in finished)
             at += n
 
-    def _process_verified(self, req: Request, slot: int, tag: int, tokens: Sequence[int]) -> None:
+    def _process_verified(
+        self, req: Request, slot: int, tag: int, tokens: Sequence[int], found: bool
+    ) -> None:
         """A verify row's tokens: its pending token and the drafts accepted hold their KV now,
-        then each token joins the output until one ends the request (the rest are dropped)."""
+        then each token joins the output until one ends the request (the rest are dropped).
+        `found`: it carried drafts (none found is no sign they would be rejected)."""
         if self.slots.rows.tag[slot] != tag:
             # Ended, preempted or aborted while this batch was in flight: never streamed (its
             # reserved slots went back with the request's).
@@ -125,8 +136,11 @@ class ResultProcessor:
         if not tokens:
             raise ValueError(f"a verify row of request slot {slot} emitted no token")
         accepted = len(tokens) - 1
+        self.telemetry.verify_rows.inc()
+        self.telemetry.verify_tokens.inc(len(tokens))
         self.slots.kv.confirm_drafts(req, accepted, req.num_inflight - 1)
-        note_accepted(self.slots.rows, slot, accepted)
+        if found:
+            note_accepted(self.slots.rows, slot, accepted)
         req.num_computed += accepted
         req.num_inflight -= 1
         for token in tokens:

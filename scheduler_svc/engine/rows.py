@@ -44,6 +44,7 @@ class SlotRows:
         "drafts",  # K: its decode rows are verify rows of K drafts (speculative decoding); 0: none
         "skip",  # decode rows it still takes without drafts (its drafts were rejected lately)
         "backoff",  # the last such run's length (0: its last verify row accepted a draft)
+        "found",  # 1: the worker's lookup found drafts for it in the last step processed
         "kept",  # 1: this attempt's prefill is in the prefix cache (prompt_kept)
         "tag",  # this assignment of the slot (NO_TAG: free)
         "handle",  # its name at its owner
@@ -76,6 +77,7 @@ class SlotRows:
     drafts: array[int]
     skip: array[int]
     backoff: array[int]
+    found: array[int]
     kept: array[int]
     tag: array[int]
     handle: array[int]
@@ -91,6 +93,7 @@ class SlotRows:
     drafts_np: Column
     skip_np: Column
     backoff_np: Column
+    found_np: Column
     kept_np: Column
     tag_np: Column
     handle_np: Column
@@ -120,6 +123,7 @@ class SlotRows:
         # logits processing (its token history and positions) and grammars are not verified.
         self.drafts[slot] = 0 if p.processes_logits or p.constraint is not None else self.draft_tokens
         self.skip[slot] = self.backoff[slot] = 0
+        self.found[slot] = 1  # until a step says otherwise
         self.kept[slot] = kept
         self.tag[slot] = self._next_tag
         self._next_tag += 1

@@ -81,7 +81,8 @@ class RunningManager:
         drafts = rows.drafts_np[chosen] if rows.draft_tokens else None
         tokens = n
         if drafts is not None:
-            tokens += int(np.where(rows.skip_np[chosen] == 0, drafts, 0).sum())
+            drafting = (rows.skip_np[chosen] == 0) & (rows.found_np[chosen] == 1)
+            tokens += int(np.where(drafting, drafts, 0).sum())
         if tokens > budget or tokens > self.slots.kv.num_free:
             return False
         if not n:
@@ -145,7 +146,7 @@ class RunningManager:
             self.requeue_for_recompute(req, computed=False)
 
 
-DRAFT_BACKOFF_MAX = 16  # decode rows without drafts, at most, after verify rows that accepted none
+DRAFT_BACKOFF_MAX = 32  # decode rows without drafts, at most, after verify rows that gained little
 
 
 def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request) -> None:
@@ -158,15 +159,18 @@ def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request) -> 
     position: the computed positions plus K for each row in flight (the worker holds the true
     one, for a decode row of a drafting request too).
 
-    A request whose verify row accepted no draft takes its next decode rows without drafts,
-    1, 2, 4 .. DRAFT_BACKOFF_MAX of them (`note_accepted`): on free text, where few drafts are
-    found or accepted, it decodes one token a step and spends little on drafts."""
+    A request's decode row carries drafts only while the worker's lookup found some for it in
+    the last step processed (`SlotRows.found`, from `StepResult.drafts_found`: every row of a
+    drafting request is looked up, whether it carries drafts or not). And a request whose verify
+    row accepted fewer than half its drafts takes its next decode rows without drafts, 1, 2, 4
+    .. DRAFT_BACKOFF_MAX of them (`note_accepted`). On free text, where few drafts are found or
+    accepted, a request decodes one token a step and spends little on drafts."""
     k = req.drafts
     bound = min(req.num_computed + k * req.num_inflight, slots.max_context_len - 1)
     rows, slot = slots.rows, req.req_slot
     assert slot is not None
-    if not k or rows.skip[slot]:
-        if k:
+    if not k or rows.skip[slot] or not rows.found[slot]:
+        if k and rows.skip[slot]:
             rows.skip[slot] -= 1
         batch.add_decode(req, slots.kv.allocate(req, 1)[0], bound)
     else:
@@ -176,9 +180,14 @@ def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request) -> 
 
 
 def note_accepted(rows: SlotRows, slot: int, accepted: int) -> None:
-    """A verify row of request slot `slot` accepted `accepted` drafts: none doubles the run of
-    decode rows it takes without drafts next (up to DRAFT_BACKOFF_MAX); any ends it."""
-    if accepted:
+    """A verify row of request slot `slot` accepted `accepted` of its K drafts. Fewer than half
+    double the run of decode rows it takes without drafts next (up to DRAFT_BACKOFF_MAX); half
+    or more end it.
+
+    NOTE: a verify row computes K + 1 positions for 1 + accepted tokens. Where a forward's cost
+    grows with its tokens (a CPU; a large batch on a GPU) a draft or two accepted does not pay
+    for the rest, and on free text prompt lookup rarely finds more."""
+    if 2 * accepted >= rows.drafts[slot]:
         rows.skip[slot] = rows.backoff[slot] = 0
         return
     run = min(max(1, 2 * rows.backoff[slot]), DRAFT_BACKOFF_MAX)

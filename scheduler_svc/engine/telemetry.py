@@ -69,6 +69,13 @@ class SchedulerTelemetry:
         self.cache_evicted_slots = counter(
             "stepahead_prefix_cache_evicted_slots", "KV slots evicted from the prefix cache for new work."
         )
+        self.verify_rows = counter(
+            "stepahead_spec_verify_rows",
+            "Speculative decoding: verify rows processed (each computed its pending token and K drafts).",
+        )
+        self.verify_tokens = counter(
+            "stepahead_spec_verify_tokens", "Speculative decoding: tokens the processed verify rows emitted."
+        )
         self.dropped_inflight_tokens = counter(
             "stepahead_dropped_inflight_tokens",
             "Tokens sampled for requests that ended while their batch was in flight (never streamed).",

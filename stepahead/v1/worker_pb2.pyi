@@ -561,6 +561,7 @@ class StepResult(_message.Message):
     HELD_S_FIELD_NUMBER: _builtins.int
     GRAMMAR_FINISHED_FIELD_NUMBER: _builtins.int
     TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
+    DRAFTS_FOUND_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     forward_start_unix_s: _builtins.float
     """When the forward ran on the device (worker clock, Unix seconds)."""
@@ -601,6 +602,12 @@ class StepResult(_message.Message):
         order; empty: one each.
         """
 
+    @_builtins.property
+    def drafts_found(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """With token_counts: whether prompt lookup found drafts for each sampling row's request at
+        this step, whether the row carried them or not.
+        """
+
     def __init__(
         self,
         *,
@@ -616,10 +623,11 @@ class StepResult(_message.Message):
         held_s: _builtins.float = ...,
         grammar_finished: _abc.Iterable[_builtins.int] | None = ...,
         token_counts: _abc.Iterable[_builtins.int] | None = ...,
+        drafts_found: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "forward_end_unix_s", b"forward_end_unix_s", "forward_start_unix_s", b"forward_start_unix_s", "grammar_finished", b"grammar_finished", "held_s", b"held_s", "logprobs", b"logprobs", "step_id", b"step_id", "token_counts", b"token_counts", "token_ids", b"token_ids", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafts_found", b"drafts_found", "epoch", b"epoch", "forward_end_unix_s", b"forward_end_unix_s", "forward_start_unix_s", b"forward_start_unix_s", "grammar_finished", b"grammar_finished", "held_s", b"held_s", "logprobs", b"logprobs", "step_id", b"step_id", "token_counts", b"token_counts", "token_ids", b"token_ids", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
