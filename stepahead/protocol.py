@@ -201,16 +201,6 @@ class StepResult:
     # this step (carried or not): the scheduler drafts for a request while it finds some.
     drafts_found: tuple[bool, ...] = ()
 
-    def row_tokens(self) -> list[list[int]]:
-        """Each sampling row's tokens."""
-        if not self.token_counts:
-            return [[t] for t in self.token_ids]
-        rows, at = [], 0
-        for n in self.token_counts:
-            rows.append(self.token_ids[at : at + n])
-            at += n
-        return rows
-
     @property
     def forward_seconds(self) -> float:
         return self.forward_end - self.forward_start

@@ -53,14 +53,6 @@ class HostRows:
     entry_rows: list[int] = field(default_factory=list)  # each sampling entry's sampling row
     verify_width: int = 0  # a bound on the verify rows' lengths, for their drafts' lookup
 
-    @property
-    def entries_per_row(self) -> list[int]:
-        """Sampling entries of each sampling row (1, or K + 1 for a verify row)."""
-        counts = [0] * (self.entry_rows[-1] + 1 if self.entry_rows else 0)
-        for row in self.entry_rows:
-            counts[row] += 1
-        return counts
-
 
 def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0) -> HostRows:
     """`draft_tokens`: K, under speculative decoding (0: none), when a row read from the
