@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import pytest
 import torch
 
@@ -35,7 +34,7 @@ from stepahead.protocol import (
 )
 from stepahead.speculative import SpeculativeConfig, parse_speculative_config
 from stepahead.v1 import generation_pb2 as pb
-from stepahead.v1 import generation_pb2_grpc, worker_pb2
+from stepahead.v1 import worker_pb2
 from tests.harness import (
     WorkItem,
     make_engine,
@@ -44,7 +43,7 @@ from tests.harness import (
     serve_workload,
     with_forced_scenarios,
 )
-from tests.live import CALL_TIMEOUT_S, frontend_flags, wait_all_free, worker_stats_after_drain
+from tests.live import frontend_flags, generate, wait_all_free, worker_stats_after_drain
 from tests.test_equivalence import assert_same_tokens, check_client_views, check_drained
 from tests.test_worker_engine import prefill
 from worker_svc.engine import LaunchError, WorkerEngine
@@ -258,15 +257,10 @@ def test_the_scheduler_flag_and_the_workers_hello() -> None:
 TINY = ["--model", "tiny", "--kv-slots", "1024", "--request-slots", "16", "--check-invariants"]
 
 
-async def generate(address: str, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        request = pb.GenerateRequest(
-            request_id=rid,
-            input_ids=pb.TokenIds(ids=prompt),
-            sampling=pb.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True),
-        )
-        return [t async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
+async def tokens_of(address: str, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    sampling = pb.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    request = pb.GenerateRequest(request_id=rid, input_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    return [t for r in await generate(address, request) for t in r.token_ids]
 
 
 def live_tokens(frontends: int, speculative: bool) -> tuple[dict[str, list[int]], float]:
@@ -279,7 +273,7 @@ def live_tokens(frontends: int, speculative: bool) -> tuple[dict[str, list[int]]
     with serving_pair(TINY, flags) as (worker, scheduler):
 
         async def run() -> dict[str, list[int]]:
-            jobs = [generate(scheduler.address, rid, p, 40 + i) for i, (rid, p) in enumerate(prompts.items())]
+            jobs = [tokens_of(scheduler.address, r, p, 40 + i) for i, (r, p) in enumerate(prompts.items())]
             got = dict(zip(prompts, await asyncio.gather(*jobs), strict=True))
             await wait_all_free(scheduler.address)
             stats = await worker_stats_after_drain(worker.address)

@@ -167,14 +167,13 @@ def add_decode_row(slots: SessionSlots, batch: ScheduledBatch, req: Request) -> 
     accepted, a request decodes one token a step and spends little on drafts."""
     k = req.drafts
     bound = min(req.num_computed + k * req.num_inflight, slots.max_context_len - 1)
-    rows, slot = slots.rows, req.req_slot
-    assert slot is not None
-    if not k or rows.skip[slot] or not rows.found[slot]:
-        if k and rows.skip[slot]:
-            rows.skip[slot] -= 1
-        batch.add_decode(req, slots.kv.allocate(req, 1)[0], bound)
-    else:
+    if req.next_drafts:
         batch.add_verify(req, bound, slots.kv.allocate_verify(req, k))
+    else:
+        rows, slot = slots.rows, req.req_slot
+        if k and rows.skip[slot]:  # type: ignore[index]
+            rows.skip[slot] -= 1  # type: ignore[index]
+        batch.add_decode(req, slots.kv.allocate(req, 1)[0], bound)
     req.num_computed += 1
     req.num_inflight += 1
 
