@@ -271,6 +271,24 @@ def serving_pair(
         )
 
 
+OUTPUT_TAIL_LINES = 40  # of each service's output, in the error of one that never served
+
+
+@contextmanager
+def _output_on_timeout(*services: Service) -> Iterator[None]:
+    """A service that listens but never becomes SERVING: the error carries what each of
+    `services` printed last (and whether it still runs), so a failure says why."""
+    try:
+        yield
+    except TimeoutError as timeout:
+        parts = [str(timeout)]
+        for service in services:
+            state = "running" if service.proc.poll() is None else f"exited with {service.proc.returncode}"
+            tail = "".join(list(service.output)[-OUTPUT_TAIL_LINES:])
+            parts.append(f"--- {service.name} ({state}), last output:\n{tail}")
+        raise TimeoutError("\n".join(parts)) from timeout
+
+
 @contextmanager
 def _pair(
     worker_args: list[str],
@@ -284,14 +302,16 @@ def _pair(
     worker = spawn_worker(worker_args, code=code)
     scheduler = None
     try:
-        wait_serving(worker.address, credentials=worker_credentials)
+        with _output_on_timeout(worker):
+            wait_serving(worker.address, credentials=worker_credentials)
         target = target or worker.address
         scheduler = spawn_scheduler(target, list(scheduler_args), api_key=api_key, code=code)
-        wait_serving(
-            scheduler.address,
-            credentials=scheduler_credentials,
-            frontends=frontend_count(list(scheduler_args)),
-        )
+        with _output_on_timeout(scheduler, worker):
+            wait_serving(
+                scheduler.address,
+                credentials=scheduler_credentials,
+                frontends=frontend_count(list(scheduler_args)),
+            )
         yield worker, scheduler
     finally:
         for service in (scheduler, worker):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stepahead.processes import Service, serving_pair
+from stepahead import processes
+from stepahead.processes import Service, serving_pair, spawn_worker, wait_serving
 from tests.test_k8s import container
 from tests.test_security import (
     SIM,
@@ -115,3 +116,18 @@ def test_the_compose_tls_services_serve_tls_with_the_files_their_checks_trust() 
     for name, command in (("worker", worker), ("scheduler", scheduler)):
         tls_free = [a for a in command if not str(a).startswith(("/tls/", "--tls-", "--worker-tls-"))]
         assert tls_free == base[name]["command"], name
+
+
+def test_a_service_that_never_answers_serving_fails_with_its_own_output(pki: Pki) -> None:
+    """A plaintext health check cannot reach a TLS worker: the wait ends in an error that carries
+    what the worker printed, which is what says why on a machine one cannot log into."""
+    worker = spawn_worker([*SIM, *worker_tls_flags(pki)])
+    try:
+        with pytest.raises(TimeoutError) as failed, processes._output_on_timeout(worker):
+            wait_serving(worker.address, timeout_s=1.0)
+    finally:
+        worker.stop()
+    said = str(failed.value)
+    assert "not SERVING after" in said
+    assert "--- worker (running), last output:" in said
+    assert f"127.0.0.1:{worker.port}" in said.split("last output:", 1)[1]  # its own line saying where it listens
