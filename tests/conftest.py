@@ -15,7 +15,7 @@ import torch
 
 from tests.smollm2 import Transformers, load_tokenizer, load_transformers
 from worker_svc.gguf import SMOLLM2_NAME, GGUFModel, load_gguf, smollm2_path
-from worker_svc.layers import store_weights_input_major
+from worker_svc.layers import use_weight_side_products
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def anyio_backend() -> str:
 def smollm2() -> GGUFModel:
     """SmolLM2-135M-Instruct as the worker loads it (float32, CPU), once per test session."""
     loaded = load_gguf(smollm2_path(), torch.float32, torch.device("cpu"), SMOLLM2_NAME)
-    store_weights_input_major(loaded.model)
+    use_weight_side_products(loaded.model)
     return loaded
 
 

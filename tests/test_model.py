@@ -13,9 +13,16 @@ import pytest
 import safetensors.torch
 import torch
 
+from worker_svc import layers as layers_module
 from worker_svc.backends import LlamaBackend
 from worker_svc.forward_batch import ForwardBatch
-from worker_svc.layers import KVCache, Linear, store_weights_input_major
+from worker_svc.layers import (
+    WEIGHT_SIDE_MAX_ROWS,
+    KVCache,
+    Linear,
+    use_weight_side_products,
+    weight_side_product,
+)
 from worker_svc.loading import (
     BYTE_TOKENIZER,
     TINY_CONFIG,
@@ -498,14 +505,14 @@ def test_matches_transformers(
     torch.testing.assert_close(prefill_all_logits(ours, tokens), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_input_major_layout_keeps_every_weight_and_the_logits() -> None:
+def test_weight_side_products_keep_every_weight_and_the_logits() -> None:
     model = build_tiny(torch.float32, CPU)
     before = {name: p.clone() for name, p in model.named_parameters()}
     seqs = [Seq(req_slot=0, tokens=random_tokens(9, 1)), Seq(req_slot=3, tokens=random_tokens(4, 2))]
     expected = model(SlotPool(seed=4).batch([Step(s, len(s.tokens)) for s in seqs]), new_kv(model))
-    store_weights_input_major(model)
-    linear_weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
-    assert linear_weights and all(w.stride() == (1, w.shape[0]) for w in linear_weights)
+    use_weight_side_products(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight_side_rows == WEIGHT_SIDE_MAX_ROWS for m in linears)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
     for seq in seqs:
@@ -514,11 +521,42 @@ def test_input_major_layout_keeps_every_weight_and_the_logits() -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_weight_side_product_is_the_linear_layers_product(rows: int, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=generator)
+    weight = torch.randn(80, 48, generator=generator)
+    b = torch.randn(80, generator=generator) if bias else None
+    got = weight_side_product(x, weight, b)
+    assert got.shape == (rows, 80) and got.is_contiguous()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_linear_multiplies_weight_side_only_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = Linear(8, 4)
+    torch.nn.init.normal_(layer.weight)
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return weight_side_product(x, weight, bias)
+
+    monkeypatch.setattr(layers_module, "weight_side_product", counted)
+    layer.weight_side_rows = 3
+    for rows in (1, 3, 4):
+        layer(torch.ones(rows, 8))
+    assert calls == [1, 3]
+    layer.weight_side_rows = 0
+    layer(torch.ones(1, 8))
+    assert calls == [1, 3]
+
+
 def new_kv(model: LlamaForCausalLM) -> KVCache:
     return KVCache.allocate(model.config, NUM_SLOTS, torch.float32, CPU)
 
 
-def test_the_cpu_backend_serves_the_input_major_layout() -> None:
+def test_the_cpu_backend_serves_weight_side_products() -> None:
     backend = LlamaBackend(build_tiny(torch.float32, CPU), BYTE_TOKENIZER)
     assert isinstance(backend.model.lm_head, Linear)
-    assert backend.model.lm_head.weight.stride() == (1, backend.vocab_size)
+    assert backend.model.lm_head.weight_side_rows == WEIGHT_SIDE_MAX_ROWS

@@ -20,7 +20,7 @@ from worker_svc.layers import (
     LlamaDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
-    store_weights_input_major,
+    use_weight_side_products,
 )
 from worker_svc.quantization import Int4Blocks, quantize_model
 
@@ -165,12 +165,12 @@ def prepare_for_serving(
 ) -> None:
     """Serving's layout of loaded (and sharded) weights: q/k/v and gate/up fused; then quantized
     (`int8`, `int4`: `int4_blocks`, a file's own 4-bit weights, where it has them), or else, in
-    float32 on the CPU, stored input-major (`store_weights_input_major`)."""
+    float32 on the CPU, multiplied weight-side for a few rows (`use_weight_side_products`)."""
     model.fuse_projections()
     if quantization != "none":
         quantize_model(model, quantization, int4_blocks or {})
     elif model.device.type == "cpu" and model.dtype == torch.float32:
-        store_weights_input_major(model)
+        use_weight_side_products(model)
 
 
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
