@@ -117,6 +117,36 @@ async def test_speculation_gives_the_tokens_decoding_without_it_gives(model: str
     }
 
 
+async def test_logprobs_and_logit_bias_draft_and_each_accepted_token_has_its_logprobs() -> None:
+    """Requests with log-probabilities or `logit_bias` verify drafts like plain ones: the same
+    tokens as without speculation, and log-probabilities for every token, the accepted drafts'
+    among them, equal to the one-token steps' (to float error: a verify row's positions share
+    one matrix product). Penalties and min_tokens do not draft, and still give the same tokens."""
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+    items = [
+        WorkItem("logprobs", prompt, params(40, ignore_eos=True, logprobs=True, top_logprobs=3), 0.0),
+        WorkItem("bias", [p + 20 for p in prompt], params(40, ignore_eos=True, logit_bias=((33, 2.0),)), 0.0),
+        WorkItem("min_tokens", [p + 40 for p in prompt], params(40, ignore_eos=True, min_tokens=30), 0.0),
+    ]
+    for item in items:
+        reference, core, engine = await serve_workload("tiny", "overlap", [item])
+        for depth in (1, 2):
+            got, core, engine = await serve_workload("tiny", "overlap", [item], depth=depth, speculative=SPEC)
+            check_drained(core, engine)
+            assert_same_tokens([item], reference, got)
+            drafted = engine.metrics.spec_draft_tokens._value.get()
+            if item.rid == "min_tokens":
+                assert drafted == 0
+                continue
+            assert accepted_tokens(engine) > 0, f"{item.rid}: the run must accept drafts"
+            ref, spec = reference[item.rid].logprobs, got[item.rid].logprobs
+            assert len(spec) == len(ref) == (40 if item.rid == "logprobs" else 0)
+            for a, b in zip(ref, spec, strict=True):
+                assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+                assert len(b.top_ids) == 3
+                assert b.top_logprobs == pytest.approx(a.top_logprobs, abs=1e-4)
+
+
 async def test_stops_and_lengths_inside_an_accepted_run_end_it_there() -> None:
     """A tiny model's greedy output loops, so whole runs of drafts are accepted; a stop token,
     a stop string or a length limit that falls inside such a run ends the request at that token,
@@ -181,11 +211,15 @@ def test_a_verify_row_needs_a_speculating_session_and_a_plain_request() -> None:
             LaunchError, match=r"row_num_tokens\[0\]: 4 tokens in a row_from_future row, which carries 1$"
         ):
             engine.submit(verify_row(2, 0, 3, [3, 4, 5, 6])).result()
-        engine.begin_session(speculative=SPEC).result()
-        penalized = NewRequest(0, 0.0, 1.0, 0, 0, LogitsProcessing(prompt_len=3, repetition_penalty=1.2))
-        engine.submit(prefill(1, 0, [1, 2, 3], [0, 1, 2], new_requests=[penalized])).result()
-        with pytest.raises(LaunchError, match=r"row_num_tokens\[0\]: a verify row for request slot 0"):
-            engine.submit(verify_row(2, 0, 3, [3, 4, 5, 6])).result()
+        for processing in (
+            LogitsProcessing(prompt_len=3, repetition_penalty=1.2),
+            LogitsProcessing(prompt_len=3, min_tokens=4, stop_ids=(0,)),
+        ):
+            engine.begin_session(speculative=SPEC).result()
+            request = NewRequest(0, 0.0, 1.0, 0, 0, processing)
+            engine.submit(prefill(1, 0, [1, 2, 3], [0, 1, 2], new_requests=[request])).result()
+            with pytest.raises(LaunchError, match=r"row_num_tokens\[0\]: a verify row for request slot 0"):
+                engine.submit(verify_row(2, 0, 3, [3, 4, 5, 6])).result()
         with pytest.raises(LaunchError, match=r"row_num_tokens\[0\]: 3 tokens .* 1, or 4 as a verify row"):
             engine.submit(verify_row(3, 0, 3, [3, 4, 5])).result()
     finally:

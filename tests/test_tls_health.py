@@ -130,4 +130,6 @@ def test_a_service_that_never_answers_serving_fails_with_its_own_output(pki: Pki
     said = str(failed.value)
     assert "not SERVING after" in said
     assert "--- worker (running), last output:" in said
-    assert f"127.0.0.1:{worker.port}" in said.split("last output:", 1)[1]  # its own line saying where it listens
+    assert (
+        f"127.0.0.1:{worker.port}" in said.split("last output:", 1)[1]
+    )  # its own line saying where it listens

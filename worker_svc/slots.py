@@ -112,7 +112,7 @@ class RequestSlots:
 
     def check_live_rows(self, launch: Launch) -> None:
         """Every row's request slot is registered once the launch's slot deltas apply; a verify
-        row's request has neither logits processing nor a grammar (they are not verified)."""
+        row's request has no grammar and only processing that is verified (`verifiable`)."""
         released = set(launch.released_slots)
         registered = {r.req_slot: r for r in launch.new_requests}
         for i, slot in enumerate(launch.row_req_slots):
@@ -122,10 +122,13 @@ class RequestSlots:
             if request is None:
                 raise LaunchError(f"row_req_slots[{i}]: request slot {slot} is not registered")
             verify = launch.row_from_future[i] and launch.row_num_tokens[i] > 1
-            if verify and (request.processing is not None or request.grammar is not None):
+            processing = request.processing
+            if verify and (
+                (processing is not None and not processing.verifiable) or request.grammar is not None
+            ):
                 raise LaunchError(
                     f"row_num_tokens[{i}]: a verify row for request slot {slot}, "
-                    "whose logits processing or grammar is not verified"
+                    "whose penalties, min_tokens or grammar are not verified"
                 )
 
     def apply_deltas(self, launch: Launch, streams: DeviceStreams) -> None:
