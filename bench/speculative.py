@@ -4,12 +4,14 @@ SmolLM2-135M-Instruct through the services, with and without it side by side.
 Two kinds of chat prompt: copy-heavy (repeat or lightly edit a passage or a function given in
 the prompt, where prompt lookup finds the output's next tokens) and free text (open questions,
 where it finds few). Two pairs of services run at once, the same but for `--speculative-config`
-on one; for each kind and concurrency (1, 4, 16), a closed loop of greedy requests against each,
-in turns (which goes first alternates). Greedy outputs are the same either way, so both runs
-generate the same tokens. Reports output tok/s, time per output token after the first (median
-over requests), the draft acceptance rate and mean acceptance length (the worker's
-`stepahead_spec_decode_*` counters), and the ratio of tok/s. The machine's speed is printed as
-the time of a pure Python loop. Writes bench/results/<UTC date-time>-speculative.{json,md}.
+on one; for each kind and concurrency (1, 4, 16), rounds of a closed loop of greedy requests
+against each, in turns (which goes first alternates), so that the machine's drifts of speed fall
+on both sides alike. Greedy outputs are the same either way, so both runs generate the same
+tokens. Reports output tok/s over all rounds and each round's ratio, time per output token after
+the first (median over requests, then over rounds), the draft acceptance rate and mean acceptance
+length (the worker's `stepahead_spec_decode_*` counters), and the ratio of tok/s. The machine's
+speed is printed as the time of a pure Python loop. Writes
+bench/results/<UTC date-time>-speculative.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import contextlib
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -69,16 +71,17 @@ KINDS = {"copy": COPY, "free": FREE}
 class Plan:
     name: str
     concurrencies: tuple[int, ...]
-    requests_per_slot: int  # requests per point: this x the concurrency, at least min_requests
+    requests_per_slot: int  # requests per round: this x the concurrency, at least min_requests
     max_tokens: int
     min_requests: int = 4
+    rounds: int = 1  # per point and side, the two sides in turns; a point's figures sum its rounds
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
 
 
-FULL = Plan("full", (1, 4, 16), 2, 96)
-QUICK = Plan("quick", (1, 4), 1, 48)
+FULL = Plan("full", (1, 4, 16), 1, 96, rounds=4)
+QUICK = Plan("quick", (1, 4), 1, 48, rounds=2)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Point:
     accepted: float
     verify_rows: float  # the scheduler's: verify rows processed
     verify_tokens: float  # and the tokens they emitted
+    round_tok_s: tuple[float, ...] = ()  # each round's
 
     @property
     def tok_s(self) -> float:
@@ -174,17 +178,42 @@ def run(plan: Plan, threads: int, model: str = "smollm2") -> list[Point]:
         turn = 0
         for kind, prompts in KINDS.items():
             for concurrency in plan.concurrencies:
-                for speculative in (False, True) if turn % 2 == 0 else (True, False):
-                    w, scheduler = pairs[speculative]
-                    point = measure(w, scheduler, kind, prompts, concurrency, speculative, plan)
+                rounds: dict[bool, list[Point]] = {False: [], True: []}
+                for _ in range(plan.rounds):
+                    for speculative in (False, True) if turn % 2 == 0 else (True, False):
+                        w, scheduler = pairs[speculative]
+                        rounds[speculative].append(
+                            measure(w, scheduler, kind, prompts, concurrency, speculative, plan)
+                        )
+                    turn += 1
+                for speculative in (False, True):
+                    point = summed(rounds[speculative])
                     print(
-                        f"  {kind} c={concurrency} speculative={speculative}: {point.tok_s:.1f} tok/s, "
+                        f"  {kind} c={concurrency} speculative={speculative}: {point.tok_s:.1f} tok/s "
+                        f"(rounds {', '.join(f'{t:.1f}' for t in point.round_tok_s)}), "
                         f"{point.verify_rows:.0f} verify rows, {point.verify_tokens:.0f} of their tokens",
                         flush=True,
                     )
                     points.append(point)
-                turn += 1
     return points
+
+
+def summed(rounds: list[Point]) -> Point:
+    """One point of a side's rounds: tokens, seconds and counts summed, the TPOT median of the
+    rounds' medians."""
+    first = rounds[0]
+    return replace(
+        first,
+        tokens=sum(r.tokens for r in rounds),
+        seconds=sum(r.seconds for r in rounds),
+        tpot_p50_ms=statistics.median(r.tpot_p50_ms for r in rounds),
+        drafts=sum(r.drafts for r in rounds),
+        draft_tokens=sum(r.draft_tokens for r in rounds),
+        accepted=sum(r.accepted for r in rounds),
+        verify_rows=sum(r.verify_rows for r in rounds),
+        verify_tokens=sum(r.verify_tokens for r in rounds),
+        round_tok_s=tuple(r.tok_s for r in rounds),
+    )
 
 
 def measure(
@@ -203,7 +232,8 @@ def measure(
     )
     after = spec_counters(worker.metrics_url, scheduler.metrics_url)
     counts = (b - a for a, b in zip(before, after, strict=True))
-    return Point(kind, concurrency, speculative, tokens, seconds, statistics.median(tpots) * 1e3, *counts)
+    tpot = statistics.median(tpots) * 1e3
+    return Point(kind, concurrency, speculative, tokens, seconds, tpot, *counts)
 
 
 def markdown(points: list[Point], command: str, calibration: float) -> str:
@@ -213,9 +243,9 @@ def markdown(points: list[Point], command: str, calibration: float) -> str:
     lines = [
         f"`{command}`, loop calibration {calibration:.2f} s, speculative config `{json.dumps(SPECULATIVE)}`",
         "",
-        "| prompts | concurrency | tok/s without | tok/s with | ratio | TPOT p50 ms without | with "
-        "| acceptance | mean acceptance length | verify rows | tokens per verify row |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | concurrency | tok/s without | tok/s with | ratio | rounds' ratios | TPOT p50 ms without "
+        "| with | acceptance | mean acceptance length | verify rows | tokens per verify row |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for kind in KINDS:
         for c in sorted({p.concurrency for p in points}):
@@ -223,8 +253,11 @@ def markdown(points: list[Point], command: str, calibration: float) -> str:
             acceptance = "-" if on.acceptance is None else f"{on.acceptance:.2f}"
             length = "-" if on.mean_length is None else f"{on.mean_length:.2f}"
             per_row = f"{on.verify_tokens / on.verify_rows:.2f}" if on.verify_rows else "-"
+            paired = zip(off.round_tok_s, on.round_tok_s, strict=True)
+            ratios = ", ".join(f"{b / a:.2f}" for a, b in paired)
             lines.append(
                 f"| {kind} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}x | "
+                f"{ratios} | "
                 f"{off.tpot_p50_ms:.1f} | {on.tpot_p50_ms:.1f} | {acceptance} | {length} | "
                 f"{on.verify_rows:.0f} | {per_row} |"
             )
