@@ -310,7 +310,7 @@ def use_weight_side_products(model: nn.Module, max_rows: int = WEIGHT_SIDE_MAX_R
     ms for all 60 of them): 1 row 12.9 (input-major layout) -> 13.7 (one row in twice), 2 rows
     19.9 -> 12.6, 5 rows 30.6 -> 17.2, 16 rows 40.5 -> 25.8, 64 rows 81.3 -> 61.6; from about 256
     rows on `F.linear` is as fast or faster. So a speculative verify row of 5 tokens costs about
-    1.2x a one-token step instead of 1.5-2x, and a batch of 16 decodes about 1.25x faster. One row
+    1.2x a one-token step instead of 1.5-2x, and a batch of 16 decodes 1.25-1.5x faster. One row
     goes in twice: MKL's matrix-vector product over a row-major weight reads it at about half
     speed, and the two-column product does not. Float32 only: bfloat16 products are no faster
     weight-side."""
