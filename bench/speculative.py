@@ -231,9 +231,24 @@ def measure(
         closed_loop(scheduler.address, prompts, concurrency, count, plan.max_tokens)
     )
     after = spec_counters(worker.metrics_url, scheduler.metrics_url)
-    counts = (b - a for a, b in zip(before, after, strict=True))
+    drafts, draft_tokens, accepted, verify_rows, verify_tokens = (
+        b - a for a, b in zip(before, after, strict=True)
+    )
     tpot = statistics.median(tpots) * 1e3
-    return Point(kind, concurrency, speculative, tokens, seconds, tpot, *counts)
+    return Point(
+        kind,
+        concurrency,
+        speculative,
+        tokens,
+        seconds,
+        tpot,
+        drafts,
+        draft_tokens,
+        accepted,
+        verify_rows,
+        verify_tokens,
+        round_tok_s=(tokens / seconds,),
+    )
 
 
 def markdown(points: list[Point], command: str, calibration: float) -> str:
