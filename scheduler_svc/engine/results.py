@@ -113,8 +113,7 @@ class ResultProcessor:
             if rows.tag[slot] == tag and rows.drafts[slot]:
                 rows.found[slot] = found
             if i in batch.verifying:
-                lps = [_row_logprob(logprobs, at + j, req) for j in range(n)]
-                self._process_verified(req, slot, tag, token_ids[at : at + n], lps, found)
+                self._process_verified(req, slot, tag, token_ids[at : at + n], logprobs, at, found)
             elif n != 1:
                 raise ValueError(f"sampling row {i}: {n} tokens from a row that is not a verify row")
             else:
@@ -128,13 +127,14 @@ class ResultProcessor:
         slot: int,
         tag: int,
         tokens: Sequence[int],
-        logprobs: Sequence[TokenLogprob | None],
+        logprobs: StepLogprobs | None,
+        at: int,
         found: bool,
     ) -> None:
-        """A verify row's tokens (and each one's log-probabilities): its pending token and the
-        drafts accepted hold their KV now, then each token joins the output until one ends the
-        request (the rest are dropped). `found`: it carried drafts (none found is no sign they
-        would be rejected)."""
+        """A verify row's tokens, the step's entries from `at` (their log-probabilities too):
+        its pending token and the drafts accepted hold their KV now, then each token joins the
+        output until one ends the request (the rest are dropped). `found`: it carried drafts
+        (none found is no sign they would be rejected)."""
         if self.slots.rows.tag[slot] != tag:
             # Ended, preempted or aborted while this batch was in flight: never streamed (its
             # reserved slots went back with the request's).
@@ -151,10 +151,10 @@ class ResultProcessor:
             note_accepted(self.slots.rows, slot, accepted)
         req.num_computed += accepted
         req.num_inflight -= 1
-        for token, logprob in zip(tokens, logprobs, strict=True):
+        for j, token in enumerate(tokens):
             req.add_output(token)
             finish = self._token_finish(req, token)
-            self.outbox.token(req, token, finish, logprob)
+            self.outbox.token(req, token, finish, _row_logprob(logprobs, at + j, req))
             if finish is not None:
                 self._end(req, finish)
                 return
