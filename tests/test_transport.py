@@ -19,8 +19,9 @@ from scheduler_svc.process.grpc_transport import GrpcTransport
 from scheduler_svc.process.socket_transport import SocketTransport, socket_path
 from scheduler_svc.process.worker_link import WorkerLinkConfig
 from stepahead.processes import Link, Service, link_socket, spawn_worker, wait_serving
-from stepahead.protocol import Launch
+from stepahead.protocol import Launch, NewRequest
 from tests.live import CALL_TIMEOUT_S
+from tests.test_worker_engine import prefill
 from worker_svc.link_socket import bind_private
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +98,13 @@ async def test_a_dead_worker_fails_the_sessions_pending_steps_at_once() -> None:
     next launch, without waiting for a timeout."""
     with worker_and_target("socket", "--sim-step-ms", "2000") as (worker, target):
         session = await within(transport_to(target).connect())
-        pending = [await within(session.launch(Launch(step_id=i))) for i in (1, 2)]
+        # Each step runs a forward (2 s on the sim), so neither can end before the kill: a step
+        # with no rows would answer at once.
+        steps = [
+            prefill(i, i, [1, 2], [2 * i, 2 * i + 1], new_requests=[NewRequest(i, 0.0, 1.0, 0, 0)])
+            for i in (1, 2)
+        ]
+        pending = [await within(session.launch(step)) for step in steps]
         worker.proc.kill()
         for step in pending:
             with pytest.raises(WorkerUnavailable, match="ended the session"):
