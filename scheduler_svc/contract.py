@@ -77,8 +77,8 @@ class SamplingParams:
     @property
     def drafts_verifiable(self) -> bool:
         """Whether the worker can verify drafts for it (`LogitsProcessing.verifiable`): no
-        penalties, no min_tokens, no grammar."""
-        return not self.penalized and self.min_tokens == 0 and self.constraint is None
+        penalties, no min_tokens (a grammar's drafts pass its matcher, worker_svc/structured.py)."""
+        return not self.penalized and self.min_tokens == 0
 
     @property
     def penalized(self) -> bool:

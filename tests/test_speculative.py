@@ -45,6 +45,9 @@ from tests.harness import (
 )
 from tests.live import frontend_flags, generate, wait_all_free, worker_stats_after_drain
 from tests.test_equivalence import assert_same_tokens, check_client_views, check_drained
+from tests.test_sampling_equivalence import assert_same_outputs
+from tests.test_structured import TINY as STRUCTURED
+from tests.test_structured import check_run, structured_workload
 from tests.test_worker_engine import prefill
 from worker_svc.engine import LaunchError, WorkerEngine
 from worker_svc.speculative import DraftPlaceholderError, Speculation
@@ -183,6 +186,79 @@ async def test_stops_and_lengths_inside_an_accepted_run_end_it_there() -> None:
         assert got["stop-id"].token_ids[-1] == stop_token
         for n in range(31, 40):
             assert len(got[f"len{n}"].token_ids) == n
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+async def test_constrained_requests_draft_through_their_matchers_and_give_the_same_outputs(
+    sampled: bool,
+) -> None:
+    """The structured-outputs differential workload (JSON Schema, regex, choice, Lark and tool
+    calls among plain requests, every sampling feature, chunked prefill, aborts, n > 1, a
+    constrained call recomputed after a forced preemption) gives the same outputs with
+    speculation at depths 1 and 3; the worker runs with --check-invariants, so a token drawn
+    outside its entry's mask fails the step, and every matcher is released."""
+    items = structured_workload(70, seed=41 + sampled, sampled=sampled)
+    reference, core, engine = await serve_workload("tiny", "overlap", items, **STRUCTURED)  # type: ignore[arg-type]
+    check_run(items, reference, core, engine)
+    for depth in (1, 3):
+        got, core, engine = await serve_workload(
+            "tiny",
+            "overlap",
+            items,
+            depth=depth,
+            link_delay_s=0.001 if depth > 1 else 0.0,  # holds `depth` batches in flight
+            speculative=SPEC,
+            **STRUCTURED,  # type: ignore[arg-type]
+        )
+        check_run(items, got, core, engine)
+        assert_same_outputs(items, reference, got)
+        assert engine.metrics.spec_draft_tokens._value.get() > 0
+
+
+async def test_a_grammar_whose_output_repeats_accepts_drafts_and_its_finish_ends_the_run() -> None:
+    """A grammar that forces a repeating output: its drafts pass the matcher and are accepted,
+    several per step; the token that finishes the grammar ends the request (STOP) even where
+    the verify row went on past it (the entry after it draws from EOS alone, and, with
+    ignore_eos, would otherwise be emitted). The same tokens as without speculation."""
+    items = [
+        WorkItem(
+            f"abc{n}",
+            [120, 121, 122, 97, 98],
+            params(60, ignore_eos=True, constraint=Constraint("regex", f"(abc){{{n}}}")),
+            0.0,
+        )
+        for n in (5, 6, 7, 8)
+    ]
+    items.append(
+        WorkItem(
+            "list",
+            [120, 121, 122],
+            params(120, constraint=Constraint("json", json.dumps(REPEATED_LIST))),
+            0.0,
+        )
+    )
+    reference, core, engine = await serve_workload("tiny", "overlap", items)
+    assert engine.metrics.spec_draft_tokens._value.get() == 0
+    for depth in (1, 2):
+        got, core, engine = await serve_workload("tiny", "overlap", items, depth=depth, speculative=SPEC)
+        check_drained(core, engine)
+        assert engine.grammar_matchers() == 0
+        assert_same_tokens(items, reference, got)
+        for n in (5, 6, 7, 8):
+            view = got[f"abc{n}"]
+            assert bytes(view.token_ids).decode() == "abc" * n
+            assert view.finish_reason == FinishReason.STOP
+        assert json.loads(got["list"].text) == [{"k": "v"}] * 6
+        drafts = engine.metrics.spec_drafts._value.get()
+        assert accepted_tokens(engine) > drafts, "drafting rows must accept more than one draft each"
+
+
+REPEATED_LIST = {
+    "type": "array",
+    "items": {"type": "object", "properties": {"k": {"const": "v"}}, "required": ["k"]},
+    "minItems": 6,
+    "maxItems": 6,
+}
 
 
 # ---- the worker: verify rows, their checks, the sentinel ------------------------------------

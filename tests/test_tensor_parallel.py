@@ -299,10 +299,14 @@ def test_tp2_speculating_gives_tp1s_tokens(
 ) -> None:
     """Speculative decoding over two ranks: every rank drafts from its own copy of the tokens
     and verifies the same positions (--check-invariants: the ranks sample the same ids). The
-    greedy requests ask no log-probabilities here, so that they draft too."""
+    greedy requests ask no log-probabilities here, so that they draft too. Constrained
+    requests draft as well: rank 0's matchers mask every entry of their verify rows and it
+    shares the ids they draw."""
     reqs = workload()
     for r in reqs:
         r.sampling.logprobs, r.sampling.top_logprobs = False, 0
+    repeats = {f"regex{n}": n for n in (6, 7)}
+    constrained = [request("abc", 60, rid, regex=f"(abc ){{{n}}}") for rid, n in repeats.items()]
     worker = spawn_worker([*TINY64, "--tp", "2", "--check-invariants"])
     try:
         wait_serving(worker.address)
@@ -310,13 +314,19 @@ def test_tp2_speculating_gives_tp1s_tokens(
         scheduler = spawn_scheduler(worker.address, ["--overlap-depth", "2", "--speculative-config", spec])
         try:
             wait_serving(scheduler.address)
+            shaped = asyncio.run(run_all(scheduler.address, constrained))
+            accepted = total(scrape(worker.metrics_url), "stepahead_spec_decode_num_accepted_tokens_total")
+            assert accepted > 0, "the constrained requests must accept drafts"
             got = asyncio.run(run_all(scheduler.address, reqs))
             asyncio.run(wait_all_free(scheduler.address))
         finally:
             scheduler.stop()
+        for rid, n in repeats.items():
+            assert bytes(shaped[rid].tokens) == b"abc " * n, rid
+            assert shaped[rid].finish == pb.FINISH_REASON_STOP, rid
         report(record_property, "tp2 speculative", near_ties(tp1_results, got))
-        accepted = total(scrape(worker.metrics_url), "stepahead_spec_decode_num_accepted_tokens_total")
-        assert accepted > 0, "the run must accept drafts"
+        more = total(scrape(worker.metrics_url), "stepahead_spec_decode_num_accepted_tokens_total")
+        assert more > accepted, "the run must accept drafts"
     finally:
         worker.stop()
 

@@ -63,6 +63,12 @@ class DeviceStreams(Protocol):
         """`values`, once the forward has written them, on the host (one copy, one event)."""
         ...
 
+    def early_to_host(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`values`, just written on the forward stream, on their way to the host ahead of the
+        step's copy (a verify row's drafts, for its grammar's masks): call it to wait for them
+        (off the forward thread)."""
+        ...
+
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """`values` as a tensor on the device, enqueued on the forward stream (inside `forward()`)."""
         ...
@@ -144,6 +150,9 @@ class CpuStreams:
 
     def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
         return _HostCopy(values, self._started, time.time())
+
+    def early_to_host(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: values
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)
@@ -340,6 +349,18 @@ class CudaStreams:
         values.record_stream(self._copy_stream)
         return _CudaCopy(host, (self._start, end, done), self._clock)
 
+    def early_to_host(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)  # on the forward stream, behind what wrote them
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record()
+
+        def wait() -> torch.Tensor:
+            copied.synchronize()
+            return host
+
+        return wait
+
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         if not values:
             return torch.empty(0, dtype=dtype, device=self.device)
@@ -399,6 +420,9 @@ class SimStreams:
 
     def copy_to_host(self, values: torch.Tensor) -> PendingCopy:
         return _SimCopy(values, *self._sim.take_last_run())
+
+    def early_to_host(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: values
 
     def to_device(self, values: HostValues, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)

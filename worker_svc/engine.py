@@ -113,6 +113,13 @@ class _Ran:
     entry_rows: list[int] | None = None  # with a verify row: each sampling entry's sampling row
 
 
+def _emitted_only(sampled: HostSampled) -> list[int]:
+    """The sampled ids, a verify row's entries that emitted nothing as -1 (for the matchers)."""
+    if sampled.states is None:
+        return sampled.tokens
+    return [t if s & EMITTED else -1 for t, s in zip(sampled.tokens, sampled.states, strict=True)]
+
+
 def _draft_tokens(speculative: SpeculativeConfig | None) -> int:
     return 0 if speculative is None else speculative.num_speculative_tokens
 
@@ -324,7 +331,7 @@ class WorkerEngine:
         sampled = unpack_from_host(host, with_states=enqueued.entry_rows is not None)
         finished: tuple[int, ...] = ()
         if grammar is not None:  # the matchers take the tokens; some may finish with them
-            grammar.tokens.set_result(sampled.tokens)
+            grammar.tokens.set_result(_emitted_only(sampled))
             finished = grammar.finished.result()
         self._accounting.account(launch, timing, enqueued.live_after)
         start, end = timing.forward_start, timing.forward_end
@@ -359,8 +366,10 @@ class WorkerEngine:
         counts = [0] * (entry_rows[-1] + 1)
         proposed = [0] * len(counts)
         found = [False] * len(counts)
+        # A row's tokens end with the one that finished its grammar: no token can follow it.
+        last_entry = {entry_rows[i]: i for i in grammar_entries}
         for i, (row, state) in enumerate(zip(entry_rows, states, strict=True)):
-            if state & EMITTED:
+            if state & EMITTED and i <= last_entry.get(row, i):
                 emitted.append(i)
                 counts[row] += 1
             if state & PROPOSED:
@@ -441,23 +450,33 @@ class WorkerEngine:
             track_prompt_sourced(self._slots.table.processing.history, batch, on_device)
         constrained = self._grammars.rows(rows.sample_req_slots)
         masks = None
+        if constrained is not None and drafted is not None:
+            places = dict(zip(rows.verify_sample_index, rows.verify_flat_index, strict=True))
+            constrained = constrained.placed(places, speculation.draft_tokens + 1)
         if constrained is not None and self._grammar_thread is not None:
             # NOTE: asked before the forward: where the forward thread is the device (the CPU),
             # the grammar thread fills the masks while it computes.
-            masks = self._grammar_thread.masks(constrained)
+            drafts = None
+            if drafted is not None and constrained.verifying:
+                drafts = self.streams.early_to_host(drafted.drafts)
+            masks = self._grammar_thread.masks(constrained, drafts)
         draw = self.backend.compute(batch, self._batches.sampling(rows, on_device))
         ids = draw.sample()
-        # NOTE: every row not constrained is final: in the FutureMap at once.
         entry_state = None
+        grammar = None
         if drafted is not None:
+            # NOTE: a constrained verify row's entries are drawn under their masks before its
+            # drafts are checked against them.
+            if constrained is not None:
+                grammar = self._draw_constrained(draw, constrained, masks, ids)
             entry_state = self._store_verified(rows, on_device, drafted, ids)
         else:
+            # NOTE: every row not constrained is final: in the FutureMap at once.
             self._slots.future.store(on_device.sample_req_slots, ids)
             if speculation.config is not None:
                 speculation.record_sampled(on_device.sample_req_slots, on_device.sample_positions)
-        grammar = None
-        if constrained is not None:
-            grammar = self._draw_constrained(draw, constrained, masks, ids, on_device.sample_req_slots)
+            if constrained is not None:
+                grammar = self._draw_constrained(draw, constrained, masks, ids, on_device.sample_req_slots)
         # NOTE: counted in the step that sampled them, before any later launch reads the history.
         if rows.tracked:
             track_sampled(self._slots.table.processing.history, on_device, ids)
@@ -508,10 +527,11 @@ class WorkerEngine:
         constrained: ConstrainedRows,
         masks: concurrent.futures.Future[torch.Tensor] | None,
         ids: torch.Tensor,
-        slots: torch.Tensor,
+        slots: torch.Tensor | None = None,
     ) -> GrammarStep | None:
-        """The constrained rows' ids, drawn under their `masks`, into `ids` and the FutureMap;
-        on rank 0, the step that hands their tokens on to its matchers."""
+        """The constrained rows' ids, drawn under their `masks`, into `ids` and, with the
+        sampling rows' `slots`, the FutureMap; on rank 0, the step that hands their tokens on
+        to its matchers."""
         index = self.streams.to_device(constrained.rows)
         grammar = self._grammar_thread
         if grammar is None or masks is None:  # another rank: rank 0 drew them
@@ -524,7 +544,8 @@ class WorkerEngine:
         if self.ranks is not None:
             self.ranks.share_ids(masked)
         ids.index_copy_(0, index, masked)
-        self._slots.future.store(slots.index_select(0, index), masked)
+        if slots is not None:
+            self._slots.future.store(slots.index_select(0, index), masked)
         if grammar is None:
             return None
         return GrammarStep(constrained)

@@ -115,6 +115,31 @@ class MatcherTable:
         for row, slot in enumerate(slots):
             self._matchers[slot].unsafe_compute_mask_ptr(start + row * row_bytes, row_bytes)
 
+    def fill_mask(self, slot: int, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` (as `fill_masks`) gets `slot`'s allowed tokens."""
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+        row_bytes = bitmask.shape[1] * 4
+        self._matchers[slot].unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+
+    def try_draft(self, slot: int, token: int) -> bool:
+        """`slot`'s matcher takes draft `token` for now, if its grammar goes on and allows it
+        (`rollback` undoes it); False, and nothing taken, otherwise.
+
+        NOTE: a token the grammar refuses would leave the matcher in an error that no rollback
+        clears, so it is validated first."""
+        matcher = self._matchers[slot]
+        if matcher.is_stopped() or matcher.validate_tokens([token]) != 1:
+            return False
+        if not matcher.consume_token(token):
+            problem = matcher.get_error()
+            raise GrammarError(f"slot {slot}: draft {token} was validated but not taken: {problem}")
+        return True
+
+    def rollback(self, slot: int, tokens: int) -> None:
+        """`slot`'s matcher forgets its last `tokens` tokens (drafts taken for now)."""
+        if tokens and not self._matchers[slot].rollback(tokens):
+            raise GrammarError(f"slot {slot}: {tokens} drafts could not be rolled back")
+
     def release(self, slot: int) -> None:
         self._matchers.pop(slot, None)
 

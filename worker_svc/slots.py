@@ -112,7 +112,7 @@ class RequestSlots:
 
     def check_live_rows(self, launch: Launch) -> None:
         """Every row's request slot is registered once the launch's slot deltas apply; a verify
-        row's request has no grammar and only processing that is verified (`verifiable`)."""
+        row's request has only processing that is verified (`verifiable`)."""
         released = set(launch.released_slots)
         registered = {r.req_slot: r for r in launch.new_requests}
         for i, slot in enumerate(launch.row_req_slots):
@@ -123,12 +123,10 @@ class RequestSlots:
                 raise LaunchError(f"row_req_slots[{i}]: request slot {slot} is not registered")
             verify = launch.row_from_future[i] and launch.row_num_tokens[i] > 1
             processing = request.processing
-            if verify and (
-                (processing is not None and not processing.verifiable) or request.grammar is not None
-            ):
+            if verify and processing is not None and not processing.verifiable:
                 raise LaunchError(
                     f"row_num_tokens[{i}]: a verify row for request slot {slot}, "
-                    "whose penalties, min_tokens or grammar are not verified"
+                    "whose penalties or min_tokens are not verified"
                 )
 
     def apply_deltas(self, launch: Launch, streams: DeviceStreams) -> None:

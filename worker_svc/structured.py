@@ -29,7 +29,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,10 +48,23 @@ log = logging.getLogger("stepahead.worker.grammar")
 @dataclass(frozen=True)
 class ConstrainedRows:
     """A step's sampling rows whose slot has a grammar: their indexes among the sampling rows
-    (ascending) and their slots."""
+    (ascending) and their slots. Under speculative decoding the sampling rows are entries (a
+    verify row has K + 1, worker_svc/speculative.py), and `places` gives each one's place in
+    the [Bv, K + 1] grid of the step's verify rows (-1: not a verify row's), `width` K + 1."""
 
     rows: list[int]
     slots: list[int]
+    places: list[int] = field(default_factory=list)  # empty: no verify row among them
+    width: int = 0
+
+    def placed(self, flat_of_entry: dict[int, int], width: int) -> ConstrainedRows:
+        """These rows with their places (`flat_of_entry`: a verify row entry's place)."""
+        places = [flat_of_entry.get(row, -1) for row in self.rows]
+        return ConstrainedRows(self.rows, self.slots, places, width)
+
+    @property
+    def verifying(self) -> bool:
+        return any(place >= 0 for place in self.places)
 
 
 class SlotGrammars:
@@ -152,9 +165,14 @@ class GrammarThread:
         if released or registered:
             self._thread.submit(self._apply_deltas, released, registered)
 
-    def masks(self, rows: ConstrainedRows) -> concurrent.futures.Future[torch.Tensor]:
-        """The rows' bitmask [C, words] int32 on the host."""
-        return self._thread.submit(self._fill_masks, rows.slots)
+    def masks(
+        self, rows: ConstrainedRows, drafts: Callable[[], torch.Tensor] | None = None
+    ) -> concurrent.futures.Future[torch.Tensor]:
+        """The rows' bitmask [C, words] int32 on the host; `drafts` gives the step's verify rows'
+        drafts [Bv, K] on the host, when some of the rows are theirs."""
+        if drafts is None or not rows.verifying:
+            return self._thread.submit(self._fill_masks, rows.slots)
+        return self._thread.submit(self._fill_verify_masks, rows, drafts)
 
     def advance(self, step: GrammarStep) -> None:
         with self._pending_lock:
@@ -220,6 +238,40 @@ class GrammarThread:
         self._metrics.grammar_masked_rows.inc(len(slots))
         return bitmask
 
+    def _fill_verify_masks(self, rows: ConstrainedRows, drafts: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Masks for a step with verify rows. Entry j of a verify row samples the token after
+        its pending token and drafts d1 .. dj, so its mask is its matcher's after taking those
+        drafts for now (rolled back once the row's masks are filled). Past a draft its grammar
+        refuses, the entries keep every token allowed: the entry before it cannot draw that
+        draft, so none of them is emitted (worker_svc/speculative.py: `accept`)."""
+        start = time.perf_counter()
+        table = self.table
+        grid = drafts().tolist()
+        bitmask = new_bitmask(len(rows.slots), self._vocab_size, self._pin)
+        taken = 0  # drafts the current verify row's matcher holds for now
+        live = False  # whether its drafts still pass its grammar
+        slot = -1
+        for i, (entry_slot, place) in enumerate(zip(rows.slots, rows.places, strict=True)):
+            j = place % rows.width if place >= 0 else 0
+            if j == 0:  # a row's first entry: its matcher as the step found it
+                if taken:
+                    table.rollback(slot, taken)
+                slot, taken = entry_slot, 0
+                live = slot in table  # a slot whose grammar could not start draws unconstrained
+                if live:
+                    table.fill_mask(slot, bitmask, i)
+                continue
+            draft = grid[place // rows.width][j - 1]  # NO_DRAFT (negative) past the row's count
+            live = live and draft >= 0 and table.try_draft(slot, draft)
+            if live:
+                taken += 1
+                table.fill_mask(slot, bitmask, i)
+        if taken:
+            table.rollback(slot, taken)
+        self._metrics.grammar_mask_seconds.observe(time.perf_counter() - start)
+        self._metrics.grammar_masked_rows.inc(len(rows.slots))
+        return bitmask
+
     def _advance(self, step: GrammarStep) -> None:
         try:
             tokens = step.tokens.result()
@@ -238,8 +290,10 @@ class GrammarThread:
                 self._broken.discard(slot)
                 finished.append(row)
                 continue
+            if tokens[row] < 0:
+                continue  # a verify row's entry that emitted nothing
             if slot not in table or table.finished(slot):
-                continue  # released, or finished with an earlier step: this token is dropped
+                continue  # released, or finished with an earlier token: this token is dropped
             try:
                 done = table.advance(slot, tokens[row])
             except GrammarError as exc:

@@ -113,7 +113,8 @@ class ResultProcessor:
             if rows.tag[slot] == tag and rows.drafts[slot]:
                 rows.found[slot] = found
             if i in batch.verifying:
-                self._process_verified(req, slot, tag, token_ids[at : at + n], logprobs, at, found)
+                tokens = token_ids[at : at + n]
+                self._process_verified(req, slot, tag, tokens, logprobs, at, found, i in finished)
             elif n != 1:
                 raise ValueError(f"sampling row {i}: {n} tokens from a row that is not a verify row")
             else:
@@ -130,11 +131,13 @@ class ResultProcessor:
         logprobs: StepLogprobs | None,
         at: int,
         found: bool,
+        grammar_done: bool = False,
     ) -> None:
         """A verify row's tokens, the step's entries from `at` (their log-probabilities too):
         its pending token and the drafts accepted hold their KV now, then each token joins the
         output until one ends the request (the rest are dropped). `found`: it carried drafts
-        (none found is no sign they would be rejected)."""
+        (none found is no sign they would be rejected); `grammar_done`: its last token finished
+        its grammar (the worker sends none after that one)."""
         if self.slots.rows.tag[slot] != tag:
             # Ended, preempted or aborted while this batch was in flight: never streamed (its
             # reserved slots went back with the request's).
@@ -154,6 +157,8 @@ class ResultProcessor:
         for j, token in enumerate(tokens):
             req.add_output(token)
             finish = self._token_finish(req, token)
+            if grammar_done and finish is None and j == len(tokens) - 1:
+                finish = FinishReason.STOP  # no token can follow: the grammar has finished
             self.outbox.token(req, token, finish, _row_logprob(logprobs, at + j, req))
             if finish is not None:
                 self._end(req, finish)
