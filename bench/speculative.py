@@ -1,16 +1,18 @@
-"""python -m bench.speculative [--quick] [--out DIR]: speculative decoding (prompt lookup) on
-SmolLM2-135M-Instruct through the services, with and without it side by side.
+"""python -m bench.speculative [--quick] [--kinds KIND ...] [--out DIR]: speculative decoding
+(prompt lookup) on SmolLM2-135M-Instruct through the services, with and without it side by side.
 
-Two kinds of chat prompt: copy-heavy (repeat or lightly edit a passage or a function given in
-the prompt, where prompt lookup finds the output's next tokens) and free text (open questions,
-where it finds few). Two pairs of services run at once, the same but for `--speculative-config`
-on one; for each kind and concurrency (1, 4, 16), rounds of a closed loop of greedy requests
-against each, in turns (which goes first alternates), so that the machine's drifts of speed fall
-on both sides alike. Greedy outputs are the same either way, so both runs generate the same
-tokens. Reports output tok/s over all rounds and each round's ratio, time per output token after
-the first (median over requests, then over rounds), the draft acceptance rate and mean acceptance
-length (the worker's `stepahead_spec_decode_*` counters), and the ratio of tok/s. The machine's
-speed is printed as the time of a pure Python loop. Writes
+Three kinds of chat prompt: copy-heavy (repeat or lightly edit a passage or a function given in
+the prompt, where prompt lookup finds the output's next tokens), free text (open questions,
+where it finds few), and structured extraction (fields of a passage as JSON under a JSON Schema,
+whose drafts pass the grammar's matcher). Two pairs of services run at once, the same but
+for `--speculative-config` on one; for each kind and concurrency (1, 4, 16), rounds of a closed
+loop of greedy requests against each, in turns (which goes first alternates), so that the
+machine's drifts of speed fall on both sides alike. Greedy outputs are the same either way, so
+both runs generate the same tokens. Reports output tok/s over all rounds and each round's ratio,
+time per output token after the first (median over requests, then over rounds), the draft
+acceptance rate and mean acceptance length (the worker's `stepahead_spec_decode_*` counters),
+and the ratio of tok/s. The machine's speed is printed as the time of a pure Python loop.
+`--kinds` runs some kinds only. Writes
 bench/results/<UTC date-time>-speculative.{json,md}.
 """
 
@@ -64,7 +66,39 @@ FREE = (
     "What are three good habits for staying healthy?",
     "Describe a day at the beach in a few sentences.",
 )
-KINDS = {"copy": COPY, "free": FREE}
+MEETING = {
+    "type": "object",
+    "properties": {
+        "day": {"type": "string"},
+        "decisions": {"type": "array", "items": {"type": "string"}},
+        "closed_at": {"type": "string"},
+    },
+    "required": ["day", "decisions", "closed_at"],
+    "additionalProperties": False,
+}
+PRICE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "parameters": {"type": "array", "items": {"type": "string"}},
+        "lines": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "parameters", "lines"],
+    "additionalProperties": False,
+}
+EXTRACT = (
+    f"List the day, each decision and the closing time of this meeting as JSON with the keys "
+    f"day, decisions and closed_at:\n\n{PASSAGE}",
+    f"Give this function's name, its parameters and each line of its body, as JSON with the keys "
+    f"name, parameters and lines:\n\n{FUNCTION}",
+)
+SCHEMAS = (json.dumps(MEETING), json.dumps(PRICE))
+# Each kind's prompts, and the JSON Schema each prompt's output follows ("" for none).
+KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "copy": (COPY, ("",) * len(COPY)),
+    "free": (FREE, ("",) * len(FREE)),
+    "json": (EXTRACT, SCHEMAS),
+}
 
 
 @dataclass(frozen=True)
@@ -113,13 +147,17 @@ class Point:
 
 
 async def one_request(
-    stub: generation_pb2_grpc.GenerationAsyncStub, rid: str, prompt: str, max_tokens: int
+    stub: generation_pb2_grpc.GenerationAsyncStub, rid: str, prompt: str, max_tokens: int, schema: str = ""
 ) -> tuple[int, float]:
-    """Tokens generated, and seconds per token after the first (0 with one token)."""
+    """Tokens generated, and seconds per token after the first (0 with one token); `schema`:
+    the JSON Schema the output follows ("": none)."""
+    sampling = pb.SamplingParams(max_new_tokens=max_tokens)
+    if schema:
+        sampling.json_schema = schema
     request = pb.GenerateRequest(
         request_id=rid,
         messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
-        sampling=pb.SamplingParams(max_new_tokens=max_tokens),
+        sampling=sampling,
     )
     arrivals: list[tuple[float, int]] = []
     async for response in stub.Generate(request, timeout=CALL_TIMEOUT_S):
@@ -132,7 +170,12 @@ async def one_request(
 
 
 async def closed_loop(
-    address: str, prompts: tuple[str, ...], concurrency: int, count: int, max_tokens: int
+    address: str,
+    prompts: tuple[str, ...],
+    concurrency: int,
+    count: int,
+    max_tokens: int,
+    schemas: tuple[str, ...] = (),
 ) -> tuple[int, float, list[float]]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub: generation_pb2_grpc.GenerationAsyncStub = generation_pb2_grpc.GenerationStub(channel)
@@ -142,11 +185,8 @@ async def closed_loop(
         async def worker() -> None:
             while queue:
                 i = queue.pop(0)
-                results.append(
-                    await one_request(
-                        stub, f"r{i}-{time.monotonic_ns()}", prompts[i % len(prompts)], max_tokens
-                    )
-                )
+                rid, schema = f"r{i}-{time.monotonic_ns()}", schemas[i % len(schemas)] if schemas else ""
+                results.append(await one_request(stub, rid, prompts[i % len(prompts)], max_tokens, schema))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -164,7 +204,9 @@ def spec_counters(worker_url: str, scheduler_url: str) -> tuple[float, ...]:
     return tuple(counts)
 
 
-def run(plan: Plan, threads: int, model: str = "smollm2") -> list[Point]:
+def run(
+    plan: Plan, threads: int, kinds: tuple[str, ...] = tuple(KINDS), model: str = "smollm2"
+) -> list[Point]:
     """Two pairs of services at once, one speculating; at each point the two runs in turns
     (which goes first alternates), so that a drift of the machine's speed falls on both."""
     points: list[Point] = []
@@ -176,7 +218,8 @@ def run(plan: Plan, threads: int, model: str = "smollm2") -> list[Point]:
             pairs[speculative] = stack.enter_context(serving_pair(worker, flags))
             asyncio.run(closed_loop(pairs[speculative][1].address, FREE, 1, 1, 8))  # warm up
         turn = 0
-        for kind, prompts in KINDS.items():
+        for kind in kinds:
+            prompts = KINDS[kind]
             for concurrency in plan.concurrencies:
                 rounds: dict[bool, list[Point]] = {False: [], True: []}
                 for _ in range(plan.rounds):
@@ -220,15 +263,16 @@ def measure(
     worker: Service,
     scheduler: Service,
     kind: str,
-    prompts: tuple[str, ...],
+    prompts: tuple[tuple[str, ...], tuple[str, ...]],
     concurrency: int,
     speculative: bool,
     plan: Plan,
 ) -> Point:
     count = plan.requests(concurrency)
     before = spec_counters(worker.metrics_url, scheduler.metrics_url)
+    texts, schemas = prompts
     tokens, seconds, tpots = asyncio.run(
-        closed_loop(scheduler.address, prompts, concurrency, count, plan.max_tokens)
+        closed_loop(scheduler.address, texts, concurrency, count, plan.max_tokens, schemas)
     )
     after = spec_counters(worker.metrics_url, scheduler.metrics_url)
     drafts, draft_tokens, accepted, verify_rows, verify_tokens = (
@@ -262,7 +306,7 @@ def markdown(points: list[Point], command: str, calibration: float) -> str:
         "| with | acceptance | mean acceptance length | verify rows | tokens per verify row |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for kind in KINDS:
+    for kind in dict.fromkeys(p.kind for p in points):
         for c in sorted({p.concurrency for p in points}):
             off, on = find(kind, c, False), find(kind, c, True)
             acceptance = "-" if on.acceptance is None else f"{on.acceptance:.2f}"
@@ -283,13 +327,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, shorter outputs")
     p.add_argument("--threads", type=int, default=2, help="the worker's torch threads (default 2)")
+    p.add_argument(
+        "--kinds", nargs="+", choices=tuple(KINDS), default=tuple(KINDS), help="prompt kinds (default: all)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     started = datetime.now(UTC)
     calibration = loop_calibration()
     print(f"loop calibration: {calibration:.2f} s", flush=True)
-    points = run(plan, args.threads)
+    points = run(plan, args.threads, tuple(args.kinds))
     command = command_line("bench.speculative", argv)
     document = {
         "plan": asdict(plan),

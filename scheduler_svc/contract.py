@@ -75,12 +75,6 @@ class SamplingParams:
         )
 
     @property
-    def drafts_verifiable(self) -> bool:
-        """Whether the worker can verify drafts for it (`LogitsProcessing.verifiable`): no
-        penalties, no min_tokens (a grammar's drafts pass its matcher, worker_svc/structured.py)."""
-        return not self.penalized and self.min_tokens == 0
-
-    @property
     def penalized(self) -> bool:
         """Whether the worker's penalties read the request's tokens."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -74,13 +74,6 @@ class LogitsProcessing:
         """Whether it reads the request's token counts."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
-    def verifiable(self) -> bool:
-        """Whether a verify row's entries are processed as decode rows would be: it reads
-        neither the request's token counts (penalties) nor its position (min_tokens), which a
-        verify row's entries know only on the device. `logit_bias` and log-probabilities are."""
-        return not self.penalized and self.min_tokens == 0
-
 
 ConstraintKind = Literal["json", "regex", "choice", "grammar"]
 CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json", "regex", "choice", "grammar")

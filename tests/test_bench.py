@@ -1256,7 +1256,7 @@ def test_rpc_floor_finds_a_cost_per_call_and_per_message() -> None:
 def test_speculative_runs_each_kind_and_concurrency_with_and_without_drafts() -> None:
     """bench.speculative on smollm2, as small as it goes: the same tokens both ways (greedy),
     drafts only with speculation, and a row per kind and concurrency with the ratio."""
-    plan = speculative.Plan("test", (1,), 1, 12, min_requests=2, rounds=2)
+    plan = speculative.Plan("test", (1,), 1, 32, min_requests=2, rounds=2)  # a JSON field copied
     points = speculative.run(plan, threads=1)
     assert len(points) == 2 * len(speculative.KINDS)
     for kind in speculative.KINDS:
@@ -1266,6 +1266,8 @@ def test_speculative_runs_each_kind_and_concurrency_with_and_without_drafts() ->
         assert off.draft_tokens == 0 and on.draft_tokens > 0
     copy = next(p for p in points if (p.kind, p.speculative) == ("copy", True))
     assert copy.accepted > 0, "copying a passage accepts drafts"
+    structured = next(p for p in points if (p.kind, p.speculative) == ("json", True))
+    assert structured.accepted > 0, "extracting a passage's fields under a schema accepts drafts"
     table = speculative.markdown(points, "python -m bench.speculative", 2.0)
     assert table.count("\n| copy | 1 |") == 1 and table.count("\n| free | 1 |") == 1
     assert table.count("x | ") == len(speculative.KINDS) and ", " in table.split("| copy | 1 |")[1]

@@ -15,8 +15,10 @@ be enqueued on the device while batch k's copy is awaited.
 
 While a live request is penalized, each step updates the token history on the
 forward stream, in launch order: registrations (a penalized one resets its
-slot), then the launch's prompt-sourced tokens, then the rows' history is read
-and their logits processed, then the sampled ids are counted, in the same step,
+slot), then the launch's prompt-sourced tokens and its verify rows' drafts (at
+their positions), then the rows' history is read and their logits processed (a
+verify row's entry j counting drafts 1..j as outputs), then the sampled ids are
+counted (a verify row's emitted ones only), in the same step,
 so batch k+1 sees batch k's tokens though the scheduler has not seen them yet
 (worker_svc/tracking.py).
 Which rows are processed, masked (min_tokens) or get log-probabilities is
@@ -69,7 +71,7 @@ from worker_svc.slots import RequestSlots
 from worker_svc.speculative import EMITTED, FOUND, PROPOSED, Drafted, Speculation, accept
 from worker_svc.structured import ConstrainedRows, GrammarStep, GrammarThread, SlotGrammars
 from worker_svc.telemetry import WorkerMetrics
-from worker_svc.tracking import track_prompt_sourced, track_sampled
+from worker_svc.tracking import track_drafts, track_prompt_sourced, track_sampled
 
 __all__ = ["EngineConfig", "EngineStats", "LaunchError", "WorkerEngine"]
 
@@ -446,8 +448,11 @@ class WorkerEngine:
         batch = self._batches.batch(launch, rows, on_device, drafted)
         if speculation.config is not None:
             speculation.record_inputs(batch.out_kv_slots, batch.input_ids)
+        history = self._slots.table.processing.history
         if rows.tracked:
-            track_prompt_sourced(self._slots.table.processing.history, batch, on_device)
+            track_prompt_sourced(history, batch, on_device)
+            if drafted is not None:
+                track_drafts(history, on_device.verify_req_slots, drafted)
         constrained = self._grammars.rows(rows.sample_req_slots)
         masks = None
         if constrained is not None and drafted is not None:
@@ -460,7 +465,7 @@ class WorkerEngine:
             if drafted is not None and constrained.verifying:
                 drafts = self.streams.early_to_host(drafted.drafts)
             masks = self._grammar_thread.masks(constrained, drafts)
-        draw = self.backend.compute(batch, self._batches.sampling(rows, on_device))
+        draw = self.backend.compute(batch, self._batches.sampling(rows, on_device, drafted))
         ids = draw.sample()
         entry_state = None
         grammar = None
@@ -479,7 +484,8 @@ class WorkerEngine:
                 grammar = self._draw_constrained(draw, constrained, masks, ids, on_device.sample_req_slots)
         # NOTE: counted in the step that sampled them, before any later launch reads the history.
         if rows.tracked:
-            track_sampled(self._slots.table.processing.history, on_device, ids)
+            emitted = None if entry_state is None else (entry_state & EMITTED).to(torch.int32)
+            track_sampled(history, on_device, ids, emitted)
         if self.ranks is not None and self.config.check_invariants:
             self.ranks.check_same_ids(ids)
         entry_rows = rows.entry_rows if drafted is not None else None

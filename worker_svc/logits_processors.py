@@ -25,7 +25,9 @@ Semantics:
 - `min_tokens`: the request's `stop_ids` (the scheduler puts EOS there unless ignore_eos, and the
   stop token ids) get -inf while fewer than `min_tokens` tokens are generated. The tokens
   generated before a sample are (its position) - prompt_len, both known on the host, so which
-  (row, id) pairs are masked is decided there (`plan_step`); no device counter is kept.
+  (row, id) pairs are masked is decided there (`plan_step`); no device counter is kept. A
+  verify row's entries (speculative decoding) sample at positions only the device knows: the
+  host names their pairs, each with the position it holds until, and the device decides.
 - `logit_bias` (OpenAI): added to the logits of the listed ids; an id listed twice gets both.
 - log-probabilities are those of the model's distribution: the log-softmax, in float32, of the
   raw logits, before the mask, bias, penalties, temperature and top-k/top-p, as vLLM returns by
@@ -89,10 +91,13 @@ class TokenHistory:
         """Tokens [T] of the slots [T] at the positions [T] (prompt or output)."""
         self.tokens.index_put_((slots, positions), tokens.to(torch.int32))
 
-    def add_outputs(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    def add_outputs(
+        self, slots: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor | None = None
+    ) -> None:
         """Generated tokens [T] of the slots [T]; a slot may appear several times (a recompute
-        replays the outputs its client already has)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
+        replays the outputs its client already has). `counted` [T] int32: 1 for the tokens that
+        count (a verify row's emitted entries), 0 for the others (None: all count)."""
+        ones = torch.ones_like(tokens, dtype=torch.int32) if counted is None else counted
         self.output_counts.index_put_((slots, tokens), ones, accumulate=True)
 
     def seen(self, slots: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -123,13 +128,18 @@ class RowProcessing:
     stop_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], ids [M]) set to -inf
     bias: tuple[torch.Tensor, torch.Tensor] | None  # ids [R, W] int64, values [R, W] float32
     penalties: RowPenalties | None
+    stop_active: torch.Tensor | None = None  # [M] bool: which stop_mask pairs apply (None: all)
 
 
 def process_logits(logits: torch.Tensor, rows: RowProcessing) -> torch.Tensor:
     """The logits [R, V] float32 the sampler draws from; `logits` itself is left unchanged."""
     out = logits.clone()
     if rows.stop_mask is not None:
-        out.index_put_(rows.stop_mask, out.new_full((), float("-inf")))
+        if rows.stop_active is None:
+            out.index_put_(rows.stop_mask, out.new_full((), float("-inf")))
+        else:
+            held = torch.where(rows.stop_active, float("-inf"), out[rows.stop_mask])
+            out.index_put_(rows.stop_mask, held)
     if rows.bias is not None:
         out.scatter_add_(1, *rows.bias)
     if rows.penalties is not None:
@@ -222,6 +232,8 @@ class StepPlan:
 
     mask_rows: list[int]  # (row, id) pairs that min_tokens holds back
     mask_ids: list[int]
+    mask_limits: list[int]  # each pair's: held back while its row samples below this position
+    limits_checked: bool  # some pair's row samples at a position only the device knows
     penalized: bool  # some row reads its history
     history_width: int  # the tokens the longest penalized row has seen (its sampling position)
     bias_width: int  # the most logit_bias entries of a row
@@ -233,20 +245,33 @@ class StepPlan:
         return bool(self.mask_ids) or self.penalized or self.bias_width > 0
 
 
-def plan_step(rows: Sequence[LogitsProcessing | None], positions: Sequence[int]) -> StepPlan:
-    """From each sampling row's processing (None: plain) and the position it samples."""
+def plan_step(
+    rows: Sequence[LogitsProcessing | None], positions: Sequence[int], bounds: Sequence[bool] = ()
+) -> StepPlan:
+    """From each sampling row's processing (None: plain) and the position it samples, or, where
+    `bounds[r]` (a verify row's entry), a bound on it: the device checks those rows' pairs."""
     mask_rows: list[int] = []
     mask_ids: list[int] = []
+    mask_limits: list[int] = []
+    checked = False
     for r, (p, position) in enumerate(zip(rows, positions, strict=True)):
-        if p is not None and position - p.prompt_len < p.min_tokens:
+        if p is None or not p.min_tokens:
+            continue
+        bound = bool(bounds) and bounds[r]
+        limit = p.prompt_len + p.min_tokens
+        if position < limit or bound:
             mask_rows.extend([r] * len(p.stop_ids))
             mask_ids.extend(p.stop_ids)
+            mask_limits.extend([limit] * len(p.stop_ids))
+            checked = checked or (bound and position >= limit)
     present = [p for p in rows if p is not None]
     asked = [p.top_logprobs for p in present if p.logprobs]
     penalized = [pos for p, pos in zip(rows, positions, strict=True) if p is not None and p.penalized]
     return StepPlan(
         mask_rows,
         mask_ids,
+        mask_limits,
+        checked,
         penalized=bool(penalized),
         history_width=max(penalized, default=0),
         bias_width=max((len(p.logit_bias) for p in present), default=0),
@@ -357,41 +382,55 @@ class ProcessingTable:
             if slot in self._counted_end:
                 self._counted_end[slot] = max(self._counted_end[slot], position + 1)
 
-    def plan(self, row_slots: Sequence[int], positions: Sequence[int]) -> StepPlan | None:
-        """The step's plan for sampling rows of `row_slots`; None when none has processing."""
+    def plan(
+        self, row_slots: Sequence[int], positions: Sequence[int], bounds: Sequence[bool] = ()
+    ) -> StepPlan | None:
+        """The step's plan for sampling rows of `row_slots` (`plan_step`); None when none has
+        processing."""
         if not self.host:
             return None
         rows = [self.host.get(slot) for slot in row_slots]
         if all(p is None for p in rows):
             return None
-        return plan_step(rows, positions)
+        return plan_step(rows, positions, bounds)
 
     def rows(
         self,
         slots: torch.Tensor,
         positions: torch.Tensor,
         plan: StepPlan,
-        stop_mask: tuple[torch.Tensor, torch.Tensor],
+        stop_mask: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        drafts_before: torch.Tensor | None = None,
     ) -> RowProcessing:
         """The sampling rows' processing: their `slots` [R] and sampling `positions` [R], the
-        plan's mask pairs, on the device."""
+        plan's mask pairs and their limits, on the device; `drafts_before` [R, K]: a verify
+        row's entry j, its drafts 1..j (NO_DRAFT past them), which its penalties count as
+        outputs (their tokens are in the history by position already)."""
+        rows, ids, limits = stop_mask
+        active = positions.index_select(0, rows) < limits if plan.limits_checked else None
         return RowProcessing(
-            stop_mask if plan.mask_ids else None,
+            (rows, ids) if plan.mask_ids else None,
             self._bias(slots, plan.bias_width) if plan.bias_width else None,
-            self._penalties(slots, positions, plan.history_width) if plan.penalized else None,
+            self._penalties(slots, positions, plan.history_width, drafts_before) if plan.penalized else None,
+            active,
         )
 
     def _bias(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.bias_ids[:, :width].index_select(0, slots)
         return ids, self.bias_values[:, :width].index_select(0, slots)
 
-    def _penalties(self, slots: torch.Tensor, positions: torch.Tensor, width: int) -> RowPenalties:
+    def _penalties(
+        self, slots: torch.Tensor, positions: torch.Tensor, width: int, drafts_before: torch.Tensor | None
+    ) -> RowPenalties:
         """A row's tokens are those below the position it samples."""
         seen = self.history.seen(slots, positions, width)
+        counts = self.history.output_counts[slots[:, None], seen]
+        if drafts_before is not None:
+            counts = counts + (seen[:, :, None] == drafts_before[:, None, :]).sum(-1, dtype=torch.int32)
         return RowPenalties(
             self.repetition.index_select(0, slots),
             self.presence.index_select(0, slots),
             self.frequency.index_select(0, slots),
             seen,
-            self.history.output_counts[slots[:, None], seen],
+            counts,
         )

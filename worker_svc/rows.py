@@ -117,7 +117,12 @@ def _add_verify_row(rows: HostRows, slot: int, start: int, n: int, t: int, conte
 def plan_processing(launch: Launch, rows: HostRows, table: ProcessingTable) -> None:
     """The step's logits processing, decided on the host: which sampling rows are processed,
     and, while a live slot is penalized, which prefill tokens the history takes."""
-    rows.plan = table.plan(rows.sample_req_slots, rows.sample_positions)
+    bounds: list[bool] = []
+    if rows.verify_sample_index:  # a verify row's positions here are bounds (`host_rows`)
+        bounds = [False] * len(rows.sample_req_slots)
+        for entry in rows.verify_sample_index:
+            bounds[entry] = True
+    rows.plan = table.plan(rows.sample_req_slots, rows.sample_positions, bounds)
     rows.tracked = bool(table.penalized)
     if not rows.tracked:
         return
@@ -149,6 +154,7 @@ class DeviceRows:
     history_output_index: torch.Tensor
     mask_rows: torch.Tensor
     mask_ids: torch.Tensor
+    mask_limits: torch.Tensor
     verify_req_slots: torch.Tensor
     verify_drafting: torch.Tensor
     verify_token_index: torch.Tensor
@@ -175,6 +181,7 @@ def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> Devic
         rows.history_output_index,
         plan.mask_rows if plan is not None else [],
         plan.mask_ids if plan is not None else [],
+        plan.mask_limits if plan is not None else [],
         rows.verify_req_slots,
         rows.verify_drafting,
         rows.verify_token_index,
@@ -242,14 +249,20 @@ class BatchBuilder:
             )
         return ids
 
-    def sampling(self, rows: HostRows, on_device: DeviceRows) -> RowSampling:
+    def sampling(self, rows: HostRows, on_device: DeviceRows, drafted: Drafted | None = None) -> RowSampling:
+        """`drafted`: the launch's verify rows, whose entries' penalties count their drafts."""
         table = self._slots.table
         plan = rows.plan
         processing = None
         if plan is not None and plan.processes:
-            mask = (on_device.mask_rows, on_device.mask_ids)
+            mask = (on_device.mask_rows, on_device.mask_ids, on_device.mask_limits)
             slots, positions = on_device.sample_req_slots, on_device.sample_positions
-            processing = table.processing.rows(slots, positions, plan, mask)
+            before = None
+            if drafted is not None and plan.penalized:
+                before = drafted.before_entries(
+                    len(rows.sample_req_slots), on_device.verify_sample_index, on_device.verify_flat_index
+                )
+            processing = table.processing.rows(slots, positions, plan, mask, before)
         return table.rows(
             rows.sample_req_slots,
             on_device.sample_req_slots,

@@ -111,23 +111,12 @@ class RequestSlots:
         self.future.sentinel_reads = 0
 
     def check_live_rows(self, launch: Launch) -> None:
-        """Every row's request slot is registered once the launch's slot deltas apply; a verify
-        row's request has only processing that is verified (`verifiable`)."""
+        """Every row's request slot is registered once the launch's slot deltas apply."""
         released = set(launch.released_slots)
-        registered = {r.req_slot: r for r in launch.new_requests}
+        registered = {r.req_slot for r in launch.new_requests}
         for i, slot in enumerate(launch.row_req_slots):
-            request = registered.get(slot)
-            if request is None and slot not in released:
-                request = self.table.host.get(slot)
-            if request is None:
+            if slot not in registered and (slot in released or slot not in self.table.host):
                 raise LaunchError(f"row_req_slots[{i}]: request slot {slot} is not registered")
-            verify = launch.row_from_future[i] and launch.row_num_tokens[i] > 1
-            processing = request.processing
-            if verify and processing is not None and not processing.verifiable:
-                raise LaunchError(
-                    f"row_num_tokens[{i}]: a verify row for request slot {slot}, "
-                    "whose penalties or min_tokens are not verified"
-                )
 
     def apply_deltas(self, launch: Launch, streams: DeviceStreams) -> None:
         if launch.released_slots:

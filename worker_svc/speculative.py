@@ -60,6 +60,17 @@ class Drafted:
     positions: torch.Tensor  # [Bv, K + 1] each input's position (saturated at the context's last)
     table_positions: torch.Tensor  # [Bv, K + 1] where its KV slot goes in req_to_token (spare past count)
 
+    def before_entries(self, entries: int, sample_index: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """[entries, K]: for a launch's sampling entry that is a verify row's entry j, the drafts
+        it follows (d1 .. dj, then NO_DRAFT); NO_DRAFT throughout for the other entries."""
+        k = self.drafts.shape[1]
+        offsets = torch.arange(k + 1, device=self.drafts.device)
+        follows = offsets[None, :k] < offsets[:, None]  # [K + 1, K]: entry j follows drafts i < j
+        grid = torch.where(follows[None], self.drafts[:, None, :], NO_DRAFT)  # [Bv, K + 1, K]
+        before = torch.full((entries, k), NO_DRAFT, dtype=self.drafts.dtype, device=self.drafts.device)
+        before.index_copy_(0, sample_index, grid.reshape(-1, k).index_select(0, flat))
+        return before
+
     @staticmethod
     def flat(grid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The rows' real tokens of a [Bv, K + 1] `grid`, row-major (`index`: their places in it;

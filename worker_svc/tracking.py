@@ -8,8 +8,9 @@ import torch
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.logits_processors import TokenHistory
 from worker_svc.rows import DeviceRows
+from worker_svc.speculative import Drafted
 
-__all__ = ["track_prompt_sourced", "track_sampled"]
+__all__ = ["track_drafts", "track_prompt_sourced", "track_sampled"]
 
 
 def track_prompt_sourced(history: TokenHistory, batch: ForwardBatch, on_device: DeviceRows) -> None:
@@ -20,7 +21,22 @@ def track_prompt_sourced(history: TokenHistory, batch: ForwardBatch, on_device: 
     history.add_outputs(slots.index_select(0, outputs), ids.index_select(0, outputs))
 
 
-def track_sampled(history: TokenHistory, on_device: DeviceRows, token_ids: torch.Tensor) -> None:
-    """Each sampled id at the position it was sampled for, and counted."""
+def track_sampled(
+    history: TokenHistory, on_device: DeviceRows, token_ids: torch.Tensor, emitted: torch.Tensor | None = None
+) -> None:
+    """Each sampled id at the position it was sampled for, and counted; with verify rows, only
+    the `emitted` [R] int32 entries count (the others' tokens lie past their row's length, to
+    be written over before any row reads them)."""
     history.add_tokens(on_device.sample_req_slots, on_device.sample_positions, token_ids)
-    history.add_outputs(on_device.sample_req_slots, token_ids)
+    history.add_outputs(on_device.sample_req_slots, token_ids, emitted)
+
+
+def track_drafts(history: TokenHistory, slots: torch.Tensor, drafted: Drafted) -> None:
+    """A launch's verify rows' proposed drafts at their positions (the rest to the spare column,
+    which no row reads), so that entry j's penalties see d1 .. dj among its tokens."""
+    k = drafted.drafts.shape[1]
+    history.add_tokens(
+        slots.repeat_interleave(k),
+        drafted.table_positions[:, 1:].reshape(-1),
+        drafted.inputs[:, 1:].reshape(-1),
+    )

@@ -119,9 +119,7 @@ class SlotRows:
         self.stop_from[slot] = prompt_len + p.min_tokens + 1
         self.eos_stops[slot] = not p.ignore_eos
         self.plain[slot] = not (p.logprobs or p.stop_token_ids)
-        # NOTE: the worker verifies drafts by sampling each position as a decode step would;
-        # penalties (the token history) and min_tokens (the position) are not verified.
-        self.drafts[slot] = self.draft_tokens if p.drafts_verifiable else 0
+        self.drafts[slot] = self.draft_tokens
         self.skip[slot] = self.backoff[slot] = 0
         self.found[slot] = 1  # until a step says otherwise
         self.kept[slot] = kept

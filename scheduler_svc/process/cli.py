@@ -195,8 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": N, "prompt_lookup_min": M}: each decode row carries K drafts copied '
         "from its request's own tokens, verified in the same forward (the overlap loop; greedy "
-        "and seeded output unchanged; requests with logits processing, log-probabilities or a "
-        "grammar do not draft). Default: none",
+        "and seeded output unchanged, with every sampling feature and grammar). Default: none",
     )
     p.add_argument(
         "--late-pick",
