@@ -118,7 +118,7 @@ def plan_processing(launch: Launch, rows: HostRows, table: ProcessingTable) -> N
     """The step's logits processing, decided on the host: which sampling rows are processed,
     and, while a live slot is penalized, which prefill tokens the history takes."""
     bounds: list[bool] = []
-    if rows.verify_sample_index:  # a verify row's positions here are bounds (`host_rows`)
+    if rows.verify_sample_index and table.host:  # a verify row's positions are bounds (`host_rows`)
         bounds = [False] * len(rows.sample_req_slots)
         for entry in rows.verify_sample_index:
             bounds[entry] = True
