@@ -25,6 +25,7 @@ from stepahead.protocol import Launch, StepResult
 from stepahead.speculative import SpeculativeConfig
 from tests.live import SETTLE_TIMEOUT_S
 from worker_svc.backends import load_backend
+from worker_svc.device_streams import CpuStreams
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.inprocess import InProcessTransport
 
@@ -64,10 +65,24 @@ def make_engine(
     dtype: torch.dtype = torch.float32,
     sim_step_ms: float = 1.0,
     device: torch.device = CPU,
+    host_reads_free: bool = True,
 ) -> WorkerEngine:
+    """`host_reads_free`: False keeps a CPU engine's streams to a GPU's rule
+    (`GpuShapedCpuStreams`)."""
     backend = load_backend(model, device, dtype, sim_step_ms, 0.0)
     config = EngineConfig(kv_slots, request_slots, check_invariants=True)
-    return WorkerEngine(backend, config, backend.make_streams(device))
+    streams = backend.make_streams(device)
+    if not host_reads_free:
+        streams = GpuShapedCpuStreams() if isinstance(streams, CpuStreams) else streams
+    return WorkerEngine(backend, config, streams)
+
+
+class GpuShapedCpuStreams(CpuStreams):
+    """CPU streams under a GPU's rule: the forward thread reads no device value back, so a
+    step's rows keep the shapes the scheduler sent (speculative decoding's verify rows are
+    not resolved on the host, as on CUDA)."""
+
+    host_reads_free = False
 
 
 @dataclass
@@ -322,12 +337,13 @@ async def serve_workload(
     transport: list[WorkerTransport] | None = None,
     instrument: Callable[[EngineCore], None] | None = None,
     speculative: SpeculativeConfig | None = None,
+    host_reads_free: bool = True,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport (behind a link of `link_delay_s` each
     way when set, with a worker clock `clock_skew_s` ahead when set; `transport` receives the
     one used; `instrument` sees the core before it starts; `speculative`: decode rows verify
-    drafts), wait for the drain."""
-    engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device)
+    drafts; `host_reads_free`: see `make_engine`), wait for the drain."""
+    engine = make_engine(model, kv_slots, request_slots, dtype, sim_step_ms, device, host_reads_free)
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
         policy=PolicyConfig(

@@ -27,6 +27,7 @@ from stepahead.protocol import (
     Constraint,
     Launch,
     NewRequest,
+    StepResult,
     TokenizerSpec,
     WorkerInfo,
     speculative_from_hello,
@@ -85,15 +86,23 @@ def spec_workload(*, sampled: bool) -> list[WorkItem]:
     return [*items[:5], *extra, *items[5:]]
 
 
+# Depths, and whether the CPU resolves the rows on the host (False: the rows as the scheduler
+# sent them, as on CUDA, `GpuShapedCpuStreams`).
+ROW_SHAPES = ((1, True), (2, True), (2, False))
+
+
 def accepted_tokens(engine: WorkerEngine) -> float:
     return float(engine.metrics.spec_accepted_tokens._value.get())
 
 
-@pytest.mark.parametrize("model", ["sim", "tiny"])
+@pytest.mark.parametrize("model", ["sim", "tiny", "tiny-gpu-shaped"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 async def test_speculation_gives_the_tokens_decoding_without_it_gives(model: str, sampled: bool) -> None:
+    """tiny: the CPU's rows resolved on the host (verify rows cut to their drafts, rows
+    without drafts plain); tiny-gpu-shaped: the rows as the scheduler sent them, as on CUDA."""
     items = spec_workload(sampled=sampled)
-    kw: dict[str, object] = dict(kv_slots=KV, request_slots=24)
+    kw: dict[str, object] = dict(kv_slots=KV, request_slots=24, host_reads_free=model != "tiny-gpu-shaped")
+    model = model.removesuffix("-gpu-shaped")
     reference, core, engine = await serve_workload(model, "overlap", items, **kw)  # type: ignore[arg-type]
     check_drained(core, engine)
     for depth in (1, 2, 3):
@@ -131,8 +140,10 @@ async def test_logprobs_and_logit_bias_draft_and_each_accepted_token_has_its_log
     ]
     for item in items:
         reference, core, engine = await serve_workload("tiny", "overlap", [item])
-        for depth in (1, 2):
-            got, core, engine = await serve_workload("tiny", "overlap", [item], depth=depth, speculative=SPEC)
+        for depth, resolved in ROW_SHAPES:
+            got, core, engine = await serve_workload(
+                "tiny", "overlap", [item], depth=depth, speculative=SPEC, host_reads_free=resolved
+            )
             check_drained(core, engine)
             assert_same_tokens([item], reference, got)
             assert accepted_tokens(engine) > 0, f"{item.rid}: the run must accept drafts"
@@ -167,8 +178,10 @@ async def test_penalties_and_min_tokens_draft_and_count_accepted_tokens_only() -
     assert len(held) >= 2, "the workload needs stop tokens that min_tokens holds back"
     items += held
     reference, _, _ = await serve_workload("tiny", "overlap", items)
-    for depth in (1, 2):
-        got, core, engine = await serve_workload("tiny", "overlap", items, depth=depth, speculative=SPEC)
+    for depth, resolved in ROW_SHAPES:
+        got, core, engine = await serve_workload(
+            "tiny", "overlap", items, depth=depth, speculative=SPEC, host_reads_free=resolved
+        )
         check_drained(core, engine)
         assert_same_tokens(items, reference, got)
         assert accepted_tokens(engine) > 50, "the run must accept drafts"
@@ -224,13 +237,14 @@ async def test_stops_and_lengths_inside_an_accepted_run_end_it_there() -> None:
     if stop_text:
         items.append(WorkItem("stop-text", prompt, params(60, ignore_eos=True, stop=(stop_text,)), 0.0))
     reference, _, _ = await serve_workload("tiny", "overlap", items, **kw)  # type: ignore[arg-type]
-    for depth in (1, 3):
+    for depth, resolved in ((1, True), (3, True), (3, False)):
         got, core, engine = await serve_workload(
             "tiny",
             "overlap",
             items,
             depth=depth,
             speculative=SPEC,
+            host_reads_free=resolved,
             **kw,  # type: ignore[arg-type]
         )
         check_drained(core, engine)
@@ -255,7 +269,7 @@ async def test_constrained_requests_draft_through_their_matchers_and_give_the_sa
     items = structured_workload(70, seed=41 + sampled, sampled=sampled)
     reference, core, engine = await serve_workload("tiny", "overlap", items, **STRUCTURED)  # type: ignore[arg-type]
     check_run(items, reference, core, engine)
-    for depth in (1, 3):
+    for depth, resolved in ((1, True), (3, True), (3, False)):
         got, core, engine = await serve_workload(
             "tiny",
             "overlap",
@@ -263,6 +277,7 @@ async def test_constrained_requests_draft_through_their_matchers_and_give_the_sa
             depth=depth,
             link_delay_s=0.001 if depth > 1 else 0.0,  # holds `depth` batches in flight
             speculative=SPEC,
+            host_reads_free=resolved,
             **STRUCTURED,  # type: ignore[arg-type]
         )
         check_run(items, got, core, engine)
@@ -294,8 +309,10 @@ async def test_a_grammar_whose_output_repeats_accepts_drafts_and_its_finish_ends
     )
     reference, core, engine = await serve_workload("tiny", "overlap", items)
     assert engine.metrics.spec_draft_tokens._value.get() == 0
-    for depth in (1, 2):
-        got, core, engine = await serve_workload("tiny", "overlap", items, depth=depth, speculative=SPEC)
+    for depth, resolved in ROW_SHAPES:
+        got, core, engine = await serve_workload(
+            "tiny", "overlap", items, depth=depth, speculative=SPEC, host_reads_free=resolved
+        )
         check_drained(core, engine)
         assert engine.grammar_matchers() == 0
         assert_same_tokens(items, reference, got)
@@ -352,13 +369,61 @@ def test_a_verify_row_needs_a_speculating_session_and_k_plus_one_tokens() -> Non
         engine.shutdown()
 
 
+def verify_steps(prompt: list[int], steps: int, host_reads_free: bool) -> list[tuple[StepResult, int, int]]:
+    """A request's verify rows, one at a time after its prefill: each step's result, the
+    tokens its forward computed and the drafts it proposed."""
+    engine = make_engine("tiny", kv_slots=256, request_slots=4, host_reads_free=host_reads_free)
+    k = SPEC.num_speculative_tokens
+    try:
+        engine.begin_session(speculative=SPEC).result()
+        n = len(prompt)
+        new = [NewRequest(0, 0.0, 1.0, 0, 0)]
+        engine.submit(prefill(1, 0, prompt, list(range(n)), new_requests=new)).result()
+        position, out = n, []
+        metrics = engine.metrics
+        for step in range(2, 2 + steps):
+            computed, proposed = metrics.tokens["decode"]._value.get(), metrics.spec_draft_tokens._value.get()
+            kv = list(range(n + (k + 1) * step, n + (k + 1) * (step + 1)))
+            result = engine.submit(verify_row(step, 0, position, kv)).result()
+            computed = metrics.tokens["decode"]._value.get() - computed
+            proposed = metrics.spec_draft_tokens._value.get() - proposed
+            out.append((result, int(computed), int(proposed)))
+            position += result.token_counts[0] if result.token_counts else 1
+        return out
+    finally:
+        engine.shutdown()
+
+
+def test_the_cpu_computes_a_verify_rows_drafts_only() -> None:
+    """The scheduler reserves K + 1 positions for a verify row; a CPU worker (reading the
+    lookup costs it nothing) computes the pending token and the drafts proposed, a GPU-shaped
+    one all K + 1. Each step gives both the same tokens, counts and lookups: some find no
+    draft (one token computed), some find drafts (more)."""
+    prompt = [100, 101, 102, 103, 104, 105, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    cpu = verify_steps(prompt, 12, host_reads_free=True)
+    shaped = verify_steps(prompt, 12, host_reads_free=False)
+    k = SPEC.num_speculative_tokens
+    for (a, computed, proposed), (b, full, proposed_b) in zip(cpu, shaped, strict=True):
+        # A step whose rows all ran plain sends no counts: one token each.
+        assert (a.token_ids, a.token_counts or (1,), a.drafts_found) == (
+            b.token_ids,
+            b.token_counts,
+            b.drafts_found,
+        )
+        assert proposed == proposed_b and full == k + 1
+        assert computed == 1 + proposed
+    assert {computed == 1 for _, computed, _ in cpu} == {True, False}
+
+
 def test_a_verify_row_input_that_is_no_token_id_is_caught() -> None:
     """The sentinel check of --check-invariants: a placeholder (here a pending token never
     written) would reach the embedding."""
     s = Speculation(request_slots=2, kv_slots=8, context=16, device=torch.device("cpu"), check_inputs=True)
     s.config = SPEC
     with pytest.raises(DraftPlaceholderError, match="placeholder"):
-        s.draft(torch.tensor([0]), torch.tensor([-1]), torch.zeros(2, 17, dtype=torch.int64), width=4)
+        s.draft(
+            s.look_up(torch.tensor([0]), torch.tensor([-1]), torch.zeros(2, 17, dtype=torch.int64), width=4)
+        )
 
 
 # ---- the configuration ------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_drafts_come_from_the_rows_own_tokens_on_the_device() -> None:
     req_to_token[2, :4] = torch.tensor([10, 11, 12, 13])
     s.record_inputs(torch.tensor([10, 11, 12, 13]), torch.tensor([5, 6, 7, 5]))
     s.record_sampled(torch.tensor([2]), torch.tensor([4]))
-    d = s.draft(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8, drafting=torch.tensor([1]))
+    d = s.draft(s.look_up(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8), torch.tensor([1]))
     assert d.base.tolist() == [4] and d.counts.tolist() == [3]
     assert d.drafts.tolist() == [[7, 5, 6]] and d.inputs.tolist() == [[6, 7, 5, 6]]
     assert d.positions.tolist() == [[4, 5, 6, 7]] and d.table_positions.tolist() == [[4, 5, 6, 7]]
@@ -107,7 +107,7 @@ def test_positions_past_the_proposal_go_to_the_spare_column_and_saturate_at_the_
     s = speculation(k=3, context=6)
     req_to_token = torch.zeros(4, 7, dtype=torch.int64)
     s.record_sampled(torch.tensor([1]), torch.tensor([4]))
-    d = s.draft(torch.tensor([1]), torch.tensor([9]), req_to_token, width=5, drafting=torch.tensor([1]))
+    d = s.draft(s.look_up(torch.tensor([1]), torch.tensor([9]), req_to_token, width=5), torch.tensor([1]))
     assert d.counts.tolist() == [0] and d.inputs.tolist() == [[9, 9, 9, 9]]
     assert d.table_positions.tolist() == [[4, 6, 6, 6]]
     assert d.positions.tolist() == [[4, 5, 5, 5]]
@@ -125,7 +125,7 @@ def test_drafting_and_accepting_read_nothing_back() -> None:
     drafting = torch.tensor([1, 0, 1])
     guard = TransferGuard()
     with guard.guarded():
-        d = s.draft(slots, pending, req_to_token, width=32, drafting=drafting)
+        d = s.draft(s.look_up(slots, pending, req_to_token, width=32), drafting)
         a = accept(d, sampled)
         s.record_accepted(slots, d, a)
     assert not guard.violations, guard.violations
@@ -140,7 +140,7 @@ def test_a_row_that_does_not_draft_this_step_proposes_nothing() -> None:
     s.record_inputs(torch.tensor([10, 11, 12, 13]), torch.tensor([5, 6, 7, 5]))
     s.record_sampled(torch.tensor([2]), torch.tensor([4]))
     for drafting in (torch.tensor([0]), None):
-        d = s.draft(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8, drafting=drafting)
+        d = s.draft(s.look_up(torch.tensor([2]), torch.tensor([6]), req_to_token, width=8), drafting)
         assert d.counts.tolist() == [0] and d.drafts.tolist() == [[NO_DRAFT] * 3]
         assert d.positions[:, 0].tolist() == [4]
         assert d.found.tolist() == [3]  # what it would have carried: the scheduler is told

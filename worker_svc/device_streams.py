@@ -56,6 +56,9 @@ class PendingCopy(Protocol):
 
 class DeviceStreams(Protocol):
     device: torch.device
+    # The forward thread is the device: a device value read on the host waits for nothing, so
+    # the forward thread may shape a step by one (speculative decoding's verify rows).
+    host_reads_free: bool
 
     def forward(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -138,6 +141,8 @@ class CpuStreams:
     NOTE: the tensor a step copies to the host is never written after its
     forward, so the copy thread may read it while the next forward runs.
     """
+
+    host_reads_free = True
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -307,6 +312,8 @@ class CudaStreams:
     event); the forward thread only enqueues.
     """
 
+    host_reads_free = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._forward_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -409,6 +416,8 @@ class SimStreams:
     """Streams for the `sim` device: a launch returns as soon as its time is queued
     on the timeline, so the forward thread prepares batch k+1 while k "runs", as it
     does on CUDA; the copy thread waits until the step's simulated end."""
+
+    host_reads_free = False  # as on CUDA: the sim's timeline is a GPU's
 
     def __init__(self, device: SimDevice) -> None:
         self.device = torch.device("cpu")

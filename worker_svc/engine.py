@@ -41,6 +41,7 @@ need the previous step's tokens, copied back by the copy thread.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ from worker_svc.ranks import (
 from worker_svc.rows import BatchBuilder, DeviceRows, HostRows, device_rows, host_rows, plan_processing
 from worker_svc.session import EngineSession
 from worker_svc.slots import RequestSlots
-from worker_svc.speculative import EMITTED, FOUND, PROPOSED, Drafted, Speculation, accept
+from worker_svc.speculative import EMITTED, FOUND, PROPOSED, Drafted, Lookup, Speculation, accept
 from worker_svc.structured import ConstrainedRows, GrammarStep, GrammarThread, SlotGrammars
 from worker_svc.telemetry import WorkerMetrics
 from worker_svc.tracking import track_drafts, track_prompt_sourced, track_sampled
@@ -104,6 +105,17 @@ class _Enqueued:
     epoch: int  # the session it ran in
     grammar: GrammarStep | None  # its constrained rows, whose tokens the matchers take
     entry_rows: list[int] | None = None  # with a verify row: each sampling entry's sampling row
+    computed: Launch | None = None  # the launch as its forward ran it (rows resolved), if not as sent
+    found: tuple[bool, ...] | None = None  # resolved rows: each sampling row's lookup found drafts
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A launch with its rows resolved on the host (`WorkerEngine._resolve_rows`), or as sent."""
+
+    launch: Launch
+    lookup: Lookup | None = None  # its verify rows' lookup
+    found: tuple[bool, ...] | None = None  # resolved: each sampling row's lookup found drafts
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,8 @@ class _Ran:
     sampled: Sampled | None
     grammar: GrammarStep | None = None
     entry_rows: list[int] | None = None  # with a verify row: each sampling entry's sampling row
+    computed: Launch | None = None  # the launch as its forward ran it (rows resolved), if not as sent
+    found: tuple[bool, ...] | None = None  # resolved rows: each sampling row's lookup found drafts
 
 
 def _emitted_only(sampled: HostSampled) -> list[int]:
@@ -335,7 +349,7 @@ class WorkerEngine:
         if grammar is not None:  # the matchers take the tokens; some may finish with them
             grammar.tokens.set_result(_emitted_only(sampled))
             finished = grammar.finished.result()
-        self._accounting.account(launch, timing, enqueued.live_after)
+        self._accounting.account(enqueued.computed or launch, timing, enqueued.live_after)
         start, end = timing.forward_start, timing.forward_end
         if enqueued.entry_rows is None:
             return StepResult(
@@ -346,9 +360,10 @@ class WorkerEngine:
                 enqueued.epoch,
                 sampled.logprobs,
                 grammar_finished=finished,
+                drafts_found=enqueued.found or (),
             )
         return self._verified_result(
-            launch.step_id, sampled, enqueued.entry_rows, finished, start, end, enqueued.epoch
+            launch.step_id, sampled, enqueued.entry_rows, finished, start, end, enqueued.epoch, enqueued.found
         )
 
     def _verified_result(
@@ -360,8 +375,11 @@ class WorkerEngine:
         start: float,
         end: float,
         epoch: int,
+        resolved_found: tuple[bool, ...] | None = None,
     ) -> StepResult:
-        """A step with verify rows: each sampling row's emitted entries, in row order."""
+        """A step with verify rows: each sampling row's emitted entries, in row order;
+        `resolved_found`: what each sampling row's lookup found, where the rows were resolved
+        on the host (else the entries' FOUND bits tell)."""
         states = sampled.states
         assert states is not None
         emitted: list[int] = []
@@ -399,7 +417,7 @@ class WorkerEngine:
             logprobs,
             grammar_finished=tuple(entry_rows[i] for i in grammar_entries),
             token_counts=tuple(counts),
-            drafts_found=tuple(found),
+            drafts_found=tuple(found) if resolved_found is None else resolved_found,
         )
 
     def _enqueue(self, launch: Launch, ticket: int) -> _Enqueued:
@@ -427,7 +445,9 @@ class WorkerEngine:
             # NOTE: handed on only once nothing of the step can fail here (the copy thread
             # always answers it), and before the next launch's deltas and masks: launch order.
             self._grammar_thread.advance(ran.grammar)
-        return _Enqueued(copy, self._slots.live, self._session.epoch, ran.grammar, ran.entry_rows)
+        return _Enqueued(
+            copy, self._slots.live, self._session.epoch, ran.grammar, ran.entry_rows, ran.computed, ran.found
+        )
 
     def _run(self, launch: Launch) -> _Ran:
         """The launch's slot deltas, then its forward unless it only releases slots."""
@@ -441,10 +461,14 @@ class WorkerEngine:
     def _forward(self, launch: Launch) -> _Ran:
         """The launch's batch forward and draws; its ids go to the FutureMap and the history."""
         speculation = self._speculation
-        rows = host_rows(launch, speculation.draft_tokens, self.backend.max_context_len)
+        resolved = self._resolve_rows(launch)
+        sent, launch, lookup = launch, resolved.launch, resolved.lookup
+        rows = host_rows(
+            launch, speculation.draft_tokens, self.backend.max_context_len, resolved.found is not None
+        )
         plan_processing(launch, rows, self._slots.table.processing)
         on_device = device_rows(launch, rows, self.streams)
-        drafted = self._draft(rows, on_device) if rows.verify_rows else None
+        drafted = self._draft(rows, on_device, lookup) if rows.verify_rows else None
         batch = self._batches.batch(launch, rows, on_device, drafted)
         if speculation.config is not None:
             speculation.record_inputs(batch.out_kv_slots, batch.input_ids)
@@ -489,22 +513,71 @@ class WorkerEngine:
         if self.ranks is not None and self.config.check_invariants:
             self.ranks.check_same_ids(ids)
         entry_rows = rows.entry_rows if drafted is not None else None
-        return _Ran(Sampled(ids, draw.logprobs(ids), entry_state), grammar, entry_rows)
+        computed = None if launch is sent else launch
+        sampled = Sampled(ids, draw.logprobs(ids), entry_state)
+        return _Ran(sampled, grammar, entry_rows, computed, resolved.found)
 
-    def _draft(self, rows: HostRows, on_device: DeviceRows) -> Drafted:
+    def _draft(self, rows: HostRows, on_device: DeviceRows, lookup: Lookup | None) -> Drafted:
         """The launch's rows at device-held positions: their pending tokens, drafts (for the
-        verify rows) and positions, on the device."""
-        pending = self._slots.future.read(on_device.verify_req_slots)
+        verify rows) and positions, on the device; `lookup`: theirs, when already made."""
+        if lookup is None:
+            lookup = self._look_up(on_device.verify_req_slots, rows.verify_width)
         drafting = on_device.verify_drafting if any(rows.verify_drafting) else None
-        drafted = self._speculation.draft(
-            on_device.verify_req_slots, pending, self._slots.req_to_token, rows.verify_width, drafting
-        )
+        drafted = self._speculation.draft(lookup, drafting)
         sampled_at = (drafted.positions + 1).clamp(max=self.backend.max_context_len)
         flat = on_device.verify_flat_index
         on_device.sample_positions.index_copy_(
             0, on_device.verify_sample_index, drafted.flat(sampled_at, flat)
         )
         return drafted
+
+    def _look_up(self, slots: torch.Tensor, width: int) -> Lookup:
+        pending = self._slots.future.read(slots)
+        return self._speculation.look_up(slots, pending, self._slots.req_to_token, width)
+
+    def _resolve_rows(self, launch: Launch) -> _Resolved:
+        """Where the host reads device values at no cost (`DeviceStreams.host_reads_free`: the
+        CPU), the rows read from the FutureMap at the positions the device holds, each a verify
+        row of its pending token and the drafts its lookup proposes, or a plain decode row
+        where it proposes none or the row carries none; elsewhere `launch` as it is.
+
+        NOTE: the scheduler reserves K + 1 positions for a verify row knowing neither whether
+        the lookup will find drafts (it learns what the last one found a step or two late) nor
+        how many, and sends every row of a drafting request at a bound on its position. Where
+        a forward's cost grows with its tokens (a CPU) a position with no draft costs as much
+        as one with, so none is computed: the row's unused KV slots stay unwritten and go back
+        when the scheduler learns how many drafts were accepted; and a row with no draft runs
+        as a plain decode row. Elsewhere (a GPU) the positions cost little, and the forward
+        thread never waits on the device."""
+        if not self._speculation.draft_tokens or not self.streams.host_reads_free:
+            return _Resolved(launch)
+        future = [i for i, from_future in enumerate(launch.row_from_future) if from_future]
+        if not future:
+            return _Resolved(launch)
+        context = self.backend.max_context_len
+        width = max(min(launch.row_start_pos[i] + 1, context) for i in future)
+        lookup = self._look_up(self.streams.to_device([launch.row_req_slots[i] for i in future]), width)
+        # NOTE: no wait: the forward thread is the device.
+        counts, bases = lookup.proposal.counts.tolist(), lookup.base.tolist()
+        sizes, starts = list(launch.row_num_tokens), list(launch.row_start_pos)
+        verifying: list[int] = []
+        found = dict.fromkeys(range(launch.num_rows), False)
+        for j, (i, count, base) in enumerate(zip(future, counts, bases, strict=True)):
+            found[i] = count > 0
+            starts[i] = base
+            sizes[i] = 1 + count if sizes[i] > 1 else 1
+            if sizes[i] > 1:
+                verifying.append(j)
+        kv_slots: list[int] = []
+        at = 0
+        for n, keep in zip(launch.row_num_tokens, sizes, strict=True):
+            kv_slots += launch.kv_slots[at : at + keep]
+            at += n
+        resolved = dataclasses.replace(launch, row_start_pos=starts, row_num_tokens=sizes, kv_slots=kv_slots)
+        sampling_found = tuple(found[i] for i, sample in enumerate(launch.row_sample) if sample)
+        if not verifying:
+            return _Resolved(resolved, None, sampling_found)
+        return _Resolved(resolved, lookup.select(self.streams.to_device(verifying)), sampling_found)
 
     def _store_verified(
         self, rows: HostRows, on_device: DeviceRows, drafted: Drafted, ids: torch.Tensor

@@ -54,9 +54,11 @@ class HostRows:
     verify_width: int = 0  # a bound on the verify rows' lengths, for their drafts' lookup
 
 
-def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0) -> HostRows:
+def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0, resolved: bool = False) -> HostRows:
     """`draft_tokens`: K, under speculative decoding (0: none), when a row read from the
-    FutureMap with K + 1 tokens is a verify row; `context`: the context length."""
+    FutureMap is a verify row; `context`: the context length; `resolved`: the launch's rows
+    read from the FutureMap are at their true positions, a verify row only with drafts (more
+    than one token), else a plain decode row (`WorkerEngine._resolve_rows`)."""
     rows = HostRows([], [], [], [], [], [], [], [], [], [])
     t = 0
     for slot, start, n, from_future, sample in zip(
@@ -69,7 +71,7 @@ def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0) -> HostRo
     ):
         rows.row_token_starts.append(t)
         rows.token_req_slots.extend([slot] * n)
-        if from_future and draft_tokens:
+        if from_future and draft_tokens and (n > 1 or not resolved):
             _add_verify_row(rows, slot, start, n, t, context, draft_tokens)
             t += n
             continue

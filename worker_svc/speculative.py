@@ -25,8 +25,9 @@ accepted) stays here, per request slot:
   drafts come from its tokens, `kv_token[req_to_token[slot, :b]]` and t, on the device (no
   host round trip, worker_svc/ngram.py).
 The scheduler reserves K + 1 KV slots for a verify row; the worker writes the first 1 + count
-(t and the proposed drafts) at their positions, and the row's positions past them go to a
-spare column of `req_to_token` (`RequestSlots.spare_column`) that no row attends. Positions
+(t and the proposed drafts) at their positions. On a GPU the row's positions past them compute
+with filler inputs and go to a spare column of `req_to_token` (`RequestSlots.spare_column`)
+that no row attends; on the CPU they are not computed (`WorkerEngine._resolve_rows`). Positions
 saturate at the context's last: a row still launched after its request reached the context
 (the scheduler learns it a step late) computes in place and its tokens are dropped.
 """
@@ -38,14 +39,30 @@ from dataclasses import dataclass
 import torch
 
 from stepahead.speculative import SpeculativeConfig
-from worker_svc.ngram import NO_DRAFT, propose
+from worker_svc.ngram import NO_DRAFT, NgramDrafts, propose
 
-__all__ = ["Accepted", "Drafted", "Speculation", "accept"]
+__all__ = ["Accepted", "Drafted", "Lookup", "Speculation", "accept"]
 
 # Bits of a sampling entry's state in what the copy takes to the host (`Accepted.entry_state`).
 EMITTED = 1  # the entry's sample is one of the row's emitted tokens
 PROPOSED = 2  # the entry's input is a proposed draft (a verify row's entry j >= 1)
 FOUND = 4  # on a row's first entry: the lookup found drafts for it at this step, carried or not
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A launch's verify rows' prompt lookup (all [Bv, ...], on the device)."""
+
+    base: torch.Tensor  # [Bv] position of each row's pending token
+    pending: torch.Tensor  # [Bv] the pending token
+    proposal: NgramDrafts  # the drafts found, whether the rows carry them or not
+
+    def select(self, index: torch.Tensor) -> Lookup:
+        """The lookup of rows `index` of these."""
+        proposal = NgramDrafts(
+            self.proposal.tokens.index_select(0, index), self.proposal.counts.index_select(0, index)
+        )
+        return Lookup(self.base.index_select(0, index), self.pending.index_select(0, index), proposal)
 
 
 @dataclass(frozen=True)
@@ -119,30 +136,31 @@ class Speculation:
         """Rows that sampled one token: it is pending at `positions` [R]."""
         self.next_pos.index_copy_(0, slots, positions)
 
-    def draft(
-        self,
-        slots: torch.Tensor,
-        pending: torch.Tensor,
-        req_to_token: torch.Tensor,
-        width: int,
-        drafting: torch.Tensor | None = None,
-    ) -> Drafted:
-        """Drafts for the rows of request `slots` [Bv] whose pending tokens are `pending` [Bv];
-        `width`: a bound on their lengths (the scheduler's), at most the context; `drafting`
-        [Bv]: which rows carry drafts (None: none does). Every row is looked up: what it found
-        tells the scheduler whether its next rows should carry drafts."""
+    def look_up(
+        self, slots: torch.Tensor, pending: torch.Tensor, req_to_token: torch.Tensor, width: int
+    ) -> Lookup:
+        """The lookup for the rows of request `slots` [Bv] whose pending tokens are `pending`
+        [Bv]; `width`: a bound on their lengths (the scheduler's), at most the context."""
         config = self.config
         assert config is not None, "a verify row in a session without speculation"
-        k, context = config.num_speculative_tokens, self.context
         base = self.next_pos.index_select(0, slots)
-        offsets = torch.arange(k + 1, device=slots.device)
-        positions = base[:, None] + offsets[None, :]
         table = req_to_token.index_select(0, slots)[:, :width]
         history = self.kv_token.index_select(0, table.reshape(-1)).view(table.shape)
         history.scatter_(1, base[:, None].clamp(max=width - 1), pending[:, None])
         lengths = (base + 1).clamp(max=width)
-        low, high = config.prompt_lookup_min, config.prompt_lookup_max
-        proposal = propose(history, lengths, low, high, k, context)
+        low, high, k = config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
+        return Lookup(base, pending, propose(history, lengths, low, high, k, self.context))
+
+    def draft(self, lookup: Lookup, drafting: torch.Tensor | None = None) -> Drafted:
+        """The looked-up rows' inputs and positions; `drafting` [Bv]: which rows carry their
+        drafts (None: none does). Every row is looked up: what it found tells the scheduler
+        whether its next rows should carry drafts."""
+        config = self.config
+        assert config is not None, "a verify row in a session without speculation"
+        k, context = config.num_speculative_tokens, self.context
+        base, pending, proposal = lookup.base, lookup.pending, lookup.proposal
+        offsets = torch.arange(k + 1, device=base.device)
+        positions = base[:, None] + offsets[None, :]
         counts = proposal.counts * drafting if drafting is not None else torch.zeros_like(base)
         drafts = torch.where(offsets[None, 1:] <= counts[:, None], proposal.tokens, NO_DRAFT)
         proposed = offsets[None, :] <= counts[:, None]  # t, then the proposed drafts

@@ -58,7 +58,7 @@ class ResultProcessor:
         Plain rows (a request still running since the batch was launched, past its first
         token of this attempt, without log-probabilities or stop ids of its own) are applied a
         column at a time; the others one by one (`_process_row`, `_process_verified`)."""
-        if token_counts or batch.verifying:
+        if token_counts or batch.verifying or drafts_found:
             self._apply_counted(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
             return
         if len(token_ids) != len(batch.sampled):
