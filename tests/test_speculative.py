@@ -325,6 +325,42 @@ async def test_a_grammar_whose_output_repeats_accepts_drafts_and_its_finish_ends
         assert accepted_tokens(engine) > drafts, "drafting rows must accept more than one draft each"
 
 
+GREETING = "good morning to everyone in the room"
+FIXED_TEXT = {
+    "type": "object",
+    "properties": {
+        "greeting": {"const": GREETING},
+        "count": {"enum": [1, 2, 3]},
+    },
+    "required": ["greeting", "count"],
+    "additionalProperties": False,
+}
+
+
+async def test_the_tokens_a_grammar_forces_are_drafted_on_the_cpu() -> None:
+    """On the CPU a constrained row drafts the tokens its grammar forces next (asked of its
+    matcher once the grammar thread has taken the last step's tokens): an output that is
+    mostly fixed text is accepted a run of drafts at a time, where prompt lookup alone (the
+    rows as a GPU shapes them) finds little of it. The same tokens either way."""
+    item = WorkItem(
+        "fixed", [120, 121, 122], params(90, constraint=Constraint("json", json.dumps(FIXED_TEXT))), 0.0
+    )
+    reference, _, _ = await serve_workload("tiny", "overlap", [item])
+    accepted: dict[tuple[int, bool], float] = {}
+    for depth, resolved in ROW_SHAPES:
+        got, core, engine = await serve_workload(
+            "tiny", "overlap", [item], depth=depth, speculative=SPEC, host_reads_free=resolved
+        )
+        check_drained(core, engine)
+        assert_same_tokens([item], reference, got)
+        assert json.loads(got["fixed"].text)["greeting"] == GREETING
+        accepted[depth, resolved] = accepted_tokens(engine)
+    fixed = len(f'{{"greeting": "{GREETING}", "count": ')
+    for depth in (1, 2):
+        assert accepted[depth, True] >= fixed // 2, accepted
+        assert accepted[depth, True] >= 2 * accepted[2, False], accepted
+
+
 REPEATED_LIST = {
     "type": "array",
     "items": {"type": "object", "properties": {"k": {"const": "v"}}, "required": ["k"]},

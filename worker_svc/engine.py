@@ -58,6 +58,7 @@ from worker_svc.device_streams import DeviceStreams, PendingCopy, transfers_thro
 from worker_svc.forward_thread import COPY, enter_inference_mode, forward_thread, named
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
 from worker_svc.logits_processors import HostSampled, Sampled, pack_for_host, unpack_from_host
+from worker_svc.ngram import NO_DRAFT
 from worker_svc.ranks import (
     Command,
     GroupBroken,
@@ -556,7 +557,11 @@ class WorkerEngine:
             return _Resolved(launch)
         context = self.backend.max_context_len
         width = max(min(launch.row_start_pos[i] + 1, context) for i in future)
-        lookup = self._look_up(self.streams.to_device([launch.row_req_slots[i] for i in future]), width)
+        slots = [launch.row_req_slots[i] for i in future]
+        forced = self._ask_forced(slots)
+        lookup = self._look_up(self.streams.to_device(slots), width)
+        if forced is not None:
+            self._force_drafts(lookup, *forced, context)
         # NOTE: no wait: the forward thread is the device.
         counts, bases = lookup.proposal.counts.tolist(), lookup.base.tolist()
         sizes, starts = list(launch.row_num_tokens), list(launch.row_start_pos)
@@ -578,6 +583,40 @@ class WorkerEngine:
         if not verifying:
             return _Resolved(resolved, None, sampling_found)
         return _Resolved(resolved, lookup.select(self.streams.to_device(verifying)), sampling_found)
+
+    def _ask_forced(
+        self, slots: list[int]
+    ) -> tuple[list[int], concurrent.futures.Future[list[list[int]]]] | None:
+        """Which of the rows of request `slots` are constrained, and the tokens their grammars
+        force next, on the way (one rank only: the other ranks have no matchers to agree on)."""
+        grammar = self._grammar_thread
+        if grammar is None or self.ranks is not None or not len(self._grammars):
+            return None
+        rows = [j for j, slot in enumerate(slots) if slot in self._grammars]
+        if not rows:
+            return None
+        return rows, grammar.forced([slots[j] for j in rows], self._speculation.draft_tokens)
+
+    def _force_drafts(
+        self,
+        lookup: Lookup,
+        rows: list[int],
+        forced: concurrent.futures.Future[list[list[int]]],
+        context: int,
+    ) -> None:
+        """A constrained row whose grammar forces its next tokens drafts them, in place of what
+        the lookup found: the entry before each can draw nothing else, so each is accepted.
+
+        NOTE: the grammar thread answers once it has taken the last step's tokens: its copy is
+        on the host as soon as its forward ends (the CPU), and the masks, which take the
+        longer, are still filled while this step's forward runs."""
+        tokens, counts, bases = lookup.proposal.tokens, lookup.proposal.counts, lookup.base.tolist()
+        for j, drafts in zip(rows, forced.result(), strict=True):
+            drafts = drafts[: max(context - 1 - bases[j], 0)]
+            if drafts:
+                tokens[j].fill_(NO_DRAFT)
+                tokens[j, : len(drafts)] = torch.tensor(drafts, dtype=tokens.dtype)
+                counts[j] = len(drafts)
 
     def _store_verified(
         self, rows: HostRows, on_device: DeviceRows, drafted: Drafted, ids: torch.Tensor

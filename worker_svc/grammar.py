@@ -135,6 +135,13 @@ class MatcherTable:
             raise GrammarError(f"slot {slot}: draft {token} was validated but not taken: {problem}")
         return True
 
+    def forced(self, slot: int, limit: int) -> list[int]:
+        """The tokens `slot`'s grammar forces next, up to `limit` (none once it has finished)."""
+        matcher = self._matchers[slot]
+        if matcher.is_stopped() or matcher.is_error():
+            return []
+        return list(matcher.compute_ff_tokens()[:limit])
+
     def rollback(self, slot: int, tokens: int) -> None:
         """`slot`'s matcher forgets its last `tokens` tokens (drafts taken for now)."""
         if tokens and not self._matchers[slot].rollback(tokens):

@@ -76,6 +76,9 @@ class SlotGrammars:
     def __len__(self) -> int:
         return len(self._slots)
 
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._slots
+
     def apply(self, launch: Launch) -> tuple[list[int], list[tuple[int, GrammarConstraint]]]:
         """The launch's slot deltas: constrained slots released, and registered (a slot
         registered again, plain or constrained, loses its earlier grammar)."""
@@ -174,6 +177,11 @@ class GrammarThread:
             return self._thread.submit(self._fill_masks, rows.slots)
         return self._thread.submit(self._fill_verify_masks, rows, drafts)
 
+    def forced(self, slots: list[int], limit: int) -> concurrent.futures.Future[list[list[int]]]:
+        """The tokens each slot's grammar forces next, up to `limit`, once every earlier
+        launch's tokens are taken (a slot with no live matcher: none)."""
+        return self._thread.submit(self._forced, slots, limit)
+
     def advance(self, step: GrammarStep) -> None:
         with self._pending_lock:
             self._pending.add(step)
@@ -271,6 +279,10 @@ class GrammarThread:
         self._metrics.grammar_mask_seconds.observe(time.perf_counter() - start)
         self._metrics.grammar_masked_rows.inc(len(rows.slots))
         return bitmask
+
+    def _forced(self, slots: list[int], limit: int) -> list[list[int]]:
+        table = self.table
+        return [table.forced(slot, limit) if slot in table else [] for slot in slots]
 
     def _advance(self, step: GrammarStep) -> None:
         try:
