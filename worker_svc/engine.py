@@ -560,10 +560,10 @@ class WorkerEngine:
         slots = [launch.row_req_slots[i] for i in future]
         forced = self._ask_forced(slots)
         lookup = self._look_up(self.streams.to_device(slots), width)
+        bases = lookup.base.tolist()  # NOTE: no wait: the forward thread is the device
         if forced is not None:
-            self._force_drafts(lookup, *forced, context)
-        # NOTE: no wait: the forward thread is the device.
-        counts, bases = lookup.proposal.counts.tolist(), lookup.base.tolist()
+            self._force_drafts(lookup, bases, *forced, context)
+        counts = lookup.proposal.counts.tolist()
         sizes, starts = list(launch.row_num_tokens), list(launch.row_start_pos)
         verifying: list[int] = []
         found = dict.fromkeys(range(launch.num_rows), False)
@@ -600,6 +600,7 @@ class WorkerEngine:
     def _force_drafts(
         self,
         lookup: Lookup,
+        bases: list[int],
         rows: list[int],
         forced: concurrent.futures.Future[list[list[int]]],
         context: int,
@@ -610,7 +611,7 @@ class WorkerEngine:
         NOTE: the grammar thread answers once it has taken the last step's tokens: its copy is
         on the host as soon as its forward ends (the CPU), and the masks, which take the
         longer, are still filled while this step's forward runs."""
-        tokens, counts, bases = lookup.proposal.tokens, lookup.proposal.counts, lookup.base.tolist()
+        tokens, counts = lookup.proposal.tokens, lookup.proposal.counts
         for j, drafts in zip(rows, forced.result(), strict=True):
             drafts = drafts[: max(context - 1 - bases[j], 0)]
             if drafts:
