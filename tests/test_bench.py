@@ -1242,8 +1242,10 @@ def test_model_speed_reads_llama_bench_as_it_is_run(tmp_path: Path) -> None:
     )
     fake.chmod(0o755)
     assert model_speed.llama_bench_tok_s(fake, tmp_path / "m.gguf", 2, 32) == 104.25
-    assert set(model_speed.MODES) == {"float32", "bfloat16", "int8", "int4"}
-    assert model_speed.MODES["int4"] == ("bfloat16", "int4")
+    assert set(model_speed.MODES) == {"float32", "bfloat16", "int8", "int4", "int8-torch", "int4-torch"}
+    # int4 on Stepahead's kernels (float32 activations), int4-torch on torch's (bfloat16)
+    assert model_speed.MODES["int4"] == ("float32", "int4")
+    assert model_speed.MODES["int4-torch"] == ("bfloat16", "int4")
 
 
 def test_rpc_floor_finds_a_cost_per_call_and_per_message() -> None:

@@ -5,6 +5,7 @@ smollm2` answering the official OpenAI client, with /metrics (model_name), /toke
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -67,6 +68,18 @@ def test_pip_install_of_a_clone_then_stepahead_serve_smollm2(tmp_path: Path) -> 
     # transformers serves too: its GGUF conversion rebuilds a GGUF's tokenizer (worker_svc/gguf.py).
     for development_only in ("pytest", "matplotlib", "grpcio-tools", "mypy", "accelerate", "openai"):
         assert f"\n{development_only}==" not in f"\n{installed}", f"{development_only} is not for serving"
+    # The CPU kernels' source is installed, and builds there (into a cache of its own).
+    kernels = "from worker_svc import cpu_kernels as k; assert k.load(), k.unavailable(); print(k.SOURCE)"
+    built = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", kernels],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "STEPAHEAD_CACHE_DIR": str(tmp_path / "cache")},
+        timeout=INSTALL_TIMEOUT_S,
+    )
+    assert built.returncode == 0 and "site-packages" in built.stdout, built.stderr
+    assert len(list((tmp_path / "cache").glob("cpu_kernels-*.so"))) == 1
 
     http_port, grpc_port = unused_port(), unused_port()
     serve = [str(venv / "bin" / "stepahead"), "serve", "smollm2", "--port", str(http_port)]

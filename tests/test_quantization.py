@@ -20,13 +20,14 @@ from tokenizers import Tokenizer
 from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
 from tests.live import CALL_TIMEOUT_S, unused_port
 from worker_svc.cli import parse_args
+from worker_svc.cpu_kernels import Q4, Q8
 from worker_svc.dtypes import choose_dtype
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, dequantize_tensor, int4_blocks, load_gguf, smollm2_path
 from worker_svc.layers import KVCache, Linear, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, load_llama_with_blocks
 from worker_svc.model import LlamaForCausalLM, ModelConfig, new_model, prepare_for_serving
-from worker_svc.quantization import Int4Blocks, Int4Linear, Int8Linear, quantized_linear
+from worker_svc.quantization import BlockLinear, Int4Blocks, Int4Linear, Int8Linear, quantized_linear
 
 CPU = torch.device("cpu")
 
@@ -201,7 +202,10 @@ def test_quantized_layers_compute_their_weights() -> None:
 
 def test_quantization_flags_refuse_what_they_cannot_serve(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, said in [
-        (["--quantization", "int4", "--dtype", "float32"], "--quantization int4: computes in bfloat16"),
+        (
+            ["--quantization", "int4", "--dtype", "float16"],
+            "--quantization int4: computes in float32 (Stepahead's",
+        ),
         (["--quantization", "int8", "--tp", "2"], "--quantization int8: serves with --tp 1 only"),
         (["--quantization", "int2"], "--quantization: invalid choice"),
     ]:
@@ -209,10 +213,14 @@ def test_quantization_flags_refuse_what_they_cannot_serve(capsys: pytest.Capture
             parse_args(argv)
         assert said in capsys.readouterr().err
     assert parse_args(["--quantization", "int4"]).placement.quantization == "int4"
+    assert parse_args(["--quantization", "int4", "--dtype", "bfloat16"]).placement.dtype == "bfloat16"
     with pytest.raises(ValueError, match="CPU only"):
         choose_dtype(None, torch.device("cuda"), "int4")
-    dtype, why = choose_dtype(None, CPU, "int4")
-    assert dtype == torch.bfloat16 and "int4 weights with bfloat16 activations" in why
+    dtype, why = choose_dtype("bfloat16", CPU, "int4")
+    assert (
+        dtype == torch.bfloat16
+        and "int4 weights with bfloat16 activations on the CPU, torch's kernels" in why
+    )
 
 
 def _mean_nll(model: LlamaForCausalLM, tokens: list[int]) -> float:
@@ -229,35 +237,51 @@ def held_out_tokens() -> list[int]:
     return Tokenizer.from_str(loaded.tokenizer_json.decode()).encode(HELD_OUT).ids
 
 
-def _served(quantization: str) -> LlamaForCausalLM:
-    dtype = torch.float32 if quantization == "none" else torch.bfloat16
+def _served(quantization: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """smollm2 as the worker serves it: `quantization` on Stepahead's kernels in float32, on torch's
+    in bfloat16."""
     model, _, blocks = load_llama_with_blocks(SMOLLM2_NAME, CPU, dtype, keep_int4=quantization == "int4")
     prepare_for_serving(model, quantization, blocks)
     return model
 
 
 # Mean per-token negative log-likelihood of HELD_OUT above float32's, in nats, at most (measured:
-# float32 4.250, int4 4.260 (the file's own 4-bit weights), int8 4.281 (re-rounded per channel)).
+# float32 4.2498; Stepahead's kernels int4 4.2496 (the file's own 4-bit weights, which float32
+# dequantizes), int8 4.2495 (a scale a block of 32, as Q8_0); torch's int4 4.261, int8 4.277).
 NLL_MARGIN = {"int8": 0.05, "int4": 0.10}
 
 
+@pytest.fixture(scope="module")
+def exact_nll(held_out_tokens: list[int]) -> float:
+    return _mean_nll(_served("none"), held_out_tokens)
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["stepahead-kernels", "torch-kernels"])
 def test_quantized_smollm2_scores_held_out_text_as_float32_does(
-    quantization: str, held_out_tokens: list[int]
+    quantization: str, dtype: torch.dtype, held_out_tokens: list[int], exact_nll: float
 ) -> None:
-    exact = _mean_nll(_served("none"), held_out_tokens)
-    quantized_model = _served(quantization)
-    assert isinstance(quantized_model.lm_head, Int8Linear)  # the output layer stays at 8 bits
-    kind = Int4Linear if quantization == "int4" else Int8Linear
+    exact = exact_nll
+    quantized_model = _served(quantization, dtype)
     layer = quantized_model.model.layers[0]
-    assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.self_attn.qkv_proj, kind)
+    assert isinstance(layer, LlamaDecoderLayer)
+    if dtype == torch.float32:
+        head, projection = quantized_model.lm_head, layer.self_attn.qkv_proj
+        assert isinstance(head, BlockLinear) and head.kind == Q8  # the output layer stays at 8 bits
+        assert isinstance(projection, BlockLinear) and projection.kind == (
+            Q4 if quantization == "int4" else Q8
+        )
+    else:
+        assert isinstance(quantized_model.lm_head, Int8Linear)
+        kind = Int4Linear if quantization == "int4" else Int8Linear
+        assert isinstance(layer.self_attn.qkv_proj, kind)
     quantized = _mean_nll(quantized_model, held_out_tokens)
     assert math.isfinite(quantized) and 1.0 < exact < 6.0
     assert abs(quantized - exact) <= NLL_MARGIN[quantization], (quantization, exact, quantized)
 
 
 def test_int4_uses_the_files_blocks_not_a_requantization() -> None:
-    model = _served("int4")
+    model = _served("int4", torch.bfloat16)
     reader = GGUFReader(smollm2_path())
     (down,) = [t for t in reader.tensors if t.name == "blk.0.ffn_down.weight"]
     blocks = int4_blocks(down)
@@ -269,6 +293,10 @@ def test_int4_uses_the_files_blocks_not_a_requantization() -> None:
     zeros = (blocks.minimum + 8 * blocks.scale).bfloat16()
     assert torch.equal(layer.scales_and_zeros[..., 0], blocks.scale.t().bfloat16())
     assert torch.equal(layer.scales_and_zeros[..., 1], zeros.t())
+    # On Stepahead's kernels, the weight read back through them is the file's own.
+    ours = _served("int4").model.layers[0]
+    assert isinstance(ours, LlamaDecoderLayer) and isinstance(ours.mlp.down_proj, BlockLinear)
+    torch.testing.assert_close(ours.mlp.down_proj.dequantized(), blocks.dequantized(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     check_tls_server_args(p, args, client_ca_required=True)
     if args.tp is not None and args.tp < 1:
         p.error(f"--tp: must be >= 1, got {args.tp}")
-    if args.quantization != "none" and args.dtype not in (None, "bfloat16"):
+    if args.quantization != "none" and args.dtype not in (None, "float32", "bfloat16"):
         p.error(
-            f"--quantization {args.quantization}: computes in bfloat16, not --dtype {args.dtype} "
-            "(--dtype float32 is the exact mode, unquantized)"
+            f"--quantization {args.quantization}: computes in float32 (Stepahead's kernels) or "
+            f"bfloat16 (torch's), not --dtype {args.dtype}"
         )
     if args.quantization != "none" and args.tp is not None and args.tp > 1:
         p.error(f"--quantization {args.quantization}: serves with --tp 1 only")
@@ -123,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=QUANTIZATIONS,
         default=ModelPlacement.quantization,
-        help="keep the weights quantized on the CPU, computing in bfloat16: int4 (a GGUF's Q4_0/Q4_1 "
-        "weights as the file holds them, others grouped by 32) or int8 (one scale a channel); the "
-        "output layer stays 8-bit. Faster, not exact",
+        help="keep the weights quantized on the CPU: int4 (a GGUF's Q4_0/Q4_1 weights as the file "
+        "holds them, others grouped by 32) or int8; the output layer stays 8-bit. Computed in float32 "
+        "by Stepahead's kernels (x86-64 AVX2, built on first use with the C compiler), else or with "
+        "--dtype bfloat16 by torch's. Faster, not exact",
     )
     p.add_argument("--kv-slots", type=int, default=WorkerConfig.kv_slots, help="KV pool size in tokens")
     p.add_argument(

@@ -3,14 +3,18 @@
 On the CPU the default is float32, the exact mode: token for token transformers' (the tests hold
 it so). bfloat16 halves the bytes a decode step reads and runs on the processor's bf16 matrix
 units where it has them (`avx512_bf16`, AMX), but its greedy tokens drift from float32's, so it
-is asked for, not assumed. `--quantization int4|int8` (worker_svc.quantization) computes in
-bfloat16 over weights kept quantized, on the CPU only; the default's log line names it where
-torch's int4 kernel is vectorized. On CUDA the default is bfloat16 (tensor cores, half the memory).
+is asked for, not assumed. `--quantization int4|int8` (worker_svc.quantization) keeps the weights
+quantized, on the CPU only, and computes in float32 with Stepahead's own kernels where they can be
+had (worker_svc.cpu_kernels), else (or with `--dtype bfloat16`) in bfloat16 with torch's; the
+default's log line names it where torch's int4 kernel is vectorized. On CUDA the default is
+bfloat16 (tensor cores, half the memory).
 """
 
 from __future__ import annotations
 
 import torch
+
+from worker_svc import cpu_kernels
 
 DTYPES = {
     "float32": torch.float32,
@@ -45,16 +49,7 @@ def choose_dtype(
     """The dtype for `device` (`requested`: --dtype, None for the default) and a sentence on why,
     for the start-up log; ValueError where --quantization rules it out."""
     if quantization != "none":
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization}: CPU only (torch's CPU int4/int8 kernels)")
-        if requested not in (None, "bfloat16"):
-            raise ValueError(
-                f"--quantization {quantization} computes in bfloat16, not --dtype {requested} "
-                "(its kernels take bfloat16 activations; --dtype float32 is the exact mode, unquantized)"
-            )
-        return torch.bfloat16, (
-            f"{quantization} weights with bfloat16 activations on the CPU (--quantization {quantization})"
-        )
+        return _quantized_dtype(requested, device, quantization)
     if device.type != "cpu":
         name = requested or "bfloat16"
         return DTYPES[name], f"{name} on {device.type}" + ("" if requested else " (the default there)")
@@ -73,3 +68,27 @@ def choose_dtype(
             "it is computed in emulation and may be slower than float32"
         )
     return DTYPES[requested], f"{requested} on the CPU as asked"
+
+
+def _quantized_dtype(
+    requested: str | None, device: torch.device, quantization: str
+) -> tuple[torch.dtype, str]:
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization}: CPU only (its kernels are the CPU's)")
+    if requested not in (None, "float32", "bfloat16"):
+        raise ValueError(
+            f"--quantization {quantization} computes in float32 (Stepahead's kernels) or bfloat16 "
+            f"(torch's), not --dtype {requested}"
+        )
+    why_not = cpu_kernels.unavailable()
+    if requested == "bfloat16" or (requested is None and why_not is not None):
+        because = "as asked" if requested else f"Stepahead's CPU kernels are not used here: {why_not}"
+        return torch.bfloat16, (
+            f"{quantization} weights with bfloat16 activations on the CPU, torch's kernels ({because})"
+        )
+    if why_not is not None:
+        raise ValueError(f"--quantization {quantization} --dtype float32: no CPU kernels here ({why_not})")
+    return torch.float32, (
+        f"{quantization} weights with float32 activations on the CPU, Stepahead's kernels "
+        f"(--quantization {quantization}; --dtype bfloat16 for torch's)"
+    )

@@ -17,6 +17,8 @@ from worker_svc.device_streams import to_device_columns
 from worker_svc.forward_batch import ForwardBatch, VerifyRows
 
 if TYPE_CHECKING:
+    from worker_svc.cpu_kernels import Kernels
+
     # NOTE: a type only here; worker_svc.model builds its model from these layers.
     from worker_svc.model import ModelConfig
 
@@ -329,18 +331,26 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    # Stepahead's CPU kernels, where the model runs on them (`use_cpu_kernels`)
+    kernels: Kernels | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # NOTE: one fused op (normalised in float32 whatever the model dtype) in place of the
         # eight of the written-out formula: a decode step at batch 1 runs 61 of them.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
+    # Stepahead's CPU kernels, where the model runs on them (`use_cpu_kernels`): decode rows
+    kernels: Kernels | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -363,8 +373,19 @@ class LlamaAttention(nn.Module):
         out_kv_slots: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        q, k, v = self._project(x, rope)
         k_pool, v_pool = kv
+        if (
+            self.kernels is not None
+            and self.qkv_proj is not None
+            and self.q_norm is None
+            and x.dtype == torch.float32
+        ):
+            # Rotated and written in one call (the same arithmetic as `_project` and the copies)
+            q = self.kernels.rope_store(
+                self.qkv_proj(x), rope[0], rope[1], self.num_heads, k_pool, v_pool, out_kv_slots
+            )
+            return self.o_proj(self._attend(q, k_pool, v_pool, plan))  # type: ignore[no-any-return]
+        q, k, v = self._project(x, rope)
         # Written before attending: every row's context includes its own new tokens.
         k_pool.index_copy_(0, out_kv_slots, k.to(k_pool.dtype))
         v_pool.index_copy_(0, out_kv_slots, v.to(v_pool.dtype))
@@ -420,6 +441,10 @@ class LlamaAttention(nn.Module):
     def _attend_decode(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: DecodeGroup
     ) -> torch.Tensor:
+        if self.kernels is not None and q.dtype == torch.float32:
+            q_rows = q if group.whole_batch else q.index_select(0, group.token_index)
+            valid = group.mask.view(group.kv_slots.shape)
+            return self.kernels.decode_attention(q_rows, k_pool, v_pool, group.kv_slots, valid)
         q_rows = (q if group.whole_batch else q.index_select(0, group.token_index))[:, None]
         dtype = _attention_dtype(q)
         k, v = _gather(k_pool, group.kv_slots, dtype), _gather(v_pool, group.kv_slots, dtype)
@@ -443,6 +468,16 @@ class LlamaAttention(nn.Module):
         return grouped_attention(q[None].to(dtype), k, v, row.mask)[0].to(q.dtype)
 
 
+def use_cpu_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Run `model`'s norms, rotations and KV writes, silu(gate) * up and decode rows' attention on
+    Stepahead's CPU kernels (float32): a decode step's small operators cost more than its products
+    there (docs/BENCHMARKS.md). Not in the exact mode, whose float32 follows transformers'
+    operators."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+            module.kernels = kernels
+
+
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
     """What attention computes in: on the CPU float32 for bfloat16 activations.
 
@@ -459,6 +494,9 @@ def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 class LlamaMLP(nn.Module):
+    # Stepahead's CPU kernels, where the model runs on them (`use_cpu_kernels`): silu(gate) * up
+    kernels: Kernels | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # As checkpoints name them; `fuse` stacks gate/up into gate_up_proj for serving.
@@ -476,6 +514,8 @@ class LlamaMLP(nn.Module):
         self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and self.gate_up_proj is not None and x.dtype == torch.float32:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))  # type: ignore[no-any-return]
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:

@@ -1,18 +1,23 @@
-"""Weight-only quantization on the CPU: linear layers whose weights stay 4-bit or 8-bit in memory
-and are multiplied by torch's own CPU kernels, with bfloat16 activations.
+"""Weight-only quantization on the CPU: linear layers whose weights stay 4-bit or 8-bit in memory.
 
-- `int4`: groups of 32 inputs, w = code * scale + minimum with codes 0..15, multiplied by
-  `_weight_int4pack_mm_for_cpu`. That is exactly the layout of a GGUF's Q4_1 blocks (Q4_0's is the
-  case minimum = -8 * scale), so a GGUF's 4-bit weights are taken as the file holds them
-  (`Int4Blocks` from `worker_svc.gguf`); other weights are grouped by their own minimum and maximum.
-- `int8`: one symmetric scale per output channel (`_weight_int8pack_mm`).
+- `int4`: groups of 32 inputs, w = code * scale + minimum with codes 0..15. That is exactly the
+  layout of a GGUF's Q4_1 blocks (Q4_0's is the case minimum = -8 * scale), so a GGUF's 4-bit
+  weights are taken as the file holds them (`Int4Blocks` from `worker_svc.gguf`); other weights
+  are grouped by their own minimum and maximum.
+- `int8`: 8-bit codes with a symmetric scale.
 
 The output layer is kept at 8 bits in both modes (as llama.cpp's 4-bit files keep it at Q8_0)
 unless the file itself holds it at 4 bits.
 
-NOTE: both kernels take bfloat16 activations and scales; in float32 they run about ten times
-slower on the CPU. So the scales and minima are rounded to bfloat16, which moves a GGUF's fp16
-scales by at most 2^-9 of their value.
+Two families of kernels, chosen by the model's dtype:
+- float32 (the default where they can be had): Stepahead's own (`worker_svc.cpu_kernels`,
+  `BlockLinear`): scales per block of 32 inputs in both modes (int8 as a GGUF's Q8_0, so a Q8_0
+  tensor's codes come back as the file holds them), activations rounded to 8 bits a block and
+  multiplied on integers, as llama.cpp does.
+- bfloat16: torch's (`Int4Linear`: `_weight_int4pack_mm_for_cpu`; `Int8Linear`: one scale per
+  output channel, `_weight_int8pack_mm`). Both take bfloat16 activations and scales; in float32
+  they run about ten times slower. So the scales and minima are rounded to bfloat16, which moves a
+  GGUF's fp16 scales by at most 2^-9 of their value.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from worker_svc.layers import FUSED_PROJECTIONS, Linear
+from worker_svc import cpu_kernels
+from worker_svc.cpu_kernels import BLOCK, Q4, Q8, Kernels
+from worker_svc.layers import FUSED_PROJECTIONS, Linear, use_cpu_kernels
 
 if TYPE_CHECKING:
     from worker_svc.model import LlamaForCausalLM
@@ -32,7 +39,7 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32  # inputs sharing a scale and minimum: GGUF's Q4_0/Q4_1 block
 INT4_ROWS = 16  # the int4 kernel packs outputs in multiples of this
-ACTIVATIONS = torch.bfloat16  # what both kernels take
+ACTIVATIONS = torch.bfloat16  # what both of torch's kernels take
 
 
 @dataclass(frozen=True)
@@ -126,18 +133,116 @@ class Int8Linear(nn.Module):
         return result
 
 
+class BlockLinear(nn.Module):
+    """A linear layer over weights in blocks of 32 inputs (Q4: codes packed two a byte, a scale and
+    a minimum a block; Q8: signed codes and a scale a block), multiplied by Stepahead's CPU kernels
+    with float32 activations."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        kind: int,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> None:
+        """codes [out, in] (Q4: uint8 0..15; Q8: int8), scale and minimum [out, in / 32]."""
+        super().__init__()
+        self.kernels, self.kind = kernels, kind
+        self.out_features, self.in_features = codes.shape
+        packed = cpu_kernels.pack_q4(codes) if kind == Q4 else cpu_kernels.pack_q8(codes)
+        self.register_buffer("codes", packed)
+        self.register_buffer("scale", cpu_kernels.pack_scales(scale))
+        self.register_buffer("minimum", None if minimum is None else cpu_kernels.pack_scales(minimum))
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def q4(cls, kernels: Kernels, blocks: Int4Blocks, bias: torch.Tensor | None) -> BlockLinear:
+        """The 4-bit blocks as they are."""
+        return cls(kernels, Q4, blocks.codes, blocks.scale, blocks.minimum, bias)
+
+    @classmethod
+    def q8(cls, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+        """Each block's codes -127..127 over its largest magnitude, as a GGUF's Q8_0."""
+        out, inputs = weight.shape
+        groups = weight.float().reshape(out, inputs // BLOCK, BLOCK)
+        scale = groups.abs().amax(-1) / 127
+        codes = (
+            (groups / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
+        )
+        return cls(kernels, Q8, codes.to(torch.int8).reshape(out, inputs), scale, None, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the layer multiplies by, read back through the kernels with
+        unit inputs (which 8 bits hold exactly)."""
+        eye = torch.eye(self.in_features)
+        with torch.no_grad():
+            return self.kernels.linear(
+                self.kind, eye, self.codes, self.scale, self.minimum, self.out_features
+            ).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        out = self.kernels.linear(self.kind, flat, self.codes, self.scale, self.minimum, self.out_features)
+        if self.bias is not None:
+            out += self.bias
+        result: torch.Tensor = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return result
+
+
+def blocks_fit(in_features: int) -> bool:
+    """Whether Stepahead's kernels take a weight of this many inputs."""
+    return in_features % BLOCK == 0
+
+
 def quantized_linear(
-    layer: Linear, names: Sequence[str], mode: str, blocks: Mapping[str, Int4Blocks]
+    layer: Linear,
+    names: Sequence[str],
+    mode: str,
+    blocks: Mapping[str, Int4Blocks],
+    kernels: Kernels | None = None,
 ) -> nn.Module:
     """`layer` quantized in `mode`; `names`: the checkpoint weights it stacks (one, or a fused
-    projection's parts), whose 4-bit blocks a file may hold. In `int4`, a weight that does not
-    pack is int8."""
+    projection's parts), whose 4-bit blocks a file may hold; `kernels`: Stepahead's, else torch's.
+    On Stepahead's, a weight whose inputs are not in blocks of 32 stays as it is; on torch's, in
+    `int4` a weight that does not pack is int8."""
     weight, bias = layer.weight, layer.bias
+    if kernels is not None and blocks_fit(weight.shape[1]):
+        if mode == "int4":
+            return BlockLinear.q4(kernels, _int4_blocks(weight, names, blocks), bias)
+        return BlockLinear.q8(kernels, weight, bias)
+    if kernels is not None:
+        return layer  # not in blocks of 32: kept in float32, as it was
     if mode == "int4" and int4_fits(*weight.shape):
-        own = [blocks[name] for name in names if name in blocks]
-        source = Int4Blocks.cat(own) if len(own) == len(names) else Int4Blocks.from_weight(weight)
-        return Int4Linear(source, bias)
+        return Int4Linear(_int4_blocks(weight, names, blocks), bias)
     return Int8Linear(weight, bias)
+
+
+def _int4_blocks(weight: torch.Tensor, names: Sequence[str], blocks: Mapping[str, Int4Blocks]) -> Int4Blocks:
+    """The file's own 4-bit blocks of `names` (stacked), else `weight` grouped anew."""
+    own = [blocks[name] for name in names if name in blocks]
+    return Int4Blocks.cat(own) if len(own) == len(names) else Int4Blocks.from_weight(weight)
+
+
+def kernels_for(dtype: torch.dtype, mode: str) -> Kernels | None:
+    """The kernels a model of `dtype` is quantized for: Stepahead's in float32 (ValueError where they
+    cannot be had), torch's (None) in bfloat16."""
+    if dtype == torch.bfloat16:
+        return None
+    if dtype != torch.float32:
+        raise ValueError(f"--quantization {mode}: computes in float32 or bfloat16, not {dtype}")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise ValueError(
+            f"--quantization {mode} in float32: no CPU kernels here ({cpu_kernels.unavailable()})"
+        )
+    return kernels
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4Blocks]) -> None:
@@ -146,6 +251,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     weights by checkpoint name. Embeddings and norms stay as they are."""
     if mode not in QUANTIZATIONS[1:]:
         raise ValueError(f"quantization {mode!r} is not one of {QUANTIZATIONS[1:]}")
+    kernels = kernels_for(model.dtype, mode)
     for i, layer in enumerate(model.model.layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             owner_name, attr = fused.split(".")
@@ -153,8 +259,10 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
             linear = getattr(owner, attr)
             assert isinstance(linear, Linear), f"{fused} is not a fused Linear"
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            setattr(owner, attr, quantized_linear(linear, names, mode, blocks))
+            setattr(owner, attr, quantized_linear(linear, names, mode, blocks, kernels))
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head_mode = mode if head_name in blocks else "int8"
     assert isinstance(model.lm_head, Linear)
-    model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks)
+    model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks, kernels)
+    if kernels is not None:
+        use_cpu_kernels(model, kernels)

@@ -1,0 +1,323 @@
+/* Stepahead's CPU kernels for weight-quantized linear layers (worker_svc/cpu_kernels.py builds and
+ * loads this file).
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ nothing else: the caller adds any bias), with w kept in
+ * blocks of 32 inputs:
+ *   - Q4: 4-bit codes 0..15 and a float scale and minimum a block: w = code * scale + minimum
+ *     (a GGUF's Q4_1 block; Q4_0's is minimum = -8 * scale).
+ *   - Q8: signed 8-bit codes and a float scale a block: w = code * scale (a GGUF's Q8_0).
+ * laid out for eight outputs at a time (below; cpu_kernels.py packs them).
+ * x is float32. Each block of 32 of a row is written as two 8-bit codes an input over a scale
+ * d = max |x| / 127: x = d * (q + r / 254) to within d / 508 (15 bits of its largest value), and the
+ * products are taken on integers (AVX2), two for each input. One 8-bit code alone (llama.cpp's
+ * Q8_1 activations) moves smollm2's greedy answers; the weights stay in memory at 4 or 8 bits, and
+ * at a decode step's few rows the time is mostly the time to read them.
+ *
+ * Threads: OpenMP, the `threads` given (the caller passes torch's own count, and torch's libgomp
+ * is the one loaded, so the kernels share torch's pool of helper threads).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32
+#define ROW_TILE 2 /* activation rows taken together over each group of weights */
+#define ROW_CHUNK 64 /* activation rows per pass over the weights (kept in cache) */
+#define FINE 254 /* the second part of an activation's code: its rounding error in steps of 1 / FINE */
+
+/* 4 x 8 int32 (each within -127..127) to 32 int8 in order: packs interleave the 128-bit lanes,
+ * so the result is permuted back */
+static inline __m256i pack_codes(const __m256i i32[4]) {
+    const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    return _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* One row of k floats in two 8-bit parts a block: x = d * (q + r / FINE) within d / (2 FINE),
+ * with d = max |x| / 127 (codes q, r), and the block's exact sum s (for the Q4 minimum). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, int8_t *r, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), fine = _mm256_set1_ps((float)FINE);
+    const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        const float *xb = x + b * BLOCK;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            sum = _mm256_add_ps(sum, v[j]);
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float maxabs = _mm_cvtss_f32(m);
+        const __m256 inv = _mm256_set1_ps(maxabs > 0.0f ? 127.0f / maxabs : 0.0f);
+        __m256i coarse[4], rest[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256 scaled = _mm256_mul_ps(v[j], inv);
+            const __m256 rounded = _mm256_round_ps(scaled, rounding);
+            coarse[j] = _mm256_cvtps_epi32(rounded);
+            rest[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(scaled, rounded), fine), rounding));
+        }
+        _mm256_storeu_si256((__m256i *)(q + b * BLOCK), pack_codes(coarse));
+        _mm256_storeu_si256((__m256i *)(r + b * BLOCK), pack_codes(rest));
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        d[b] = maxabs / 127.0f;
+        s[b] = _mm_cvtss_f32(t);
+    }
+}
+
+/* The weights are laid out for eight outputs at a time (a group), so that one 256-bit register
+ * holds four inputs of each of the eight (4 bytes a row) and a product lands each output's sum in
+ * its own lane: no horizontal sums, and a block's scaling is one multiply for the eight.
+ * Q4: [group][block][128 bytes]: bytes 32t .. 32t + 31 hold, for row i at 32t + 4i + q, the code of
+ *     input 4t + q in the low nibble and of input 16 + 4t + q in the high one (t, q in 0..3).
+ * Q8: [group][block][256 bytes]: bytes 32t + 4i + q hold row i's code of input 4t + q (t in 0..7).
+ * Scales and minima: [group][block][8 rows]. A last group past n holds zeros. */
+#define GROUP 8
+
+static inline __m256i broadcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* outputs 8g .. 8g + 7 of `count` (<= ROW_TILE) activation rows */
+static inline void q4_group(const uint8_t *wq, const float *wd, const float *wm, const int8_t *xq, const int8_t *xr,
+                            const float *xd, const float *xs, int64_t blocks, int64_t count,
+                            float acc_out[ROW_TILE][GROUP]) {
+    const __m256i ones = _mm256_set1_epi16(1), fine = _mm256_set1_epi16(FINE), low = _mm256_set1_epi8(0x0F);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i coarse[ROW_TILE], rest[ROW_TILE];
+        for (int r = 0; r < ROW_TILE; r++) coarse[r] = rest[r] = _mm256_setzero_si256();
+        const uint8_t *w = wq + b * 128;
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+            const __m256i lo = _mm256_and_si256(v, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int64_t r = 0; r < count; r++) {
+                const int64_t at = r * blocks * BLOCK + b * BLOCK;
+                /* at most 8 x 2 x 15 x 127 = 30480 a lane: int16 holds a block's sum */
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(lo, broadcast4(xq + at + 4 * t)));
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(hi, broadcast4(xq + at + 16 + 4 * t)));
+                rest[r] = _mm256_add_epi16(rest[r], _mm256_maddubs_epi16(lo, broadcast4(xr + at + 4 * t)));
+                rest[r] = _mm256_add_epi16(rest[r], _mm256_maddubs_epi16(hi, broadcast4(xr + at + 16 + 4 * t)));
+            }
+        }
+        const __m256 scale = _mm256_loadu_ps(wd + b * GROUP), minimum = _mm256_loadu_ps(wm + b * GROUP);
+        for (int64_t r = 0; r < count; r++) {
+            /* FINE * coarse + rest, in int32: at most 254 x 2 x 30480, far from overflow */
+            const __m256i both = _mm256_add_epi32(_mm256_madd_epi16(coarse[r], fine), _mm256_madd_epi16(rest[r], ones));
+            const __m256 step = _mm256_set1_ps(xd[r * blocks + b] / (float)FINE);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), _mm256_cvtepi32_ps(both), acc[r]);
+            acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xs[r * blocks + b]), acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < count; r++) _mm256_storeu_ps(acc_out[r], acc[r]);
+}
+
+static inline void q8_group(const int8_t *wq, const float *wd, const int8_t *xq, const int8_t *xr, const float *xd,
+                            int64_t blocks, int64_t count, float acc_out[ROW_TILE][GROUP]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 fine = _mm256_set1_ps((float)FINE);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i coarse[ROW_TILE], rest[ROW_TILE];
+        for (int r = 0; r < ROW_TILE; r++) coarse[r] = rest[r] = _mm256_setzero_si256();
+        const int8_t *w = wq + b * 256;
+        for (int t = 0; t < 8; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+            const __m256i magnitude = _mm256_sign_epi8(v, v);
+            for (int64_t r = 0; r < count; r++) {
+                const int64_t at = r * blocks * BLOCK + b * BLOCK + 4 * t;
+                /* |w| * (x with w's sign): maddubs wants its first operand unsigned */
+                const __m256i xc = _mm256_sign_epi8(broadcast4(xq + at), v), xf = _mm256_sign_epi8(broadcast4(xr + at), v);
+                coarse[r] = _mm256_add_epi32(coarse[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xc), ones));
+                rest[r] = _mm256_add_epi32(rest[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xf), ones));
+            }
+        }
+        const __m256 scale = _mm256_loadu_ps(wd + b * GROUP);
+        for (int64_t r = 0; r < count; r++) {
+            const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(coarse[r]), fine, _mm256_cvtepi32_ps(rest[r]));
+            const __m256 step = _mm256_set1_ps(xd[r * blocks + b] / (float)FINE);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), both, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < count; r++) _mm256_storeu_ps(acc_out[r], acc[r]);
+}
+
+/* out[m, n] for a Q4 (kind 4) or Q8 (kind 8) weight of n outputs and k inputs, laid out as above;
+ * wm is NULL for Q8. Returns 0, or -1 where the scratch for the quantized activations cannot be had. */
+int stepahead_linear(int kind, const float *x, int64_t m, int64_t k, const void *wq, const float *wd,
+                     const float *wm, int64_t n, float *out, int threads) {
+    const int64_t blocks = k / BLOCK, groups = (n + GROUP - 1) / GROUP;
+    int8_t *xq = (int8_t *)malloc((size_t)(2 * m * k)), *xr = xq + m * k;
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -1;
+    }
+    const int64_t group_bytes = (kind == 4 ? 128 : 256) * blocks;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (m * n * k > 1 << 16)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            quantize_row(x + r * k, k, xq + r * k, xr + r * k, xd + r * blocks, xs + r * blocks);
+        }
+        for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
+            const int64_t rows = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *w = (const uint8_t *)wq + g * group_bytes;
+                const int64_t outputs = n - g * GROUP < GROUP ? n - g * GROUP : GROUP;
+                for (int64_t r = 0; r < rows; r += ROW_TILE) {
+                    const int64_t count = rows - r < ROW_TILE ? rows - r : ROW_TILE;
+                    const int64_t at = m0 + r;
+                    float tile[ROW_TILE][GROUP];
+                    if (kind == 4) {
+                        q4_group(w, wd + g * blocks * GROUP, wm + g * blocks * GROUP, xq + at * k, xr + at * k,
+                                 xd + at * blocks, xs + at * blocks, blocks, count, tile);
+                    } else {
+                        q8_group((const int8_t *)w, wd + g * blocks * GROUP, xq + at * k, xr + at * k,
+                                 xd + at * blocks, blocks, count, tile);
+                    }
+                    for (int64_t i = 0; i < count; i++) {
+                        memcpy(out + (at + i) * n + g * GROUP, tile[i], sizeof(float) * (size_t)outputs);
+                    }
+                }
+            }
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}
+
+/* RMSNorm of `rows` rows of n floats: out = x / sqrt(mean(x^2) + eps) * weight (sums in double). */
+void stepahead_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        double squares = 0.0;
+        for (int64_t i = 0; i < n; i++) squares += (double)xr[i] * xr[i];
+        const float inv = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = xr[i] * inv * weight[i];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    float total = _mm_cvtss_f32(lo);
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* One query token a row over the KV pool: for row b and head h, softmax(q . k / sqrt(d)) . v over
+ * the keys at slots[b, j] where valid[b, j] (its context and window); head h reads KV head
+ * h / (heads / kv_heads). q [rows, heads, d]; pools [slots, kv_heads, d]; out [rows, heads, d].
+ * Scratch for the scores: `scores` [threads, keys]. */
+void stepahead_decode_attention(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
+                                const uint8_t *valid, int64_t rows, int64_t keys, int64_t heads, int64_t kv_heads,
+                                int64_t d, float scale, float *out, float *scores, int threads) {
+    const int64_t group = heads / kv_heads;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * keys * d > 1 << 16)
+    for (int64_t task = 0; task < rows * heads; task++) {
+        const int64_t b = task / heads, h = task % heads, kvh = h / group;
+        float *s = scores + (int64_t)omp_get_thread_num() * keys;
+        const float *qh = q + task * d;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < keys; j++) {
+            if (!valid[b * keys + j]) continue;
+            s[j] = dot(qh, k_pool + (slots[b * keys + j] * kv_heads + kvh) * d, d) * scale;
+            if (s[j] > top) top = s[j];
+        }
+        float *o = out + task * d;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+        float total = 0.0f;
+        for (int64_t j = 0; j < keys; j++) {
+            if (!valid[b * keys + j]) continue;
+            const float p = expf(s[j] - top);
+            total += p;
+            const float *vr = v_pool + (slots[b * keys + j] * kv_heads + kvh) * d;
+            for (int64_t i = 0; i < d; i++) o[i] += p * vr[i];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+}
+
+/* The rotation of a fused q/k/v projection's q and k heads, written where attention reads them:
+ * qkv [tokens, (heads + 2 kv_heads) d] (q heads, then k, then v); cos, sin [tokens, d] with sin
+ * signed (-sin, sin) a head wide, so that a head x turns to x cos + roll(x, d / 2) sin (the
+ * rotate_half convention). q goes to q_out [tokens, heads, d]; k and v to the pools
+ * [slots, kv_heads, d] at slots[t]. */
+void stepahead_rope_store(const float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+                          const float *cos, const float *sin, const int64_t *slots, float *q_out, float *k_pool,
+                          float *v_pool) {
+    const int64_t half = d / 2, width = (heads + 2 * kv_heads) * d;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = qkv + t * width, *c = cos + t * d, *s = sin + t * d;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const float *x = row + h * d;
+            float *o = h < heads ? q_out + (t * heads + h) * d : k_pool + (slots[t] * kv_heads + h - heads) * d;
+            for (int64_t i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int64_t i = half; i < d; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+        }
+        memcpy(v_pool + slots[t] * kv_heads * d, row + (heads + kv_heads) * d, sizeof(float) * (size_t)(kv_heads * d));
+    }
+}
+
+/* e^x for x <= 0 (Cody-Waite reduction and a degree-6 polynomial, within 2 ulp; below -87 it is 0) */
+static inline __m256 exp_negative(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* out[r, i] = silu(gate[r, i]) * up[r, i] of a fused gate/up projection's [rows, 2 n] */
+void stepahead_silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out, int threads) {
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > 1 << 14)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= n; i += 8) {
+            /* silu(x) = x / (1 + e^-x), with e^-|x| for either sign: x >= 0 gives 1 / (1 + e^-x),
+             * x < 0 gives e^x / (1 + e^x) */
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_negative(_mm256_or_ps(x, sign));
+            const __m256 positive = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            const __m256 negative = _mm256_div_ps(e, _mm256_add_ps(one, e));
+            const __m256 sigmoid = _mm256_blendv_ps(positive, negative, x);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
