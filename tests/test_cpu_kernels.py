@@ -242,16 +242,25 @@ def test_the_decode_attention_kernel_is_torchs(kernels: Kernels, heads: int, kv_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_model_on_the_kernels_computes_what_torchs_operators_do(kernels: Kernels) -> None:
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"qkv_bias": True, "o_bias": True}, {"qk_norm": True}, {"sliding_window": 6}],
+    ids=["llama", "biases", "qk-norm", "sliding-window"],
+)
+def test_a_model_on_the_kernels_computes_what_torchs_operators_do(
+    kernels: Kernels, features: dict[str, object]
+) -> None:
     """The same quantized tiny model with its norms, rotations and KV writes, silu(gate) * up and
     decode attention on the kernels, then on torch's operators: the same logits (to float error)
-    and greedy tokens, decode rows included."""
+    and greedy tokens, decode rows included, for each family member's features."""
+    import dataclasses
+
     from tests.test_quantization import _greedy_run, _random_model
     from worker_svc.layers import LlamaAttention, LlamaMLP, RMSNorm
     from worker_svc.loading import TINY_CONFIG
     from worker_svc.model import prepare_for_serving
 
-    model = _random_model(TINY_CONFIG, seed=5)
+    model = _random_model(dataclasses.replace(TINY_CONFIG, **features), seed=5)  # type: ignore[arg-type]
     prepare_for_serving(model, "int4")
     assert isinstance(model.lm_head, BlockLinear)
     on_kernels = [m for m in model.modules() if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP))]

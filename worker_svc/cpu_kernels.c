@@ -201,28 +201,69 @@ int stepahead_linear(int kind, const float *x, int64_t m, int64_t k, const void 
     return 0;
 }
 
-/* RMSNorm of `rows` rows of n floats: out = x / sqrt(mean(x^2) + eps) * weight (sums in double). */
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* RMSNorm of `rows` rows of n floats: out = x / sqrt(mean(x^2) + eps) * weight. */
 void stepahead_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
-        double squares = 0.0;
-        for (int64_t i = 0; i < n; i++) squares += (double)xr[i] * xr[i];
-        const float inv = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
         float *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) o[i] = xr[i] * inv * weight[i];
+        __m256 squares = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            squares = _mm256_fmadd_ps(v, v, squares);
+        }
+        float total = hsum(squares);
+        for (int64_t j = i; j < n; j++) total += xr[j] * xr[j];
+        const float inv = 1.0f / sqrtf(total / (float)n + eps);
+        const __m256 scale = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), scale);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
+        }
+        for (; i < n; i++) o[i] = xr[i] * inv * weight[i];
     }
+}
+
+/* e^x for x <= 0 (Cody-Waite reduction and a degree-6 polynomial, within 2 ulp; below -87 it is 0) */
+static inline __m256 exp_negative(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    float total = _mm_cvtss_f32(lo);
+    float total = hsum(acc);
     for (; i < n; i++) total += a[i] * b[i];
     return total;
+}
+
+/* o += p * v over n floats */
+static inline void axpy(float p, const float *v, float *o, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+    for (; i < n; i++) o[i] += p * v[i];
 }
 
 /* One query token a row over the KV pool: for row b and head h, softmax(q . k / sqrt(d)) . v over
@@ -241,19 +282,26 @@ void stepahead_decode_attention(const float *q, const float *k_pool, const float
         const float *qh = q + task * d;
         float top = -INFINITY;
         for (int64_t j = 0; j < keys; j++) {
-            if (!valid[b * keys + j]) continue;
-            s[j] = dot(qh, k_pool + (slots[b * keys + j] * kv_heads + kvh) * d, d) * scale;
+            s[j] = valid[b * keys + j] ? dot(qh, k_pool + (slots[b * keys + j] * kv_heads + kvh) * d, d) * scale
+                                       : -INFINITY;
             if (s[j] > top) top = s[j];
         }
+        /* the weights e^(s - top), eight at a time; a key out of the context weighs 0 */
+        const __m256 highest = _mm256_set1_ps(top), none = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= keys; j += 8) {
+            const __m256 v = _mm256_loadu_ps(s + j);
+            const __m256 out_of_context = _mm256_cmp_ps(v, none, _CMP_EQ_OQ);
+            _mm256_storeu_ps(s + j, _mm256_andnot_ps(out_of_context, exp_negative(_mm256_sub_ps(v, highest))));
+        }
+        for (; j < keys; j++) s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - top);
         float *o = out + task * d;
         for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
         float total = 0.0f;
-        for (int64_t j = 0; j < keys; j++) {
-            if (!valid[b * keys + j]) continue;
-            const float p = expf(s[j] - top);
-            total += p;
-            const float *vr = v_pool + (slots[b * keys + j] * kv_heads + kvh) * d;
-            for (int64_t i = 0; i < d; i++) o[i] += p * vr[i];
+        for (j = 0; j < keys; j++) {
+            if (s[j] == 0.0f) continue;
+            total += s[j];
+            axpy(s[j], v_pool + (slots[b * keys + j] * kv_heads + kvh) * d, o, d);
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t i = 0; i < d; i++) o[i] *= inv;
@@ -279,24 +327,6 @@ void stepahead_rope_store(const float *qkv, int64_t tokens, int64_t heads, int64
         }
         memcpy(v_pool + slots[t] * kv_heads * d, row + (heads + kv_heads) * d, sizeof(float) * (size_t)(kv_heads * d));
     }
-}
-
-/* e^x for x <= 0 (Cody-Waite reduction and a degree-6 polynomial, within 2 ulp; below -87 it is 0) */
-static inline __m256 exp_negative(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 /* out[r, i] = silu(gate[r, i]) * up[r, i] of a fused gate/up projection's [rows, 2 n] */
