@@ -256,13 +256,16 @@ def test_a_model_on_the_kernels_computes_what_torchs_operators_do(
     import dataclasses
 
     from tests.test_quantization import _greedy_run, _random_model
-    from worker_svc.layers import LlamaAttention, LlamaMLP, RMSNorm
+    from worker_svc.layers import Linear, LlamaAttention, LlamaDecoderLayer, LlamaMLP, RMSNorm
     from worker_svc.loading import TINY_CONFIG
     from worker_svc.model import prepare_for_serving
 
     model = _random_model(dataclasses.replace(TINY_CONFIG, **features), seed=5)  # type: ignore[arg-type]
     prepare_for_serving(model, "int4")
     assert isinstance(model.lm_head, BlockLinear)
+    decoder = model.model.layers[0]
+    assert isinstance(decoder, LlamaDecoderLayer) and isinstance(decoder.self_attn.qkv_proj, BlockLinear)
+    assert isinstance(decoder.mlp.down_proj, Linear)  # 688 inputs, not in blocks of 32: float32 as it was
     on_kernels = [m for m in model.modules() if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP))]
     assert on_kernels and all(m.kernels is not None for m in on_kernels)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3], [9] * 20]

@@ -12,8 +12,8 @@ unless the file itself holds it at 4 bits.
 Two families of kernels, chosen by the model's dtype:
 - float32 (the default where they can be had): Stepahead's own (`worker_svc.cpu_kernels`,
   `BlockLinear`): scales per block of 32 inputs in both modes (int8 as a GGUF's Q8_0, so a Q8_0
-  tensor's codes come back as the file holds them), activations rounded to 8 bits a block and
-  multiplied on integers, as llama.cpp does.
+  tensor's codes come back as the file holds them), activations written as two 8-bit codes a block
+  (15 bits) and multiplied on integers.
 - bfloat16: torch's (`Int4Linear`: `_weight_int4pack_mm_for_cpu`; `Int8Linear`: one scale per
   output channel, `_weight_int8pack_mm`). Both take bfloat16 activations and scales; in float32
   they run about ten times slower. So the scales and minima are rounded to bfloat16, which moves a
@@ -248,7 +248,8 @@ def kernels_for(dtype: torch.dtype, mode: str) -> Kernels | None:
 def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4Blocks]) -> None:
     """Replace the model's fused projections (`LlamaForCausalLM.fuse_projections` first) and its
     output layer by quantized ones, in `mode` (`int8` or `int4`); `blocks`: a file's own 4-bit
-    weights by checkpoint name. Embeddings and norms stay as they are."""
+    weights by checkpoint name. Embeddings and norms stay as they are; on Stepahead's kernels (a
+    float32 model) the step's small operators run on them too (`layers.use_cpu_kernels`)."""
     if mode not in QUANTIZATIONS[1:]:
         raise ValueError(f"quantization {mode!r} is not one of {QUANTIZATIONS[1:]}")
     kernels = kernels_for(model.dtype, mode)
