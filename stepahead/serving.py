@@ -40,6 +40,17 @@ def add_worker_token_arg(parser: argparse.ArgumentParser, help_text: str) -> Non
     )
 
 
+def announce(line: str) -> None:
+    """A line on stdout that a parent process parses (a service's port, its metrics endpoint),
+    written whole in one write.
+
+    NOTE: print() writes the text and its newline apart; with PYTHONUNBUFFERED=1 (as
+    `stepahead.processes` starts services) each is its own write to the pipe, and a log line from
+    another thread on stderr (the same pipe) could land between them and run into the port."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -265,7 +276,7 @@ def start_metrics(registry: CollectorRegistry, endpoint: MetricsEndpoint, servic
                 f"cannot serve /metrics on {endpoint.host}:{endpoint.port} ({exc.strerror}): "
                 "choose another with --metrics-port (0: any free port, -1: off)"
             ) from exc
-        print(f"{service} metrics on http://{endpoint.host}:{port}/metrics", flush=True)
+        announce(f"{service} metrics on http://{endpoint.host}:{port}/metrics")
 
 
 def stop_event_on_signals() -> asyncio.Event:

@@ -133,3 +133,26 @@ def test_a_service_that_never_answers_serving_fails_with_its_own_output(pki: Pki
     assert (
         f"127.0.0.1:{worker.port}" in said.split("last output:", 1)[1]
     )  # its own line saying where it listens
+
+
+def test_a_service_announces_its_port_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line a parent parses for the port reaches the pipe whole. print() writes the text and
+    its newline apart; with PYTHONUNBUFFERED=1 (as services are started) a log line from another
+    thread once landed between them, and its date ran into the port ("127.0.0.1:374672026")."""
+    import io
+
+    from stepahead.processes import LISTEN_RE
+    from stepahead.serving import announce
+
+    writes: list[str] = []
+
+    class Pipe(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stdout", Pipe())
+    announce("worker listening on 127.0.0.1:37467")
+    assert writes == ["worker listening on 127.0.0.1:37467\n"]
+    match = LISTEN_RE.search(writes[0])
+    assert match is not None and match.group(1) == "37467"

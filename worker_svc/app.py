@@ -12,6 +12,7 @@ import signal
 import torch
 
 from stepahead.serving import (
+    announce,
     describe_tls,
     graceful_stop,
     run_loop,
@@ -120,7 +121,7 @@ async def serve(config: WorkerConfig, ranks: TensorParallelRanks | None = None) 
     )
     if link is not None:
         log.info("scheduler link also on unix:%s", link.path)
-    print(f"worker listening on {config.host}:{serving.port}", flush=True)
+    announce(f"worker listening on {config.host}:{serving.port}")
     await stop.wait()
     log.info("stopping: draining launched batches")
     await serving.health.enter_graceful_shutdown()

@@ -27,6 +27,7 @@ from scheduler_svc.process.socket_transport import SocketTransport, socket_path
 from scheduler_svc.process.supervisor import FrontendSupervisor
 from stepahead.metrics import labelled
 from stepahead.serving import (
+    announce,
     describe_tls,
     graceful_stop,
     start_metrics,
@@ -76,7 +77,7 @@ async def _serve_frontend_here(core: EngineCore, config: SchedulerConfig, stop: 
         await http.start()
     where = f"{api.host}:{port}{describe_http(http)}"
     worker = config.worker.address
-    print(f"scheduler listening on {where} (mode {config.core.mode}, worker {worker})", flush=True)
+    announce(f"scheduler listening on {where} (mode {config.core.mode}, worker {worker})")
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", config.grace_s)
     await stop_apis(frontend, server, health_servicer, http, config.grace_s)
@@ -92,10 +93,9 @@ async def _serve_frontend_processes(core: EngineCore, config: SchedulerConfig, s
         start_metrics(registry, config.observability.metrics, "scheduler")
         port, http_port = await supervisor.start()
         http = f", HTTP on port {http_port}" if http_port else ""
-        print(
+        announce(
             f"scheduler listening on {config.api.host}:{port}{http} (mode {config.core.mode}, worker "
-            f"{config.worker.address}, {config.frontends} frontend processes)",
-            flush=True,
+            f"{config.worker.address}, {config.frontends} frontend processes)"
         )
         await stop.wait()
         log.info("stopping: frontends finish in-flight requests for up to %.0fs", config.grace_s)
