@@ -24,7 +24,7 @@ from stepahead.serving import (
 )
 from worker_svc.app import rank_place, run_rank, serve
 from worker_svc.config import DEFAULT_METRICS_PORT, ModelPlacement, WorkerConfig
-from worker_svc.dtypes import DTYPES
+from worker_svc.dtypes import DTYPES, quantized_dtype_refusal
 from worker_svc.launcher import Launcher
 from worker_svc.loading import check_shardable
 from worker_svc.quantization import QUANTIZATIONS
@@ -37,11 +37,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     check_tls_server_args(p, args, client_ca_required=True)
     if args.tp is not None and args.tp < 1:
         p.error(f"--tp: must be >= 1, got {args.tp}")
-    if args.quantization != "none" and args.dtype not in (None, "float32", "bfloat16"):
-        p.error(
-            f"--quantization {args.quantization}: computes in float32 (Stepahead's kernels) or "
-            f"bfloat16 (torch's), not --dtype {args.dtype}"
-        )
+    refusal = None if args.quantization == "none" else quantized_dtype_refusal(args.quantization, args.dtype)
+    if refusal is not None:
+        p.error(refusal)
     if args.quantization != "none" and args.tp is not None and args.tp > 1:
         p.error(f"--quantization {args.quantization}: serves with --tp 1 only")
     if args.max_model_len is not None and args.max_model_len < 2:

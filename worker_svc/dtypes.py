@@ -70,16 +70,28 @@ def choose_dtype(
     return DTYPES[requested], f"{requested} on the CPU as asked"
 
 
+# What --quantization computes in: float32 on Stepahead's kernels, bfloat16 on torch's
+QUANTIZED_DTYPES = ("float32", "bfloat16")
+
+
+def quantized_dtype_refusal(quantization: str, requested: str | None) -> str | None:
+    """Why --quantization cannot compute in --dtype `requested` (None where it can)."""
+    if requested is None or requested in QUANTIZED_DTYPES:
+        return None
+    return (
+        f"--quantization {quantization}: computes in float32 (Stepahead's kernels) or bfloat16 "
+        f"(torch's), not --dtype {requested}"
+    )
+
+
 def _quantized_dtype(
     requested: str | None, device: torch.device, quantization: str
 ) -> tuple[torch.dtype, str]:
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization}: CPU only (its kernels are the CPU's)")
-    if requested not in (None, "float32", "bfloat16"):
-        raise ValueError(
-            f"--quantization {quantization} computes in float32 (Stepahead's kernels) or bfloat16 "
-            f"(torch's), not --dtype {requested}"
-        )
+    refusal = quantized_dtype_refusal(quantization, requested)
+    if refusal is not None:
+        raise ValueError(refusal)
     why_not = cpu_kernels.unavailable()
     if requested == "bfloat16" or (requested is None and why_not is not None):
         because = "as asked" if requested else f"Stepahead's CPU kernels are not used here: {why_not}"
