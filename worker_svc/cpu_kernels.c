@@ -35,10 +35,11 @@ static inline __m256i pack_codes(const __m256i i32[4]) {
     return _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* One row of k floats in two 8-bit parts a block: x = d * (q + r / FINE) within d / (2 FINE),
- * with d = max |x| / 127 (codes q, r), and the block's exact sum s (for the Q4 minimum). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, int8_t *r, float *d, float *s) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), fine = _mm256_set1_ps((float)FINE);
+/* One row of k floats in two 8-bit codes a block over its scale d = max |x| / 127: x = d (q + r / FINE)
+ * within d / (2 FINE); step[b] = d / FINE, the unit of FINE q + r; and the block's exact sum s (for
+ * the Q4 minimum). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, int8_t *r, float *step, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), finer = _mm256_set1_ps((float)FINE);
     const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t b = 0; b < k / BLOCK; b++) {
         const float *xb = x + b * BLOCK;
@@ -59,14 +60,14 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, int8_t *r, float 
             const __m256 scaled = _mm256_mul_ps(v[j], inv);
             const __m256 rounded = _mm256_round_ps(scaled, rounding);
             coarse[j] = _mm256_cvtps_epi32(rounded);
-            rest[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(scaled, rounded), fine), rounding));
+            rest[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(scaled, rounded), finer), rounding));
         }
         _mm256_storeu_si256((__m256i *)(q + b * BLOCK), pack_codes(coarse));
         _mm256_storeu_si256((__m256i *)(r + b * BLOCK), pack_codes(rest));
         __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
         t = _mm_add_ps(t, _mm_movehl_ps(t, t));
         t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        d[b] = maxabs / 127.0f;
+        step[b] = maxabs / 127.0f / (float)FINE;
         s[b] = _mm_cvtss_f32(t);
     }
 }
@@ -80,77 +81,100 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, int8_t *r, float 
  * Scales and minima: [group][block][8 rows]. A last group past n holds zeros. */
 #define GROUP 8
 
+/* Keeps an accumulator in its register: left free, GCC reassociates a block's integer sums into
+ * trees whose partial products spill to the stack (about a tenth slower). */
+#define PIN(v) __asm__("" : "+x"(v))
+
 static inline __m256i broadcast4(const int8_t *x) {
     int32_t v;
     memcpy(&v, x, sizeof v);
     return _mm256_set1_epi32(v);
 }
 
-/* outputs 8g .. 8g + 7 of `count` (<= ROW_TILE) activation rows */
-static inline void q4_group(const uint8_t *wq, const float *wd, const float *wm, const int8_t *xq, const int8_t *xr,
-                            const float *xd, const float *xs, int64_t blocks, int64_t count,
-                            float acc_out[ROW_TILE][GROUP]) {
-    const __m256i ones = _mm256_set1_epi16(1), fine = _mm256_set1_epi16(FINE), low = _mm256_set1_epi8(0x0F);
-    __m256 acc[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+/* The activations of a tile of rows: their codes, each block's step and sum. */
+struct rows {
+    const int8_t *q, *r;
+    const float *step, *sum;
+    int64_t k, blocks;
+};
+
+/* Outputs 8g .. 8g + 7 of `count` rows (a constant where this is inlined, so the accumulators
+ * stay in registers). */
+static inline __attribute__((always_inline)) void q4_group(const uint8_t *wq, const float *wd, const float *wm,
+                                                           struct rows x, const int count,
+                                                           float out[ROW_TILE][GROUP]) {
+    const __m256i ones = _mm256_set1_epi16(1), finer = _mm256_set1_epi16(FINE), low = _mm256_set1_epi8(0x0F);
+    __m256 acc[ROW_TILE], low_acc[ROW_TILE]; /* the minima's terms apart: two chains of sums, not one */
+    for (int r = 0; r < count; r++) acc[r] = low_acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x.blocks; b++) {
         __m256i coarse[ROW_TILE], rest[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) coarse[r] = rest[r] = _mm256_setzero_si256();
+        for (int r = 0; r < count; r++) coarse[r] = rest[r] = _mm256_setzero_si256();
         const uint8_t *w = wq + b * 128;
         for (int t = 0; t < 4; t++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             const __m256i lo = _mm256_and_si256(v, low);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            for (int64_t r = 0; r < count; r++) {
-                const int64_t at = r * blocks * BLOCK + b * BLOCK;
+            for (int r = 0; r < count; r++) {
+                const int64_t at = r * x.k + b * BLOCK + 4 * t;
                 /* at most 8 x 2 x 15 x 127 = 30480 a lane: int16 holds a block's sum */
-                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(lo, broadcast4(xq + at + 4 * t)));
-                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(hi, broadcast4(xq + at + 16 + 4 * t)));
-                rest[r] = _mm256_add_epi16(rest[r], _mm256_maddubs_epi16(lo, broadcast4(xr + at + 4 * t)));
-                rest[r] = _mm256_add_epi16(rest[r], _mm256_maddubs_epi16(hi, broadcast4(xr + at + 16 + 4 * t)));
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(lo, broadcast4(x.q + at)));
+                PIN(coarse[r]);
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(hi, broadcast4(x.q + at + 16)));
+                PIN(coarse[r]);
+                rest[r] = _mm256_add_epi16(rest[r], _mm256_maddubs_epi16(lo, broadcast4(x.r + at)));
+                PIN(rest[r]);
+                rest[r] = _mm256_add_epi16(rest[r], _mm256_maddubs_epi16(hi, broadcast4(x.r + at + 16)));
+                PIN(rest[r]);
             }
         }
         const __m256 scale = _mm256_loadu_ps(wd + b * GROUP), minimum = _mm256_loadu_ps(wm + b * GROUP);
-        for (int64_t r = 0; r < count; r++) {
+        for (int r = 0; r < count; r++) {
             /* FINE * coarse + rest, in int32: at most 254 x 2 x 30480, far from overflow */
-            const __m256i both = _mm256_add_epi32(_mm256_madd_epi16(coarse[r], fine), _mm256_madd_epi16(rest[r], ones));
-            const __m256 step = _mm256_set1_ps(xd[r * blocks + b] / (float)FINE);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), _mm256_cvtepi32_ps(both), acc[r]);
-            acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xs[r * blocks + b]), acc[r]);
+            const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(coarse[r], finer), _mm256_madd_epi16(rest[r], ones));
+            const __m256 step = _mm256_set1_ps(x.step[r * x.blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), _mm256_cvtepi32_ps(sum), acc[r]);
+            low_acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sum[r * x.blocks + b]), low_acc[r]);
         }
     }
-    for (int64_t r = 0; r < count; r++) _mm256_storeu_ps(acc_out[r], acc[r]);
+    for (int r = 0; r < count; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(acc[r], low_acc[r]));
 }
 
-static inline void q8_group(const int8_t *wq, const float *wd, const int8_t *xq, const int8_t *xr, const float *xd,
-                            int64_t blocks, int64_t count, float acc_out[ROW_TILE][GROUP]) {
+static inline __attribute__((always_inline)) void q8_group(const int8_t *wq, const float *wd, struct rows x,
+                                                           const int count, float out[ROW_TILE][GROUP]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 fine = _mm256_set1_ps((float)FINE);
+    const __m256 finer = _mm256_set1_ps((float)FINE);
     __m256 acc[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int r = 0; r < count; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x.blocks; b++) {
         __m256i coarse[ROW_TILE], rest[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) coarse[r] = rest[r] = _mm256_setzero_si256();
+        for (int r = 0; r < count; r++) coarse[r] = rest[r] = _mm256_setzero_si256();
         const int8_t *w = wq + b * 256;
         for (int t = 0; t < 8; t++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             const __m256i magnitude = _mm256_sign_epi8(v, v);
-            for (int64_t r = 0; r < count; r++) {
-                const int64_t at = r * blocks * BLOCK + b * BLOCK + 4 * t;
+            for (int r = 0; r < count; r++) {
+                const int64_t at = r * x.k + b * BLOCK + 4 * t;
                 /* |w| * (x with w's sign): maddubs wants its first operand unsigned */
-                const __m256i xc = _mm256_sign_epi8(broadcast4(xq + at), v), xf = _mm256_sign_epi8(broadcast4(xr + at), v);
+                const __m256i xc = _mm256_sign_epi8(broadcast4(x.q + at), v), xf = _mm256_sign_epi8(broadcast4(x.r + at), v);
                 coarse[r] = _mm256_add_epi32(coarse[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xc), ones));
+                PIN(coarse[r]);
                 rest[r] = _mm256_add_epi32(rest[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xf), ones));
+                PIN(rest[r]);
             }
         }
         const __m256 scale = _mm256_loadu_ps(wd + b * GROUP);
-        for (int64_t r = 0; r < count; r++) {
-            const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(coarse[r]), fine, _mm256_cvtepi32_ps(rest[r]));
-            const __m256 step = _mm256_set1_ps(xd[r * blocks + b] / (float)FINE);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), both, acc[r]);
+        for (int r = 0; r < count; r++) {
+            const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(coarse[r]), finer, _mm256_cvtepi32_ps(rest[r]));
+            const __m256 step = _mm256_set1_ps(x.step[r * x.blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), sum, acc[r]);
         }
     }
-    for (int64_t r = 0; r < count; r++) _mm256_storeu_ps(acc_out[r], acc[r]);
+    for (int r = 0; r < count; r++) _mm256_storeu_ps(out[r], acc[r]);
+}
+
+static struct rows tile_at(struct rows x, int64_t row) {
+    return (struct rows){x.q + row * x.k, x.r + row * x.k, x.step + row * x.blocks, x.sum + row * x.blocks, x.k,
+                         x.blocks};
 }
 
 /* out[m, n] for a Q4 (kind 4) or Q8 (kind 8) weight of n outputs and k inputs, laid out as above;
@@ -165,6 +189,7 @@ int stepahead_linear(int kind, const float *x, int64_t m, int64_t k, const void 
         free(xq), free(xd), free(xs);
         return -1;
     }
+    const struct rows all = {xq, xr, xd, xs, k, blocks};
     const int64_t group_bytes = (kind == 4 ? 128 : 256) * blocks;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (m * n * k > 1 << 16)
@@ -178,20 +203,24 @@ int stepahead_linear(int kind, const float *x, int64_t m, int64_t k, const void 
 #pragma omp for schedule(static) nowait
             for (int64_t g = 0; g < groups; g++) {
                 const uint8_t *w = (const uint8_t *)wq + g * group_bytes;
+                const float *gd = wd + g * blocks * GROUP, *gm = kind == 4 ? wm + g * blocks * GROUP : NULL;
                 const int64_t outputs = n - g * GROUP < GROUP ? n - g * GROUP : GROUP;
                 for (int64_t r = 0; r < rows; r += ROW_TILE) {
                     const int64_t count = rows - r < ROW_TILE ? rows - r : ROW_TILE;
-                    const int64_t at = m0 + r;
+                    const struct rows at = tile_at(all, m0 + r);
                     float tile[ROW_TILE][GROUP];
-                    if (kind == 4) {
-                        q4_group(w, wd + g * blocks * GROUP, wm + g * blocks * GROUP, xq + at * k, xr + at * k,
-                                 xd + at * blocks, xs + at * blocks, blocks, count, tile);
+                    /* a whole tile with its count a constant, else its rows one at a time */
+                    if (kind == 4 && count == ROW_TILE) {
+                        q4_group(w, gd, gm, at, ROW_TILE, tile);
+                    } else if (kind == 4) {
+                        for (int64_t i = 0; i < count; i++) q4_group(w, gd, gm, tile_at(at, i), 1, tile + i);
+                    } else if (count == ROW_TILE) {
+                        q8_group((const int8_t *)w, gd, at, ROW_TILE, tile);
                     } else {
-                        q8_group((const int8_t *)w, wd + g * blocks * GROUP, xq + at * k, xr + at * k,
-                                 xd + at * blocks, blocks, count, tile);
+                        for (int64_t i = 0; i < count; i++) q8_group((const int8_t *)w, gd, tile_at(at, i), 1, tile + i);
                     }
                     for (int64_t i = 0; i < count; i++) {
-                        memcpy(out + (at + i) * n + g * GROUP, tile[i], sizeof(float) * (size_t)outputs);
+                        memcpy(out + (m0 + r + i) * n + g * GROUP, tile[i], sizeof(float) * (size_t)outputs);
                     }
                 }
             }
