@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -268,6 +269,7 @@ def test_a_model_on_the_kernels_computes_what_torchs_operators_do(
     assert isinstance(decoder.mlp.down_proj, Linear)  # 688 inputs, not in blocks of 32: float32 as it was
     on_kernels = [m for m in model.modules() if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP))]
     assert on_kernels and all(m.kernels is not None for m in on_kernels)
+    assert model.model.decode_kernel is None  # the layers' modules, each on the kernels
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3], [9] * 20]
     with torch.inference_mode():
         logits, tokens = _greedy_run(model, prompts, 16)
@@ -278,6 +280,71 @@ def test_a_model_on_the_kernels_computes_what_torchs_operators_do(
     # its step): far below the logits' spread (about 4), and the tokens stay the same.
     torch.testing.assert_close(logits, torch_logits, rtol=0, atol=2e-3)
     assert tokens == torch_tokens
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"qkv_bias": True, "o_bias": True}, {"sliding_window": 6}, {"qk_norm": True}],
+    ids=["llama", "biases", "sliding-window", "qk-norm"],
+)
+def test_a_decode_step_runs_the_layers_in_one_call_with_the_modules_bits(
+    kernels: Kernels, monkeypatch: pytest.MonkeyPatch, features: dict[str, object]
+) -> None:
+    """Where all the layers' projections are on the kernels, a step of decode rows alone runs the
+    layers as one call (`DecodeLayers`) and gets the same logits, bit for bit, and the same KV pools
+    as the layers' modules one by one; a prefill step, and a model with q/k norms, run the modules."""
+    import dataclasses
+
+    from tests.test_quantization import _decode_batch, _random_model
+    from worker_svc.forward_batch import ForwardBatch
+    from worker_svc.layers import KVCache
+    from worker_svc.loading import TINY_CONFIG
+    from worker_svc.model import prepare_for_serving
+
+    config = dataclasses.replace(TINY_CONFIG, intermediate_size=704, **features)  # type: ignore[arg-type]
+    model = _random_model(config, seed=8)
+    prepare_for_serving(model, "int4")
+    one_call = model.model.decode_kernel
+    assert (one_call is None) == ("qk_norm" in features)
+    calls: list[int] = []  # the rows of each call
+    original = cpu_kernels.DecodeLayers.__call__
+
+    def counted(self: cpu_kernels.DecodeLayers, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return original(self, x, *rest)
+
+    monkeypatch.setattr(cpu_kernels.DecodeLayers, "__call__", counted)
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7], [9] * 7]
+    width, steps = 32, 12
+
+    def run(decode_kernel: cpu_kernels.DecodeLayers | None) -> tuple[torch.Tensor, KVCache]:
+        model.model.decode_kernel = decode_kernel
+        kv = KVCache.allocate(config, len(prompts) * width, torch.float32, CPU)
+        table = torch.arange(len(prompts) * width).reshape(len(prompts), width)
+        batch = ForwardBatch(  # the prompts in one step: a step that is not decode rows alone
+            input_ids=torch.tensor([t for p in prompts for t in p]),
+            positions=torch.arange(7).repeat(3),
+            out_kv_slots=table[:, :7].reshape(-1),
+            row_req_slots=torch.arange(3),
+            row_token_starts=[0, 7, 14],
+            row_num_tokens=[7, 7, 7],
+            row_ctx_lens=[7, 7, 7],
+            sample_token_index=torch.tensor([6, 13, 20]),
+            req_to_token=table,
+        )
+        logits = [model(batch, kv)]
+        for step in range(steps):
+            tokens = logits[-1].argmax(-1).tolist()
+            logits.append(model(_decode_batch(tokens, [8 + step] * 3, width), kv))
+        return torch.stack(logits), kv
+
+    with torch.inference_mode():
+        got, got_kv = run(one_call)
+        assert calls == ([] if one_call is None else [3] * steps)
+        modules, modules_kv = run(None)
+    assert torch.equal(got, modules)
+    assert torch.equal(got_kv.k, modules_kv.k) and torch.equal(got_kv.v, modules_kv.v)
+    assert got_kv.k.abs().sum() > 0
 
 
 def test_the_silu_mul_kernel_is_torchs(kernels: Kernels) -> None:

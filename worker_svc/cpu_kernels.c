@@ -380,3 +380,88 @@ void stepahead_silu_mul(const float *gate_up, int64_t rows, int64_t n, float *ou
         for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* A linear layer's weight as stepahead_linear takes it, and its bias (NULL: none). */
+struct stepahead_weight {
+    int64_t kind, n, k;
+    const void *codes;
+    const float *scale, *minimum, *bias;
+};
+
+/* A llama decoder layer whose q/k/v and gate/up projections are each fused (q, k, v and gate, up
+ * stacked in that order) and whose weights are all on these kernels. */
+struct stepahead_layer {
+    const float *input_norm, *post_norm;
+    double eps, scale; /* the norms' epsilon, attention's scale (1 / sqrt(d)) */
+    int64_t heads, kv_heads, d, hidden, intermediate;
+    struct stepahead_weight qkv, o, gate_up, down;
+};
+
+static int linear_with_bias(const struct stepahead_weight *w, const float *x, int64_t rows, float *out, int threads) {
+    if (stepahead_linear((int)w->kind, x, rows, w->k, w->codes, w->scale, w->minimum, w->n, out, threads) != 0) return -1;
+    if (w->bias) {
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t j = 0; j < w->n; j++) out[r * w->n + j] += w->bias[j];
+        }
+    }
+    return 0;
+}
+
+static void add_into(float *x, const float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) x[i] += y[i];
+}
+
+/* One decoder layer over `rows` decode rows, one token each (token i row i's), in place on the
+ * residual stream x [rows, hidden]: x += o(attention(rope(qkv(norm(x))))), then
+ * x += down(silu(gate) * up(norm(x))), with the rows' k and v written to the pools at out_slots and
+ * attention over kv_slots where valid [rows, keys], as the separate kernels above compute them
+ * (the same arithmetic in the same order: the layer's Python path gives the same bits). cos, sin:
+ * [rows, d]. Returns 0, or -1 where scratch cannot be had. */
+static int decode_layer(const struct stepahead_layer *layer, float *x, int64_t rows, const float *cos, const float *sin,
+                        const int64_t *out_slots, const int64_t *kv_slots, const uint8_t *valid, int64_t keys,
+                        float *k_pool, float *v_pool, int threads) {
+    const int64_t hidden = layer->hidden, qd = layer->heads * layer->d;
+    if (threads < 1) threads = 1;
+    const int64_t sizes[] = {rows * hidden, rows * layer->qkv.n, rows * qd, rows * qd, rows * hidden,
+                             rows * layer->gate_up.n, rows * layer->intermediate, (int64_t)threads * keys};
+    int64_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += sizes[i];
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)total);
+    if (!scratch) return -1;
+    float *normed = scratch, *qkv = normed + sizes[0], *q = qkv + sizes[1], *attended = q + sizes[2];
+    float *projected = attended + sizes[3], *gate_up = projected + sizes[4], *act = gate_up + sizes[5];
+    float *scores = act + sizes[6];
+    int rc = 0;
+    stepahead_rms_norm(x, layer->input_norm, rows, hidden, (float)layer->eps, normed);
+    rc |= linear_with_bias(&layer->qkv, normed, rows, qkv, threads);
+    stepahead_rope_store(qkv, rows, layer->heads, layer->kv_heads, layer->d, cos, sin, out_slots, q, k_pool, v_pool);
+    stepahead_decode_attention(q, k_pool, v_pool, kv_slots, valid, rows, keys, layer->heads, layer->kv_heads, layer->d,
+                               (float)layer->scale, attended, scores, threads);
+    rc |= linear_with_bias(&layer->o, attended, rows, projected, threads);
+    add_into(x, projected, rows * hidden);
+    stepahead_rms_norm(x, layer->post_norm, rows, hidden, (float)layer->eps, normed);
+    rc |= linear_with_bias(&layer->gate_up, normed, rows, gate_up, threads);
+    stepahead_silu_mul(gate_up, rows, layer->intermediate, act, threads);
+    rc |= linear_with_bias(&layer->down, act, rows, projected, threads);
+    add_into(x, projected, rows * hidden);
+    free(scratch);
+    return rc == 0 ? 0 : -1;
+}
+
+/* All `count` layers of a model in turn (each as decode_layer), in one call: the caller
+ * gives up its interpreter lock once a step rather than once a layer. The pools of layer i start
+ * at k_pools + i * pool_stride (and v_pools). */
+int stepahead_decode_layers(const struct stepahead_layer *layers, int64_t count, float *x, int64_t rows,
+                            const float *cos, const float *sin, const int64_t *out_slots, const int64_t *kv_slots,
+                            const uint8_t *valid, int64_t keys, float *k_pools, float *v_pools, int64_t pool_stride,
+                            int threads) {
+    for (int64_t i = 0; i < count; i++) {
+        if (decode_layer(layers + i, x, rows, cos, sin, out_slots, kv_slots, valid, keys, k_pools + i * pool_stride,
+                         v_pools + i * pool_stride, threads) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}

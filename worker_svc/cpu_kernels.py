@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,8 @@ class Kernels:
         """Attention of one query token a row, q [rows, heads, d] float32, over the pools' keys
         [slots, kv_heads, d] at slots [rows, keys] (int64) where valid [rows, keys] (bool):
         [rows, heads * d]."""
-        q = q.contiguous()
+        # Held in names for the call: a copy made inside the argument list would be freed before it.
+        q, slots, valid = q.contiguous(), slots.contiguous(), valid.contiguous()
         rows, heads, d = q.shape
         keys, kv_heads = slots.shape[1], k_pool.shape[1]
         threads = torch.get_num_threads()
@@ -117,8 +119,8 @@ class Kernels:
             q.data_ptr(),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
-            slots.contiguous().data_ptr(),
-            valid.contiguous().data_ptr(),
+            slots.data_ptr(),
+            valid.data_ptr(),
             rows,
             keys,
             heads,
@@ -144,18 +146,19 @@ class Kernels:
         """A fused q/k/v projection's output [tokens, (heads + 2 kv_heads) d] float32 with q and k
         rotated (cos, signed sin [tokens, d], see `layers.apply_rotary`), k and v written to the
         pools [slots, kv_heads, d] at `slots` (int64): q [tokens, heads, d]."""
+        qkv, cos, sin, slots = qkv.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous()
         tokens = qkv.shape[0]
         kv_heads, d = k_pool.shape[1], k_pool.shape[2]
         q = torch.empty(tokens, heads, d, dtype=torch.float32)
         self.library.stepahead_rope_store(
-            qkv.contiguous().data_ptr(),
+            qkv.data_ptr(),
             tokens,
             heads,
             kv_heads,
             d,
-            cos.contiguous().data_ptr(),
-            sin.contiguous().data_ptr(),
-            slots.contiguous().data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
             q.data_ptr(),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
@@ -169,6 +172,156 @@ class Kernels:
         out = torch.empty(rows, n, dtype=torch.float32)
         self.library.stepahead_silu_mul(flat.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
         return out
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear layer's weight as `Kernels.linear` takes it (`pack_q4`/`pack_q8`, `pack_scales`), and
+    its float32 bias."""
+
+    kind: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("codes", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("minimum", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("d", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("qkv", _Weight),
+        ("o", _Weight),
+        ("gate_up", _Weight),
+        ("down", _Weight),
+    ]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """A llama decoder layer's weights as `DecodeLayers` takes them: its q/k/v and gate/up
+    projections fused (`LlamaForCausalLM.fuse_projections`), no q/k norms."""
+
+    input_norm: torch.Tensor  # float32 [hidden]
+    post_norm: torch.Tensor  # float32 [hidden]
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+class DecodeLayers:
+    """A model's decoder layers on the kernels in one call, for a step whose rows all decode one
+    token: the same kernels in the same order as the layers' modules run them, so the same bits,
+    with the interpreter lock given up once a step instead of a dozen times a layer (a thread that
+    takes it back can wait for the event loop's thread). Holds the weights' tensors while it lives."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        layers: Sequence[LayerWeights],
+        eps: float,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        self.kernels = kernels
+        self._keep = tuple(layers)
+        self._layers = (_Layer * len(layers))(
+            *(_layer(layer, eps, heads, kv_heads, head_dim) for layer in layers)
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        kv_slots: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """The residual stream after the last layer, from x [rows, hidden] float32 (token i row
+        i's); rope: cos, signed sin [rows, 1, d]; kv: every layer's pools [layers, slots, kv_heads,
+        d] (contiguous); out_slots [rows]: where each row's k and v go; kv_slots, valid [rows,
+        keys]: each row's keys and which count."""
+        k_pools, v_pools = kv
+        if not (k_pools.is_contiguous() and v_pools.is_contiguous()) or k_pools.shape[0] != len(self._layers):
+            raise ValueError(f"DecodeLayers: {len(self._layers)} layers over pools {tuple(k_pools.shape)}")
+        out = x.contiguous().clone()
+        # Held in names for the call (`Kernels.decode_attention` says why)
+        cos, sin = rope[0].contiguous(), rope[1].contiguous()
+        out_slots, kv_slots, valid = out_slots.contiguous(), kv_slots.contiguous(), valid.contiguous()
+        rows, keys = out.shape[0], kv_slots.shape[1]
+        rc = self.kernels.library.stepahead_decode_layers(
+            self._layers,
+            len(self._layers),
+            out.data_ptr(),
+            rows,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            out_slots.data_ptr(),
+            kv_slots.data_ptr(),
+            valid.data_ptr(),
+            keys,
+            k_pools.data_ptr(),
+            v_pools.data_ptr(),
+            k_pools.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise KernelError(f"stepahead_decode_layers: out of memory for {rows} rows")
+        return out
+
+
+def _weight(w: PackedWeight) -> _Weight:
+    return _Weight(
+        w.kind,
+        w.out_features,
+        w.in_features,
+        w.codes.data_ptr(),
+        w.scale.data_ptr(),
+        None if w.minimum is None else w.minimum.data_ptr(),
+        None if w.bias is None else w.bias.data_ptr(),
+    )
+
+
+def _layer(layer: LayerWeights, eps: float, heads: int, kv_heads: int, head_dim: int) -> _Layer:
+    return _Layer(
+        layer.input_norm.data_ptr(),
+        layer.post_norm.data_ptr(),
+        eps,
+        1.0 / math.sqrt(head_dim),
+        heads,
+        kv_heads,
+        head_dim,
+        layer.o.out_features,
+        layer.down.in_features,
+        _weight(layer.qkv),
+        _weight(layer.o),
+        _weight(layer.gate_up),
+        _weight(layer.down),
+    )
 
 
 def _grouped(t: torch.Tensor) -> torch.Tensor:
@@ -257,6 +410,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.stepahead_silu_mul.argtypes = [p, i64, i64, p, i32]
     library.stepahead_decode_attention.restype = None
     library.stepahead_decode_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, f32, p, p, i32]
+    library.stepahead_decode_layers.restype = i32
+    library.stepahead_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, p, i64, p, p, i64, i32]
 
 
 @functools.cache

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from worker_svc.layers import (
     use_weight_side_products,
 )
 from worker_svc.quantization import Int4Blocks, quantize_model
+
+if TYPE_CHECKING:
+    from worker_svc.cpu_kernels import DecodeLayers
 
 RopeScaling = tuple[tuple[str, float | int | str], ...]
 
@@ -94,14 +97,23 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.query_group = config.num_heads // config.num_kv_heads
         self.sliding_window = config.sliding_window
+        # The layers in one call of Stepahead's CPU kernels for steps of decode rows alone
+        # (`quantization.decode_layers`): the same arithmetic as the layers' modules, without a
+        # dozen Python calls a layer, which at batch 1 cost about as much as the products.
+        self.decode_kernel: DecodeLayers | None = None
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Final-normed hidden states of the sampling rows, [R, hidden]."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary_emb.at(batch.positions, x.dtype)
         plan = AttentionPlan.build(batch, self.query_group, self.sliding_window)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, (kv.k[i], kv.v[i]), batch.out_kv_slots, plan)
+        decode = plan.decode
+        if self.decode_kernel is not None and decode is not None and decode.whole_batch:
+            valid = decode.mask.view(decode.kv_slots.shape)
+            x = self.decode_kernel(x, rope, (kv.k, kv.v), batch.out_kv_slots, decode.kv_slots, valid)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, (kv.k[i], kv.v[i]), batch.out_kv_slots, plan)
         normed: torch.Tensor = self.norm(x.index_select(0, batch.sample_token_index))
         return normed
 

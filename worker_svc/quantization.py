@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from worker_svc import cpu_kernels
-from worker_svc.cpu_kernels import BLOCK, Q4, Q8, Kernels
-from worker_svc.layers import FUSED_PROJECTIONS, Linear, use_cpu_kernels
+from worker_svc.cpu_kernels import BLOCK, Q4, Q8, DecodeLayers, Kernels, LayerWeights, PackedWeight
+from worker_svc.layers import FUSED_PROJECTIONS, Linear, LlamaDecoderLayer, use_cpu_kernels
 
 if TYPE_CHECKING:
     from worker_svc.model import LlamaForCausalLM
@@ -178,6 +178,12 @@ class BlockLinear(nn.Module):
         )
         return cls(kernels, Q8, codes.to(torch.int8).reshape(out, inputs), scale, None, bias)
 
+    def packed(self) -> PackedWeight:
+        """The weight as the kernels take it."""
+        return PackedWeight(
+            self.kind, self.codes, self.scale, self.minimum, self.bias, self.out_features, self.in_features
+        )
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the layer multiplies by, read back through the kernels with
         unit inputs (which 8 bits hold exactly)."""
@@ -267,3 +273,24 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks, kernels)
     if kernels is not None:
         use_cpu_kernels(model, kernels)
+        model.model.decode_kernel = decode_layers(model, kernels)
+
+
+def decode_layers(model: LlamaForCausalLM, kernels: Kernels) -> DecodeLayers | None:
+    """The model's decoder layers as one call of the kernels for decode steps, where all their
+    projections are on them (fused, in blocks of 32) and they have no q/k norms; else None (the
+    layers' modules run one by one)."""
+    weights = []
+    for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        packed = [p.packed() for p in projections if isinstance(p, BlockLinear)]
+        if attention.q_norm is not None or len(packed) != len(projections):
+            return None
+        norms = (layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float())
+        weights.append(LayerWeights(*norms, *packed))
+    config = model.config
+    return DecodeLayers(
+        kernels, weights, config.rms_norm_eps, config.num_heads, config.num_kv_heads, config.head_dim
+    )
