@@ -255,7 +255,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     """Replace the model's fused projections (`LlamaForCausalLM.fuse_projections` first) and its
     output layer by quantized ones, in `mode` (`int8` or `int4`); `blocks`: a file's own 4-bit
     weights by checkpoint name. Embeddings and norms stay as they are; on Stepahead's kernels (a
-    float32 model) the step's small operators run on them too (`layers.use_cpu_kernels`)."""
+    float32 model) the step's small operators run on them too (`layers.use_cpu_kernels`), and a
+    step of decode rows alone runs the decoder layers in one call (`decode_layers`)."""
     if mode not in QUANTIZATIONS[1:]:
         raise ValueError(f"quantization {mode!r} is not one of {QUANTIZATIONS[1:]}")
     kernels = kernels_for(model.dtype, mode)
