@@ -234,8 +234,7 @@ class LayerWeights:
 class DecodeLayers:
     """A model's decoder layers on the kernels in one call, for a step whose rows all decode one
     token: the same kernels in the same order as the layers' modules run them, so the same bits,
-    with the interpreter lock given up once a step instead of a dozen times a layer (a thread that
-    takes it back can wait for the event loop's thread). Holds the weights' tensors while it lives."""
+    without a dozen Python calls a layer. Holds the weights' tensors while it lives."""
 
     def __init__(
         self,
