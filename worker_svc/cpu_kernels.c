@@ -393,7 +393,7 @@ struct stepahead_weight {
 struct stepahead_layer {
     const float *input_norm, *post_norm;
     double eps, scale; /* the norms' epsilon, attention's scale (1 / sqrt(d)) */
-    int64_t heads, kv_heads, d, hidden, intermediate;
+    int64_t heads, kv_heads, d;
     struct stepahead_weight qkv, o, gate_up, down;
 };
 
@@ -422,10 +422,10 @@ static void add_into(float *x, const float *y, int64_t n) {
 static int decode_layer(const struct stepahead_layer *layer, float *x, int64_t rows, const float *cos, const float *sin,
                         const int64_t *out_slots, const int64_t *kv_slots, const uint8_t *valid, int64_t keys,
                         float *k_pool, float *v_pool, int threads) {
-    const int64_t hidden = layer->hidden, qd = layer->heads * layer->d;
+    const int64_t hidden = layer->o.n, intermediate = layer->down.k, qd = layer->heads * layer->d;
     if (threads < 1) threads = 1;
     const int64_t sizes[] = {rows * hidden, rows * layer->qkv.n, rows * qd, rows * qd, rows * hidden,
-                             rows * layer->gate_up.n, rows * layer->intermediate, (int64_t)threads * keys};
+                             rows * layer->gate_up.n, rows * intermediate, (int64_t)threads * keys};
     int64_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += sizes[i];
     float *scratch = (float *)malloc(sizeof(float) * (size_t)total);
@@ -443,7 +443,7 @@ static int decode_layer(const struct stepahead_layer *layer, float *x, int64_t r
     add_into(x, projected, rows * hidden);
     stepahead_rms_norm(x, layer->post_norm, rows, hidden, (float)layer->eps, normed);
     rc |= linear_with_bias(&layer->gate_up, normed, rows, gate_up, threads);
-    stepahead_silu_mul(gate_up, rows, layer->intermediate, act, threads);
+    stepahead_silu_mul(gate_up, rows, intermediate, act, threads);
     rc |= linear_with_bias(&layer->down, act, rows, projected, threads);
     add_into(x, projected, rows * hidden);
     free(scratch);

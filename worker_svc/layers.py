@@ -121,6 +121,11 @@ class DecodeGroup:
     mask: torch.Tensor  # [Bd, 1, 1, Lmax] True where the key is part of the row's context
     whole_batch: bool = False  # the batch is these rows alone, token i being row i's
 
+    @property
+    def valid(self) -> torch.Tensor:
+        """[Bd, Lmax]: the mask without its broadcast axes."""
+        return self.mask.view(self.kv_slots.shape)
+
 
 @dataclass
 class PrefillRow:
@@ -443,8 +448,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         if self.kernels is not None and q.dtype == torch.float32:
             q_rows = q if group.whole_batch else q.index_select(0, group.token_index)
-            valid = group.mask.view(group.kv_slots.shape)
-            return self.kernels.decode_attention(q_rows, k_pool, v_pool, group.kv_slots, valid)
+            return self.kernels.decode_attention(q_rows, k_pool, v_pool, group.kv_slots, group.valid)
         q_rows = (q if group.whole_batch else q.index_select(0, group.token_index))[:, None]
         dtype = _attention_dtype(q)
         k, v = _gather(k_pool, group.kv_slots, dtype), _gather(v_pool, group.kv_slots, dtype)

@@ -109,8 +109,7 @@ class LlamaModel(nn.Module):
         plan = AttentionPlan.build(batch, self.query_group, self.sliding_window)
         decode = plan.decode
         if self.decode_kernel is not None and decode is not None and decode.whole_batch:
-            valid = decode.mask.view(decode.kv_slots.shape)
-            x = self.decode_kernel(x, rope, (kv.k, kv.v), batch.out_kv_slots, decode.kv_slots, valid)
+            x = self.decode_kernel(x, rope, (kv.k, kv.v), batch.out_kv_slots, decode.kv_slots, decode.valid)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, (kv.k[i], kv.v[i]), batch.out_kv_slots, plan)
