@@ -2,16 +2,16 @@
 scheduler over the worker's --link-socket): length-prefixed protobuf frames on a unix stream socket.
 
 Each frame is a 4-byte little-endian length and that many bytes of one serialized message. A
-message is one `transport.write` (one `send` syscall, no completion thread, no HTTP/2 framing,
-flow-control window or per-message task), and what arrives is parsed in the event loop's read
-callback: these links carry a message or two per step each, so their cost per message is the
-scheduler's cost per step.
+message is one `write` syscall (no completion thread, no HTTP/2 framing, flow-control window or
+per-message task), and what arrives is parsed in the event loop's read callback: these links
+carry a message or two per step each, so their cost per message is the scheduler's cost per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar, cast
@@ -44,6 +44,7 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
         self._on_lost = on_lost
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
+        self._fd = -1  # the socket's, where frames may be written past the transport (see send)
 
     @property
     def open(self) -> bool:
@@ -51,14 +52,35 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and os.name == "posix" and not os.get_blocking(sock.fileno()):
+            self._fd = sock.fileno()
 
     def send(self, message: Wire) -> None:
-        """Queues one frame (nothing if the link is closed: its peer's loss is reported once,
-        by `on_lost`)."""
-        if self.open:
-            assert self._transport is not None
-            body = message.SerializeToString()
-            self._transport.write(HEADER.pack(len(body)) + body)
+        """Writes one frame, or queues what the socket does not take at once (nothing if the
+        link is closed: its peer's loss is reported once, by `on_lost`).
+
+        NOTE: written with `os.write`, which gives up the interpreter lock for the syscall, where
+        the transport's write (uvloop's) keeps it. The write wakes the peer, which on a busy host
+        may take this CPU on the spot; holding the lock meanwhile, a worker's event loop would
+        stall its forward thread until it ran again (py-spy saw a quarter of the worker loop's
+        lock-held time in this write). Only when the transport has nothing queued, so that
+        frames stay in order.
+        """
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        body = message.SerializeToString()
+        frame = HEADER.pack(len(body)) + body
+        if self._fd >= 0 and not transport.get_write_buffer_size():
+            try:
+                written = os.write(self._fd, frame)
+            except OSError:  # full (EAGAIN), or broken: the transport queues it or meets the error
+                written = 0
+            if written == len(frame):
+                return
+            frame = frame[written:]
+        transport.write(frame)
 
     def close(self) -> None:
         if self._transport is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import tempfile
 from typing import Any
 
@@ -17,6 +18,7 @@ from scheduler_svc.engine.request import Request
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.process.link.core_side import CoreLink, RemoteFrontend
 from scheduler_svc.process.link.frontend_side import CoreGone, RemoteCore
+from stepahead.event_loop import EVENT_LOOP_ENV
 from stepahead.event_loop import run as run_loop
 from stepahead.framing import HEADER, MAX_FRAME_BYTES, FrameProtocol
 from stepahead.v1 import core_pb2
@@ -38,6 +40,9 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
 
 
 def outputs_message(i: int) -> core_pb2.CoreMessage:
@@ -93,6 +98,77 @@ def test_lost_is_reported_once_with_the_cause() -> None:
     cause = ConnectionResetError("peer gone")
     wire.connection_lost(cause)
     assert lost == [cause] and not wire.open
+
+
+class CountingTransport:
+    """A real transport whose `write` calls are counted."""
+
+    def __init__(self, inner: asyncio.Transport) -> None:
+        self.inner = inner
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self.inner.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def _frames_go_to_the_socket_at_once_and_in_order_when_it_is_full(loop_name: str) -> None:
+    loop = asyncio.get_running_loop()
+    assert type(loop).__module__.startswith(loop_name)
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    got: list[core_pb2.CoreMessage] = []
+    lost: list[Exception | None] = []
+    sender_made: FrameProtocol[core_pb2.CoreMessage] = FrameProtocol(
+        core_pb2.CoreMessage.FromString, got.append, lost.append
+    )
+    inner, sender = await loop.connect_accepted_socket(lambda: sender_made, left)
+    counted = CountingTransport(inner)
+    sender._transport = counted  # type: ignore[assignment]
+    right.setblocking(False)
+    # An idle peer's socket takes each small frame whole: no frame goes through the transport.
+    small = [outputs_message(i % 7) for i in range(50)]
+    for m in small:
+        sender.send(m)
+    assert counted.writes == 0
+    # Frames past what the socket holds: the rest is queued by the transport, and so is every
+    # frame after it while its queue is not empty; the peer reads them all in order.
+    big = [
+        core_pb2.CoreMessage(outputs=core_pb2.StepOutputs(token_ids=range(i, i + 30_000))) for i in range(40)
+    ]
+    for m in big:
+        sender.send(m)
+    assert counted.writes > 0 and inner.get_write_buffer_size() > 0
+    reader: FrameProtocol[core_pb2.CoreMessage] = FrameProtocol(
+        core_pb2.CoreMessage.FromString, got.append, lost.append
+    )
+    reader.connection_made(FakeTransport())  # type: ignore[arg-type]
+    expected = small + big
+    async with asyncio.timeout(HANG_GUARD_S):
+        while len(got) < len(expected):
+            try:
+                reader.data_received(right.recv(1 << 20))
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+    assert got == expected
+    # A peer that is gone: the frame is dropped, the loss reported once by the transport.
+    right.close()
+    async with asyncio.timeout(HANG_GUARD_S):
+        while not lost:
+            sender.send(outputs_message(3))
+            await asyncio.sleep(0.001)
+    assert len(lost) == 1 and not sender.open
+    sender.send(outputs_message(3))
+
+
+@pytest.mark.parametrize("loop_name", ["uvloop", "asyncio"])
+def test_frames_go_to_the_socket_at_once_and_in_order_when_it_is_full(
+    loop_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(EVENT_LOOP_ENV, loop_name)
+    run_loop(_frames_go_to_the_socket_at_once_and_in_order_when_it_is_full(loop_name))
 
 
 def spec(handle: int) -> CoreRequestSpec:
