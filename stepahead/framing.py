@@ -67,9 +67,10 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
         lock-held time in this write). Only when the transport has nothing queued, so that
         frames stay in order.
         """
-        transport = self._transport
-        if transport is None or transport.is_closing():
+        if not self.open:
             return
+        transport = self._transport
+        assert transport is not None
         body = message.SerializeToString()
         frame = HEADER.pack(len(body)) + body
         if self._fd >= 0 and not transport.get_write_buffer_size():

@@ -6,8 +6,10 @@ import asyncio
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import fields, replace
 from datetime import UTC, datetime
@@ -1226,38 +1228,46 @@ def test_tool_masks_smoke_run_writes_every_state(tmp_path: Path) -> None:
     )
 
 
-def test_model_speed_times_a_stream_read_off_a_socket() -> None:
-    import socket
-    import threading
+def _stand_in_stream(events: int, seen: list[bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A server on 127.0.0.1 that reads one request into `seen` and answers `events` events and
+    [DONE], one send each."""
+    server = socket.create_server(("127.0.0.1", 0))
 
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request or not request.endswith(b"}"):
+                request += conn.recv(1 << 16)
+            seen.append(request)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+            for i in range(events):
+                conn.sendall(b'data: {"choices": [{"text": "%d"}]}\n\n' % i)
+            conn.sendall(b"data: [DONE]\n\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_model_speed_times_a_stream_read_off_a_socket() -> None:
     from bench import model_speed
 
-    # A stand-in server: reads one request, answers 5 events 20 ms apart and [DONE].
     seen: list[bytes] = []
-    with socket.create_server(("127.0.0.1", 0)) as server:
-
-        def answer() -> None:
-            conn, _ = server.accept()
-            with conn:
-                request = b""
-                while b"\r\n\r\n" not in request or not request.endswith(b"}"):
-                    request += conn.recv(1 << 16)
-                seen.append(request)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
-                for i in range(5):
-                    time.sleep(0.02)
-                    conn.sendall(b'data: {"choices": [{"text": "%d"}]}\n\n' % i)
-                conn.sendall(b"data: [DONE]\n\n")
-
-        thread = threading.Thread(target=answer, daemon=True)
-        thread.start()
+    server, thread = _stand_in_stream(5, seen)
+    with server:
         ms = model_speed.socket_stream_ms(server.getsockname()[1], 5, model="m")
         thread.join(timeout=30)
     head, body = seen[0].split(b"\r\n\r\n", 1)
     assert head.startswith(b"POST /v1/completions HTTP/1.1")
     sent = json.loads(body)
     assert (sent["model"], sent["max_tokens"], sent["stream"], sent["ignore_eos"]) == ("m", 5, True, True)
-    assert ms >= 15  # four gaps of 20 ms between the five events (a floor only: no upper bound)
+    assert math.isfinite(ms) and ms >= 0
+    # More events than tokens asked for: not the stream the figure assumes.
+    server, thread = _stand_in_stream(6, seen)
+    with server, pytest.raises(RuntimeError, match="6 events for 5 tokens"):
+        model_speed.socket_stream_ms(server.getsockname()[1], 5, model="m")
+    thread.join(timeout=30)
 
 
 def test_model_speed_reads_llama_bench_as_it_is_run(tmp_path: Path) -> None:
