@@ -22,6 +22,8 @@ from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from stepahead.heap import GcCollector
+
 log = logging.getLogger(__name__)
 
 METRICS_PATHS = frozenset({"/metrics", "/"})
@@ -134,9 +136,11 @@ def labelled(inner: Collector, labels: Callable[[], dict[str, str]]) -> Collecto
 
 
 def new_registry(const_labels: dict[str, str]) -> CollectorRegistry:
-    """A registry with process metrics (CPU, memory) under the service's labels."""
+    """A registry with process metrics (CPU, memory, garbage collections) under the service's
+    labels."""
     registry = CollectorRegistry()
     registry.register(ConstLabels(ProcessCollector(registry=None), const_labels))
+    registry.register(ConstLabels(GcCollector(), const_labels))
     return registry
 
 

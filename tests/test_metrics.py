@@ -43,6 +43,7 @@ SIM = ["--model", "sim", "--sim-step-ms", "4", "--sim-token-us", "0"]
 KV_SLOTS = 700
 PROMTOOL_TIMEOUT_S = 60.0  # a hang guard: promtool checks a scrape in well under a second
 
+GC_METRICS = ("stepahead_gc_collections_total", "stepahead_gc_seconds_total", "stepahead_gc_frozen_objects")
 SCHEDULER_METRICS = {
     "stepahead_requests_running",
     "stepahead_requests_waiting",
@@ -62,6 +63,7 @@ SCHEDULER_METRICS = {
     "stepahead_dropped_inflight_tokens_total",
     "stepahead_worker_step_latency_seconds",
     "stepahead_worker_connected",
+    *GC_METRICS,
 }
 WORKER_METRICS = {
     "stepahead_device_busy_seconds_total",
@@ -73,6 +75,7 @@ WORKER_METRICS = {
     "stepahead_batch_tokens_total",
     "stepahead_live_request_slots",
     "stepahead_tensor_parallel_size",
+    *GC_METRICS,
 }
 
 
@@ -233,6 +236,22 @@ def test_both_endpoints_pass_promtool_and_carry_constant_labels(
         assert expected <= family_names(text)
         for _, labels in samples(text):
             assert const <= labels
+
+
+def test_every_service_process_froze_its_start_up_heap_before_serving(
+    loaded_pair: tuple[Service, Service, Streams],
+) -> None:
+    """`stepahead.heap.settle` ran in the worker, the core and the frontend process: the first two
+    say so on /metrics (objects frozen; the full collection before the freeze counted), and each
+    says so in its log."""
+    worker, scheduler, _ = loaded_pair
+    for service in (worker, scheduler):
+        text = scrape(service)
+        assert value(text, "stepahead_gc_frozen_objects") > 10_000
+        assert value(text, "stepahead_gc_collections_total", generation="2") >= 1
+    frozen = [line for line in [*worker.output, *scheduler.output] if "start-up objects frozen" in line]
+    for process in ("worker:", "scheduler:", "frontend 0:"):
+        assert any(process in line for line in frozen), (process, frozen)
 
 
 def test_counters_agree_with_what_clients_received(loaded_pair: tuple[Service, Service, Streams]) -> None:

@@ -11,6 +11,7 @@ import signal
 
 import torch
 
+from stepahead import heap
 from stepahead.serving import (
     announce,
     describe_tls,
@@ -106,6 +107,7 @@ async def serve(config: WorkerConfig, ranks: TensorParallelRanks | None = None) 
     if link is not None:  # first: once the gRPC port listens, the socket does too
         await link.start()
     await serving.server.start()
+    heap.settle("worker")
     await set_serving(serving.health, SERVICE_NAME, True)
     if ranks is not None:
         ranks.mark_up()
@@ -142,6 +144,7 @@ def follow(config: WorkerConfig, ranks: TensorParallelRanks) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     engine = build_engine(config, ranks)
+    heap.settle(f"worker rank {ranks.place.rank}")
     ranks.barrier()
     engine.follow()
 

@@ -25,6 +25,7 @@ from scheduler_svc.process.grpc_transport import GrpcTransport
 from scheduler_svc.process.link.local import LocalCore
 from scheduler_svc.process.socket_transport import SocketTransport, socket_path
 from scheduler_svc.process.supervisor import FrontendSupervisor
+from stepahead import heap
 from stepahead.metrics import labelled
 from stepahead.serving import (
     announce,
@@ -77,6 +78,7 @@ async def _serve_frontend_here(core: EngineCore, config: SchedulerConfig, stop: 
         await http.start()
     where = f"{api.host}:{port}{describe_http(http)}"
     worker = config.worker.address
+    heap.settle("scheduler")
     announce(f"scheduler listening on {where} (mode {config.core.mode}, worker {worker})")
     await stop.wait()
     log.info("stopping: finishing in-flight requests for up to %.0fs", config.grace_s)
@@ -92,6 +94,7 @@ async def _serve_frontend_processes(core: EngineCore, config: SchedulerConfig, s
         registry, api_registry = service_registries(core, config, supervisor.metric_sources)
         start_metrics(registry, config.observability.metrics, "scheduler")
         port, http_port = await supervisor.start()
+        heap.settle("scheduler")
         http = f", HTTP on port {http_port}" if http_port else ""
         announce(
             f"scheduler listening on {config.api.host}:{port}{http} (mode {config.core.mode}, worker "

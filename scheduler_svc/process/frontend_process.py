@@ -24,6 +24,7 @@ from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.process.app import http_api, stop_apis
 from scheduler_svc.process.config import FrontendProcessConfig
 from scheduler_svc.process.link.frontend_side import RemoteCore
+from stepahead import heap
 from stepahead.serving import run_service, set_serving, setup_logging
 
 log = logging.getLogger("stepahead.frontend")
@@ -42,6 +43,7 @@ async def serve(config: FrontendProcessConfig) -> int:
     await server.start()
     if http is not None:
         await http.start()
+    heap.settle(f"frontend {config.frontend.index}")
     attached = asyncio.create_task(core.attach(config.frontend.index, os.getpid(), port))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({attached, stopping}, return_when=asyncio.FIRST_COMPLETED)
