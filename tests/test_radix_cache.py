@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from scheduler_svc.engine.kv.radix_cache import RadixCache, RadixNode
+from scheduler_svc.engine.kv.radix_cache import RadixCache, RadixNode, _shared_length
 
 Prefix = tuple[int, ...]
 
@@ -131,3 +131,18 @@ def test_insert_never_remaps_a_cached_prefix() -> None:
     node, not_taken = cache.insert([7, 8, 9], [5, 6, 7])
     assert not_taken == 2  # slots 5 and 6 stay the inserting request's
     assert cache.match([7, 8, 9]).slots == [0, 1, 7] and node.slots == [7]
+
+
+def test_shared_length_is_the_first_difference_at_every_position() -> None:
+    """The slice-halving comparison against a token-by-token walk: every place the first
+    difference can be, edges longer and shorter than what is left of the ids, any start."""
+    key = list(range(100, 140))
+    for start in range(4):
+        for cut in range(len(key) + 1):
+            ids = [7] * start + key[:cut] + [1, 2, 3] + key[cut + 3 :]
+            for end in (len(ids), start + cut // 2, start):  # ids shorter than the key too
+                short = ids[:end]
+                walked = 0
+                while walked < min(len(key), len(short) - start) and key[walked] == short[start + walked]:
+                    walked += 1
+                assert _shared_length(key, short, start) == walked, (start, cut, end)
