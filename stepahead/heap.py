@@ -6,8 +6,8 @@ per step and per token many small objects that die young, freed by their referen
 CPython's collector runs a young collection every 700 net container allocations and, every so
 many of those, one that walks every tracked object, start-up's included: on this project's
 machines a frontend spent about a tenth of its CPU per token in collections at concurrency 256,
-and a full collection in the worker took 40-60 ms, a pause that a client sees as one long gap
-between tokens.
+and a full collection in the worker took 40-60 ms (three in a process's life, start-up's
+included), a pause that any stream it lands in sees as one long gap between tokens.
 
 `settle()`, once a process has loaded what it serves and before it serves: one collection of
 what start-up left, the survivors frozen (`gc.freeze`: never walked again), and the young
