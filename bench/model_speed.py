@@ -161,7 +161,7 @@ class ServiceRow:
 
     raw_step_ms: float
     openai_ms: float  # the `openai` package's streamed completion
-    sse_ms: float  # the same request's server-sent events read off a socket, nothing parsed
+    socket_ms: float  # the same request's server-sent events read off a socket, nothing parsed
 
 
 def socket_stream_ms(port: int, tokens: int, model: str = SMOLLM2_NAME) -> float:
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             raw = row.raw_step_ms
             print(
                 f"| {mode} | {raw:.1f} | {row.openai_ms:.1f} | {row.openai_ms / raw:.2f}x "
-                f"| {row.sse_ms:.1f} | {row.sse_ms / raw:.2f}x |"
+                f"| {row.socket_ms:.1f} | {row.socket_ms / raw:.2f}x |"
             )
 
 
