@@ -27,6 +27,8 @@ SETTLED = frozenset(
         grpc.ChannelConnectivity.SHUTDOWN,
     }
 )
+# How long a closing GenerateMany call waits for the server to end it before cancelling it.
+CLOSE_TIMEOUT_S = 5.0
 
 
 def open_channels(server: str, count: int) -> list[grpc.aio.Channel]:
@@ -160,11 +162,17 @@ class ManyCall:
                 )
 
     async def close(self) -> None:
+        """Half-closes the call and lets the server end it, so every abort already queued
+        reaches it first; the call is cancelled only if the server has not ended it within
+        CLOSE_TIMEOUT_S (a request still live, or a server that never ends the call)."""
         self._outbox.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        if self._reader is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._reader), CLOSE_TIMEOUT_S)
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
 
     @staticmethod
     async def _requests(

@@ -741,8 +741,11 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
     `hold_until` requests have arrived (so that many are surely in flight together).
     A text prompt "fail:NAME" is refused with that status; "hang" streams until cancelled."""
 
-    def __init__(self, step_s: float = 0.0, chunk: int = 1, hold_until: int = 0) -> None:
+    def __init__(
+        self, step_s: float = 0.0, chunk: int = 1, hold_until: int = 0, abort_read_s: float = 0.0
+    ) -> None:
         self.step_s, self.chunk, self.hold_until = step_s, chunk, hold_until
+        self.abort_read_s = abort_read_s  # a slow server: each abort is read this much later
         self.received = 0
         self.peers: dict[str, str] = {}  # the client address each text prompt came from
         self.cancelled = 0
@@ -814,6 +817,7 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
                 if message.WhichOneof("kind") == "generate":
                     streams[message.generate.request_id] = asyncio.create_task(run(message.generate))
                 else:
+                    await asyncio.sleep(self.abort_read_s)
                     self.aborted.append(message.abort.request_id)
                     streams[message.abort.request_id].cancel()
             await asyncio.gather(*streams.values(), return_exceptions=True)
@@ -958,8 +962,9 @@ async def test_duration_stops_issuing_and_lets_in_flight_requests_finish(
 async def test_stop_cancels_in_flight_requests_and_keeps_the_completed(
     tmp_path: Path, backend: BackendName
 ) -> None:
-    """grpc-many: each cancelled request is aborted on the call, before the call itself goes."""
-    servicer = ScriptedGeneration(step_s=0.001, hold_until=4)
+    """grpc-many: each cancelled request is aborted on the call, and the call is half-closed and
+    left for the server to end, so a server slow to read still hears every abort."""
+    servicer = ScriptedGeneration(step_s=0.001, hold_until=4, abort_read_s=0.05)
     stop = asyncio.Event()
     config = BenchmarkConfig(
         dataset=jsonl(tmp_path, ['{"prompt": "quick", "output_len": 2}'] + ['{"prompt": "hang"}'] * 3),
