@@ -196,7 +196,8 @@ def test_serve_smollm2_answers_the_openai_client_and_grpc_then_sigterm_leaves_no
         assert "Paris" in (reply.choices[0].message.content or "")
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             request = pb.GenerateRequest(
-                input_ids=pb.TokenIds(ids=[504, 3575, 282]), sampling=pb.SamplingParams(max_new_tokens=4)
+                input_ids=pb.TokenIds(ids=[504, 3575, 282]),
+                sampling=pb.SamplingParams(max_new_tokens=4, ignore_eos=True),  # four, whatever is sampled
             )
             stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=CALL_TIMEOUT_S)
             assert sum(len(r.token_ids) for r in stream) == 4
