@@ -33,6 +33,11 @@ class LoopHistogramChild:
         self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value
 
+    def observe_many(self, value: float, count: int) -> None:
+        """`count` observations of one value (a step's rows that share their last token's time)."""
+        self._counts[bisect.bisect_left(self._bounds, value)] += count
+        self._sum += value * count
+
     def snapshot(self) -> tuple[list[tuple[str, float]], float]:
         """Cumulative buckets (`le`, count) and the sum."""
         counts, total = list(self._counts), self._sum

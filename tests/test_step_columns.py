@@ -5,19 +5,27 @@ a frontend's text made once a message."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from scheduler_svc.engine import results as results_module
+from scheduler_svc.engine import running as running_module
+from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.results import ResultProcessor
 from scheduler_svc.engine.rows import SlotRows
 from scheduler_svc.engine.running import RunningManager
+from scheduler_svc.frontend import frontend as frontend_module
 from scheduler_svc.frontend.streams import OutputStream
 from scheduler_svc.frontend.text import RequestText
 from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.loop_metrics import LoopHistogram
 from stepahead.metrics import LATENCY_BUCKETS
+from stepahead.protocol import StepResult
 from tests.fake_worker import FakeWorker
 from tests.harness import mixed_workload, params, serve_workload, with_forced_scenarios
 from tests.test_equivalence import check_client_views, check_drained, sim_reference
@@ -27,33 +35,58 @@ from worker_svc.backends import sim_continuation as expected
 pytestmark = pytest.mark.anyio
 
 
-async def test_the_column_path_gives_what_the_row_by_row_path_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_column_and_small_batch_paths_give_what_the_row_by_row_path_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """One mixed workload (EOS, stop-id and stop-string finishes, aborts, a forced preemption),
-    served a column at a time and then with every row taken one by one: the same outputs (and
-    the column path did run)."""
+    served a column at a time, then with plain decode rows picked and applied a row at a time
+    through the `array` columns (the small-batch path), then with every row taken one by one as
+    a request: the same outputs (and the column and small-batch paths did run)."""
     items = with_forced_scenarios(mixed_workload(80, seed=11, sampled=False), 900, sampled=False)
     kw: dict[str, object] = dict(kv_slots=900, request_slots=32)
-    picked = {"columns": 0}
-    applied = {"columns": 0}
-    pick_decodes, apply_plain = RunningManager._pick_decodes, ResultProcessor._apply_plain
+    used = {"_pick_decodes": 0, "_apply_plain": 0, "_pick_small": 0, "_apply_small": 0}
 
-    def counting_pick(self: RunningManager, batch, budget):  # type: ignore[no-untyped-def]
-        before = batch.launch.num_rows
-        took = pick_decodes(self, batch, budget)
-        picked["columns"] += batch.launch.num_rows - before if took else 0
-        return took
+    def counting(cls: type, name: str) -> None:
+        method = getattr(cls, name)
 
-    def counting_apply(self: ResultProcessor, reqs, slots, tokens):  # type: ignore[no-untyped-def]
-        applied["columns"] += len(reqs)
-        apply_plain(self, reqs, slots, tokens)
+        def counted(self, batch_or_reqs, *args):  # type: ignore[no-untyped-def]
+            before = used[name]
+            rows = batch_or_reqs.launch.num_rows if name.startswith("_pick") else 0
+            took = method(self, batch_or_reqs, *args)
+            if name.startswith("_pick"):
+                used[name] = before + (batch_or_reqs.launch.num_rows - rows if took else 0)
+            elif took is not False:
+                used[name] = before + len(batch_or_reqs)
+            return took
 
-    monkeypatch.setattr(RunningManager, "_pick_decodes", counting_pick)
-    monkeypatch.setattr(ResultProcessor, "_apply_plain", counting_apply)
+        monkeypatch.setattr(cls, name, counted)
+
+    for cls, name in [
+        (RunningManager, "_pick_decodes"),
+        (RunningManager, "_pick_small"),
+        (ResultProcessor, "_apply_plain"),
+        (ResultProcessor, "_apply_small"),
+    ]:
+        counting(cls, name)
+
+    def small_batch(n: int) -> None:
+        monkeypatch.setattr(running_module, "SMALL_BATCH", n)
+        monkeypatch.setattr(results_module, "SMALL_BATCH", n)
+
+    small_batch(0)  # columns only
     columns, core, engine = await serve_workload("sim", "overlap", items, **kw)  # type: ignore[arg-type]
     check_client_views(items, columns)
     check_drained(core, engine)
     assert core.stats.preemptions > 0
-    assert picked["columns"] > 0 and applied["columns"] > 0  # the column path did run
+    assert used["_pick_decodes"] > 0 and used["_apply_plain"] > 0  # the column path did run
+    assert used["_pick_small"] == used["_apply_small"] == 0
+
+    small_batch(10_000)  # every step a row at a time
+    small, core, engine = await serve_workload("sim", "overlap", items, **kw)  # type: ignore[arg-type]
+    check_client_views(items, small)
+    check_drained(core, engine)
+    assert core.stats.preemptions > 0
+    assert used["_pick_small"] > 0 and used["_apply_small"] > 0  # the small-batch path did run
 
     place = SlotRows.place
 
@@ -68,17 +101,19 @@ async def test_the_column_path_gives_what_the_row_by_row_path_gives(monkeypatch:
     check_drained(core, engine)
     for item in items:
         if item.abort_after is None:
-            a, b = columns[item.rid], rows[item.rid]
-            assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (
-                b.token_ids,
-                b.text,
-                b.finish_reason,
-                b.logprobs,
-            ), item.rid
-            assert (columns[item.rid].token_ids, columns[item.rid].finish_reason) == sim_reference(item)
+            for outputs in (columns, small):
+                a, b = outputs[item.rid], rows[item.rid]
+                assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (
+                    b.token_ids,
+                    b.text,
+                    b.finish_reason,
+                    b.logprobs,
+                ), item.rid
+                assert (a.token_ids, a.finish_reason) == sim_reference(item)
         else:  # where an abort lands depends on timing; what came before it does not
-            n = min(len(columns[item.rid].token_ids), len(rows[item.rid].token_ids))
-            assert columns[item.rid].token_ids[:n] == rows[item.rid].token_ids[:n], item.rid
+            for outputs in (columns, small):
+                n = min(len(outputs[item.rid].token_ids), len(rows[item.rid].token_ids))
+                assert outputs[item.rid].token_ids[:n] == rows[item.rid].token_ids[:n], item.rid
 
 
 async def test_a_stale_row_is_not_applied_to_the_next_request_of_its_slot() -> None:
@@ -157,6 +192,9 @@ def test_the_loop_histogram_exposes_what_the_client_library_histogram_does() -> 
         phase = ("pick", "wait")[i % 2]
         loop.labels("overlap", phase).observe(value)
         reference.labels("overlap", phase).observe(value)
+    loop.labels("overlap", "wait").observe_many(0.25, 3)  # as three observations
+    for _ in range(3):
+        reference.labels("overlap", "wait").observe(0.25)
 
     def lines(registry: CollectorRegistry) -> list[str]:
         return [ln for ln in generate_latest(registry).decode().splitlines() if "_created" not in ln]
@@ -194,3 +232,67 @@ def test_text_without_stop_strings_is_made_once_a_message_and_is_the_per_token_t
     assert len(calls) == 4 and sum(calls) == len(tokens)
     with pytest.raises(AssertionError):
         RequestText(tokenizer, ("stop",)).push_ids([65])  # stop strings are looked for token by token
+
+
+async def test_small_batches_launch_and_stream_what_columns_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlap order stepped by hand (launch k + 1, then process k), requests ending at
+    different lengths (EOS ignored): the launches, row for row, and the streamed tokens are the
+    same a row at a time as a column at a time; no decode row is picked for a request whose
+    last allowed token is already in flight."""
+
+    async def serve(n: int) -> tuple[list[tuple[list[int], ...]], dict[str, list[int]]]:
+        monkeypatch.setattr(running_module, "SMALL_BATCH", n)
+        monkeypatch.setattr(results_module, "SMALL_BATCH", n)
+        worker = FakeWorker(4096, 16, hold=True)
+        core, frontend = await connected(worker)
+        clients = {f"r{i}": add(frontend, f"r{i}", [i + 1] * (2 + i), 1 + i % 5) for i in range(9)}
+        launches: list[tuple[list[int], ...]] = []
+        in_flight: tuple[ScheduledBatch, asyncio.Future[StepResult]] | None = None
+        while core.policy.requests or in_flight is not None:
+            batch = core.pick_batch()
+            launched = None
+            if batch is not None:
+                launch = batch.launch
+                launches.append(
+                    (list(launch.row_req_slots), list(launch.row_start_pos), list(launch.kv_slots))
+                )
+                launched = (batch, await core.launch_step(batch))
+            if in_flight is not None:
+                worker.complete_next()
+                await core.process_results(*in_flight)
+            in_flight = launched
+        assert core.stats.dropped_inflight_tokens == 0  # nothing picked past a request's last token
+        streamed = {rid: [t for _, chunk in c.take() for t in chunk.token_ids] for rid, c in clients.items()}
+        return launches, streamed
+
+    launches, streamed = await serve(10_000)  # a row at a time
+    assert (launches, streamed) == await serve(0)  # a column at a time
+    assert streamed == {f"r{i}": expected([i + 1] * (2 + i), 1 + i % 5) for i in range(9)}
+
+
+async def test_the_gaps_between_a_step_s_tokens_are_observed_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose last token came in the same message are observed as one gap a run of rows at
+    a time: the inter-token histogram still counts one gap per token after a stream's first,
+    and sums each stream's own gaps (a stream that joined a step later has other gaps)."""
+    clock = [100.0]
+    monkeypatch.setattr(frontend_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    worker = FakeWorker(4096, 8)
+    core, frontend = await connected(worker, mode="serial")
+    add(frontend, "a", [1, 2], 4)
+    add(frontend, "b", [3, 4], 4)
+
+    async def step(at: float) -> None:
+        clock[0] = at
+        batch = core.pick_batch()
+        assert batch is not None
+        await core.process_results(batch, await core.launch_step(batch))
+
+    await step(101.0)  # a, b: first tokens
+    add(frontend, "c", [5, 6], 3)
+    await step(103.0)  # a, b: gap 2; c: first token
+    await step(104.0)  # a, b, c: gap 1
+    await step(108.0)  # a, b, c: gap 4 (a and b end: 4 tokens)
+    itl = frontend.telemetry.itl
+    buckets, total = itl.snapshot()
+    assert buckets[-1][1] == 3 + 3 + 2  # gaps: a 3, b 3, c 2
+    assert total == pytest.approx(2 * (2 + 1 + 4) + (1 + 4))

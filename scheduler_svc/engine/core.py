@@ -69,6 +69,7 @@ class EngineCore:
         self.policy = SchedulingPolicy(config.policy, self.outbox, self.telemetry)
         # NOTE: holds at most `depth.current` entries whenever a batch is picked.
         self.result_queue: collections.deque[tuple[ScheduledBatch, StepHandle]] = collections.deque()
+        self.telemetry.result_queue_depth.set_function(lambda: len(self.result_queue))
         self.depth = OverlapDepth(config.depth)
         self.telemetry.depth_configured.set(config.depth.depth)
         self.telemetry.depth.set(self.depth.current if config.mode == "overlap" else 0)

@@ -98,6 +98,11 @@ class SchedulingPolicy:
         self.running_manager = RunningManager(self.table, self.slots, self.stats, telemetry)
         self.results = ResultProcessor(self.slots, outbox, self.stats, telemetry, self._end)
         self._next_step_id = 1
+        # What it holds, read when /metrics is scraped rather than set at every step.
+        telemetry.running.set_function(lambda: len(self.table.running))
+        telemetry.waiting.set_function(lambda: len(self.table.waiting))
+        telemetry.cache_slots.set_function(lambda: self.slots.kv.tree.size)
+        telemetry.kv_usage.set_function(lambda: self.slots.kv.usage)
 
     # ---- what it holds, to read ----------------------------------------------------------
 
@@ -186,7 +191,6 @@ class SchedulingPolicy:
         preempted = self.running_manager.pick(batch, budget)
         if not preempted:
             self.admission.admit(batch, budget - batch.num_tokens)
-        self.update_gauges()
         if not batch.launch.num_rows:
             return None
         return self._seal(batch)
@@ -224,15 +228,6 @@ class SchedulingPolicy:
         them; `token_counts`: each sampling row's, when a verify row emitted more than one): new
         tokens and token-level finishes (a finished grammar's among them) go to the outbox."""
         self.results.apply(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
-        self.update_gauges()
-
-    def update_gauges(self) -> None:
-        t, kv = self.telemetry, self.slots.kv
-        t.running.set(len(self.table.running))
-        t.waiting.set(len(self.table.waiting))
-        t.cache_slots.set(kv.tree.size)
-        if kv.capacity:  # slots only the prefix cache holds are free for the asking
-            t.kv_usage.set(kv.usage)
 
     # ---- endings -----------------------------------------------------------------------
 

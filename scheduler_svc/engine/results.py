@@ -16,7 +16,7 @@ from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.request import Request
-from scheduler_svc.engine.rows import Column
+from scheduler_svc.engine.rows import SMALL_BATCH, Column
 from scheduler_svc.engine.running import note_accepted
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
@@ -24,6 +24,9 @@ from stepahead.protocol import StepLogprobs
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.policy import SchedulerStats
+
+
+_STOP, _LENGTH = int(FinishReason.STOP), int(FinishReason.LENGTH)
 
 
 class ResultProcessor:
@@ -66,6 +69,11 @@ class ResultProcessor:
         if not token_ids:
             return
         rows = self.slots.rows
+        small = len(token_ids) <= SMALL_BATCH and not grammar_finished
+        if small and self._apply_small(
+            batch.sampled, batch.sampled_slots, batch.sampled_tags, list(token_ids)
+        ):
+            return
         slots = np.array(batch.sampled_slots, np.int64)
         tokens = np.array(token_ids, np.int64)
         plain = (
@@ -188,6 +196,44 @@ class ResultProcessor:
                 )
         for i in np.flatnonzero(finish).tolist():
             self._end(reqs[i], FinishReason(int(finish[i])))
+
+    def _apply_small(self, reqs: list[Request], slots: list[int], tags: list[int], tokens: list[int]) -> bool:
+        """`_apply_plain` a row at a time, for a batch of a few rows, where a handful of array
+        operations cost more than the rows: False (nothing applied) unless every row is plain."""
+        rows = self.slots.rows
+        tag, plain, kept = rows.tag, rows.plain, rows.kept
+        for slot, row_tag in zip(slots, tags, strict=True):
+            if tag[slot] != row_tag or not plain[slot] or not kept[slot]:
+                return False
+        inflight, known, limit = rows.inflight, rows.known, rows.limit
+        eos_stops, stop_from, eos_ids = rows.eos_stops, rows.stop_from, self.slots.eos_token_ids
+        by_owner: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        ended: list[tuple[Request, FinishReason]] = []
+        for req, slot, token in zip(reqs, slots, tokens, strict=True):
+            inflight[slot] -= 1
+            length = known[slot] + 1
+            known[slot] = length
+            req.output_ids.append(token)
+            finish = 0
+            if eos_stops[slot] and token in eos_ids and length >= stop_from[slot]:
+                finish = _STOP
+            elif length >= limit[slot]:
+                finish = _LENGTH
+            if finish:
+                ended.append((req, FinishReason(finish)))
+            owner = rows.owner[slot]
+            mine = by_owner.get(owner)
+            if mine is None:
+                mine = by_owner[owner] = ([], [], [])
+            mine[0].append(rows.handle[slot])
+            mine[1].append(token)
+            mine[2].append(finish)
+        for owner in sorted(by_owner):
+            handles, owned_tokens, finishes = by_owner[owner]
+            self.outbox.tokens(rows.owners[owner], handles, owned_tokens, finishes)
+        for req, reason in ended:
+            self._end(req, reason)
+        return True
 
     def _is_eos(self, tokens: Column) -> npt.NDArray[np.bool_]:
         """Which of `tokens` are one of the model's EOS ids (a model has one or a few)."""

@@ -14,7 +14,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.requests import RequestTable
-from scheduler_svc.engine.rows import Column, SlotRows
+from scheduler_svc.engine.rows import SMALL_BATCH, Column, SlotRows
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 
@@ -68,6 +68,8 @@ class RunningManager:
         if not running:
             return True
         rows = self.slots.rows
+        if len(running) <= SMALL_BATCH and not rows.draft_tokens:
+            return self._pick_small(batch, budget)
         slots = self._running_slots()
         computed = rows.computed_np[slots]
         known = rows.known_np[slots]
@@ -97,6 +99,36 @@ class RunningManager:
         rows.computed_np[chosen] += 1
         rows.inflight_np[chosen] += 1
         batch.add_decodes(reqs, chosen.tolist(), rows.tag_np[chosen].tolist(), starts, kv)
+        return True
+
+    def _pick_small(self, batch: ScheduledBatch, budget: int) -> bool:
+        """`_pick_decodes` a row at a time, for a few running requests (no speculative decoding),
+        where the array operations would cost more than the rows."""
+        rows = self.slots.rows
+        computed, inflight, known, limit = rows.computed, rows.inflight, rows.known, rows.limit
+        reqs: list[Request] = []
+        chosen: list[int] = []
+        starts: list[int] = []
+        for req in self.table.running:
+            slot = req.req_slot
+            assert slot is not None
+            done = computed[slot]
+            if done < known[slot]:
+                return False
+            pending = known[slot] + inflight[slot]
+            if done == pending - 1 and pending < limit[slot]:
+                reqs.append(req)
+                chosen.append(slot)
+                starts.append(done)
+        if len(reqs) > budget or len(reqs) > self.slots.kv.num_free:
+            return False
+        if not reqs:
+            return True
+        kv = self.slots.kv.allocate_each(reqs)
+        for slot in chosen:
+            computed[slot] += 1
+            inflight[slot] += 1
+        batch.add_decodes(reqs, chosen, [rows.tag[slot] for slot in chosen], starts, kv)
         return True
 
     def _running_slots(self) -> Column:

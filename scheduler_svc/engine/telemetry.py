@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -57,6 +55,7 @@ class SchedulerTelemetry:
         self.depth = gauge(
             "stepahead_overlap_depth", "Batches the overlap loop launches ahead of the one it processes."
         )
+        self._depth_set: int | None = None  # the value `depth` was last set to
         self.kv_usage = gauge("stepahead_kv_cache_usage_ratio", "KV slots in use / KV slots.")
         self.worker_connected = gauge("stepahead_worker_connected", "1 while a worker session is up.")
         self.prompt_tokens = counter("stepahead_prompt_tokens", "Prompt tokens of admitted requests.")
@@ -106,25 +105,44 @@ class SchedulerTelemetry:
         phase = histogram("stepahead_step_phase_seconds", "Time of each loop phase.", PHASE_BUCKETS, "phase")
         self._phase = {p: phase.labels(mode, p) for p in PHASES}
 
-    @contextlib.contextmanager
-    def phase(self, name: str, step_id: int) -> Iterator[None]:
-        start = time.time()
-        try:
-            yield
-        finally:
-            end = time.time()
-            self._phase[name].observe(end - start)
-            self.tracer.span("scheduler", f"{name} {step_id}", start, end)
+    def phase(self, name: str, step_id: int) -> PhaseTimer:
+        """Times one loop phase of step `step_id`: `with telemetry.phase("pick", step_id): ...`."""
+        return PhaseTimer(self._phase[name], self.tracer, name, step_id)
 
     def observe_batch(self, forward_mode: str, rows: int, tokens: int) -> None:
         self.batch_size[forward_mode].observe(rows)
         self.batch_tokens[forward_mode].observe(tokens)
 
     def observe_depth(self, depth: int, link_rtt_s: float | None) -> None:
-        self.depth.set(depth)
+        if depth != self._depth_set:  # a gauge's set takes a lock: only when it changes
+            self.depth.set(depth)
+            self._depth_set = depth
         if link_rtt_s is not None:
             self.link_rtt.observe(link_rtt_s)
 
     def observe_result_queue(self, depth: int) -> None:
-        self.result_queue_depth.set(depth)
-        self.tracer.counter("result_queue", time.time(), {"depth": depth})
+        """The result queue's length on the trace (its gauge reads the queue at a scrape)."""
+        if self.tracer.enabled:
+            self.tracer.counter("result_queue", time.time(), {"depth": depth})
+
+
+class PhaseTimer:
+    """One phase's timing, a context manager (a class, not a generator: four a step)."""
+
+    __slots__ = ("_histogram", "_name", "_start", "_step_id", "_tracer")
+
+    def __init__(self, histogram: LoopHistogramChild, tracer: Tracer, name: str, step_id: int) -> None:
+        self._histogram = histogram
+        self._tracer = tracer
+        self._name = name
+        self._step_id = step_id
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.time()
+
+    def __exit__(self, *exc: object) -> None:
+        end = time.time()
+        self._histogram.observe(end - self._start)
+        if self._tracer.enabled:
+            self._tracer.span("scheduler", f"{self._name} {self._step_id}", self._start, end)

@@ -289,6 +289,9 @@ class Frontend:
                 client.cached_tokens = cached
         logprobs = outputs.entry_logprobs() if outputs.logprobs else None
         ttft, itl, due = self.telemetry.ttft, self.telemetry.itl, self._due
+        # The rows whose last token came in one message share its time: their gaps are observed
+        # as one value, a run of rows at a time.
+        run_last, run_length = 0.0, 0
         for i, (handle, token, finish) in enumerate(
             zip(outputs.handles, outputs.token_ids, outputs.finish_reasons, strict=True)
         ):
@@ -309,8 +312,12 @@ class Frontend:
             last = client.last_token_time
             if last is None:
                 ttft.observe(now - client.arrival_time)
+            elif last == run_last:
+                run_length += 1
             else:
-                itl.observe(now - last)
+                if run_length:
+                    itl.observe_many(now - run_last, run_length)
+                run_last, run_length = last, 1
             client.last_token_time = now
             client.num_generated += 1
             if stream.put_id(token, logprob):
@@ -318,6 +325,8 @@ class Frontend:
                     stream.ready.set()  # a first token is never held
                 else:
                     due.append(stream)
+        if run_length:
+            itl.observe_many(now - run_last, run_length)
         for handle, code, message in outputs.errors:
             client = clients.get(handle)
             if client is not None:

@@ -40,7 +40,7 @@ class OutputStream:
         self._logprobs: list[TokenLogprob] = []
         self._calls: list[CallDelta] = []
         self._finish: FinishReason | None = None
-        self._undecoded: list[int] = []  # of _ids, those whose text is made at the next take
+        self._decoded = 0  # of _ids, those with their text made: the rest get it at the next take
         self._decode: Callable[[list[int]], str] | None = None
         self._sent = 0
         self._interval = interval
@@ -62,8 +62,11 @@ class OutputStream:
         return not self.done and bool(self._ids or self._text or self._calls or self._finish is not None)
 
     def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> bool:
-        """Whether the stream is due a wake (its reader is the pacer's to wake, `StreamPacer`)."""
+        """Whether the stream is due a wake (its reader is the pacer's to wake, `StreamPacer`).
+        Its text is `text`: the tokens put with `put_id` before it have theirs made first."""
+        self.catch_up()
         self._ids.append(token_id)
+        self._decoded += 1
         if logprob is not None:
             self._logprobs.append(logprob)
         if text:
@@ -78,19 +81,19 @@ class OutputStream:
 
     def put_id(self, token_id: int, logprob: TokenLogprob | None = None) -> bool:
         """`put`, the text to come (`decode_later`)."""
-        self._ids.append(token_id)
-        self._undecoded.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         if logprob is not None:
             self._logprobs.append(logprob)
-        return self.due
+        return len(ids) >= self._interval
 
     def catch_up(self) -> None:
         """The text of the tokens put with `put_id` so far."""
-        if self._undecoded and self._decode is not None:
-            text = self._decode(self._undecoded)
-            self._undecoded = []
+        if len(self._ids) > self._decoded and self._decode is not None:
+            text = self._decode(self._ids[self._decoded :])
             if text:
                 self._text.append(text)
+        self._decoded = len(self._ids)
 
     def put_text(self, text: str) -> None:
         if text:
@@ -115,6 +118,7 @@ class OutputStream:
         text = "".join(self._text)
         chunk = OutputChunk(self._ids, text, self._finish, self._sent, self._logprobs, self._calls)
         self._ids, self._text, self._logprobs, self._calls = [], [], [], []
+        self._decoded = 0
         self.done = self._finish is not None
         return chunk
 
