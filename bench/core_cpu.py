@@ -7,6 +7,8 @@ parse the result of batch k-1 as the link receives it, and apply it (the policy'
 outbox flush, each frontend's message serialized as the frontend link sends it). A host-side
 worker executes every launch at once, outside the timed parts: a FutureMap per request slot,
 one token per sampled row. Requests never finish, so every measured step decodes the whole batch.
+A batch of at most `PolicyConfig.small_batch` rows, which the policy picks and applies a row at a
+time, is also run a column at a time (`small_batch=0`), beside it.
 Writes bench/results/<UTC date-time>-core-cpu.{json,md} and prints the table.
 """
 
@@ -43,7 +45,7 @@ from stepahead.protocol import (
 )
 from stepahead.v1 import core_pb2, worker_pb2
 
-BATCH_SIZES = (64, 128, 256, 512)
+BATCH_SIZES = (4, 16, 64, 128, 256, 512)  # 4 and 16: the small-batch path (`SMALL_BATCH`)
 PHASES = ("schedule", "launch", "result", "process")
 TARGET_BATCH = 256
 TARGET_US_PER_TOKEN = 15.0
@@ -60,6 +62,7 @@ class CoreCpuConfig:
     warmup_steps: int = 50  # after every request decodes, before the measured steps
     prompt_len: int = 16
     max_batch_tokens: int = PolicyConfig.max_batch_tokens
+    small_batch: int = PolicyConfig.small_batch  # batches up to this size are also run with it 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class StepTimes:
 @dataclass(frozen=True)
 class CoreCpuRow:
     batch_size: int
+    path: str  # "rows": a small batch a row at a time (`PolicyConfig.small_batch`); "columns"
     steps: int
     tokens_per_step: float
     us_per_step: float  # median over the measured steps
@@ -159,11 +163,13 @@ class CorePath:
     """`batch_size` requests through the policy in overlap order: pick and launch k, then
     process k-1."""
 
-    def __init__(self, config: CoreCpuConfig, batch_size: int) -> None:
+    def __init__(self, config: CoreCpuConfig, batch_size: int, small_batch: int) -> None:
         self.batch_size = batch_size
         self.telemetry = SchedulerTelemetry("overlap")
         self.outbox = Outbox()
-        policy_config = PolicyConfig(config.max_batch_tokens, max_running=batch_size, max_waiting=batch_size)
+        policy_config = PolicyConfig(
+            config.max_batch_tokens, max_running=batch_size, max_waiting=batch_size, small_batch=small_batch
+        )
         self.policy = SchedulingPolicy(policy_config, self.outbox, self.telemetry)
         self.policy.begin_session(worker_info(batch_size))
         self.sink = WireSink()
@@ -229,10 +235,11 @@ def parse_result(wire: bytes) -> StepResult:
 # ---- measuring -------------------------------------------------------------------------------
 
 
-def measure_batch(config: CoreCpuConfig, batch_size: int) -> CoreCpuRow:
-    path = CorePath(config, batch_size)
+def measure_batch(config: CoreCpuConfig, batch_size: int, small_batch: int) -> CoreCpuRow:
+    path = CorePath(config, batch_size, small_batch)
     _warm_up(path, config.warmup_steps)
-    return summarize(batch_size, [path.step()[1] for _ in range(config.steps)])
+    name = "rows" if batch_size <= small_batch else "columns"
+    return summarize(batch_size, name, [path.step()[1] for _ in range(config.steps)])
 
 
 def _warm_up(path: CorePath, steps: int) -> None:
@@ -254,12 +261,13 @@ def _decodes_all(batch: ScheduledBatch, batch_size: int) -> bool:
     return batch.forward_mode == "decode" and batch.launch.num_rows == batch_size
 
 
-def summarize(batch_size: int, steps: Sequence[StepTimes]) -> CoreCpuRow:
+def summarize(batch_size: int, path: str, steps: Sequence[StepTimes]) -> CoreCpuRow:
     totals_us = [s.total_ns / 1e3 for s in steps]
     tokens = statistics.mean(s.tokens for s in steps)
     median_us = statistics.median(totals_us)
     return CoreCpuRow(
         batch_size=batch_size,
+        path=path,
         steps=len(steps),
         tokens_per_step=tokens,
         us_per_step=median_us,
@@ -275,15 +283,19 @@ def summarize(batch_size: int, steps: Sequence[StepTimes]) -> CoreCpuRow:
 
 def run(config: CoreCpuConfig) -> CoreCpuRun:
     started_at, machine = begin()
-    rows = tuple(measure_batch(config, batch_size) for batch_size in config.batch_sizes)
-    return CoreCpuRun(config, started_at, machine, rows)
+    rows: list[CoreCpuRow] = []
+    for batch_size in config.batch_sizes:
+        rows.append(measure_batch(config, batch_size, config.small_batch))
+        if batch_size <= config.small_batch:  # the same batch a column at a time, beside it
+            rows.append(measure_batch(config, batch_size, 0))
+    return CoreCpuRun(config, started_at, machine, tuple(rows))
 
 
 # ---- reporting -------------------------------------------------------------------------------
 
 
 def target_row(run: CoreCpuRun) -> CoreCpuRow | None:
-    return next((r for r in run.rows if r.batch_size == TARGET_BATCH), None)
+    return next((r for r in run.rows if r.batch_size == TARGET_BATCH and r.path == "columns"), None)
 
 
 def envelope(run: CoreCpuRun, command: str) -> Envelope:
@@ -332,17 +344,17 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
 
 def table(rows: Sequence[CoreCpuRow]) -> list[str]:
     header = (
-        "| batch | µs/step | mean µs/step | µs/token | schedule µs | launch µs | result µs | process µs "
-        "| launch bytes | outputs bytes |"
+        "| batch | path | µs/step | mean µs/step | µs/token | schedule µs | launch µs | result µs "
+        "| process µs | launch bytes | outputs bytes |"
     )
-    return [header, "|---:|" + "---:|" * 9, *(_row(r) for r in rows)]
+    return [header, "|---:|---|" + "---:|" * 9, *(_row(r) for r in rows)]
 
 
 def _row(r: CoreCpuRow) -> str:
     phases = " | ".join(f"{r.phase_us[p]:,.0f}" for p in PHASES)
     return (
-        f"| {r.batch_size} | {r.us_per_step:,.0f} | {r.us_per_step_mean:,.0f} | {r.us_per_token:.2f} "
-        f"| {phases} | {r.launch_bytes:,.0f} | {r.outputs_bytes:,.0f} |"
+        f"| {r.batch_size} | {r.path} | {r.us_per_step:,.0f} | {r.us_per_step_mean:,.0f} "
+        f"| {r.us_per_token:.2f} | {phases} | {r.launch_bytes:,.0f} | {r.outputs_bytes:,.0f} |"
     )
 
 
@@ -368,7 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-sizes",
         type=lambda text: tuple(int(b) for b in text.split(",")),
         default=BATCH_SIZES,
-        help="comma-separated (default: 64,128,256,512)",
+        help=f"comma-separated (default: {','.join(map(str, BATCH_SIZES))})",
     )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
     return p.parse_args(argv)

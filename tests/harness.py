@@ -338,6 +338,7 @@ async def serve_workload(
     instrument: Callable[[EngineCore], None] | None = None,
     speculative: SpeculativeConfig | None = None,
     host_reads_free: bool = True,
+    small_batch: int = PolicyConfig.small_batch,
 ) -> tuple[dict[str, ClientView], EngineCore, WorkerEngine]:
     """Serve the workload with the in-process transport (behind a link of `link_delay_s` each
     way when set, with a worker clock `clock_skew_s` ahead when set; `transport` receives the
@@ -347,7 +348,10 @@ async def serve_workload(
     config = CoreConfig(
         mode=mode,  # type: ignore[arg-type]
         policy=PolicyConfig(
-            max_batch_tokens=max_batch_tokens, prefix_cache=prefix_cache, speculative=speculative
+            max_batch_tokens=max_batch_tokens,
+            prefix_cache=prefix_cache,
+            speculative=speculative,
+            small_batch=small_batch,
         ),
         late_pick=LatePickConfig(enabled=late_pick),
         depth=DepthConfig(depth),

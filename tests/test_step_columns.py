@@ -11,8 +11,6 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from scheduler_svc.engine import results as results_module
-from scheduler_svc.engine import running as running_module
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.request import Request
@@ -69,20 +67,16 @@ async def test_the_column_and_small_batch_paths_give_what_the_row_by_row_path_gi
     ]:
         counting(cls, name)
 
-    def small_batch(n: int) -> None:
-        monkeypatch.setattr(running_module, "SMALL_BATCH", n)
-        monkeypatch.setattr(results_module, "SMALL_BATCH", n)
-
-    small_batch(0)  # columns only
-    columns, core, engine = await serve_workload("sim", "overlap", items, **kw)  # type: ignore[arg-type]
+    # columns only
+    columns, core, engine = await serve_workload("sim", "overlap", items, small_batch=0, **kw)  # type: ignore[arg-type]
     check_client_views(items, columns)
     check_drained(core, engine)
     assert core.stats.preemptions > 0
     assert used["_pick_decodes"] > 0 and used["_apply_plain"] > 0  # the column path did run
     assert used["_pick_small"] == used["_apply_small"] == 0
 
-    small_batch(10_000)  # every step a row at a time
-    small, core, engine = await serve_workload("sim", "overlap", items, **kw)  # type: ignore[arg-type]
+    # every step a row at a time
+    small, core, engine = await serve_workload("sim", "overlap", items, small_batch=10_000, **kw)  # type: ignore[arg-type]
     check_client_views(items, small)
     check_drained(core, engine)
     assert core.stats.preemptions > 0
@@ -234,17 +228,16 @@ def test_text_without_stop_strings_is_made_once_a_message_and_is_the_per_token_t
         RequestText(tokenizer, ("stop",)).push_ids([65])  # stop strings are looked for token by token
 
 
-async def test_small_batches_launch_and_stream_what_columns_do(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_small_batches_launch_and_stream_what_columns_do() -> None:
     """Overlap order stepped by hand (launch k + 1, then process k), requests ending at
     different lengths (EOS ignored): the launches, row for row, and the streamed tokens are the
     same a row at a time as a column at a time; no decode row is picked for a request whose
     last allowed token is already in flight."""
 
     async def serve(n: int) -> tuple[list[tuple[list[int], ...]], dict[str, list[int]]]:
-        monkeypatch.setattr(running_module, "SMALL_BATCH", n)
-        monkeypatch.setattr(results_module, "SMALL_BATCH", n)
         worker = FakeWorker(4096, 16, hold=True)
         core, frontend = await connected(worker)
+        core.policy.running_manager.small_batch = core.policy.results.small_batch = n
         clients = {f"r{i}": add(frontend, f"r{i}", [i + 1] * (2 + i), 1 + i % 5) for i in range(9)}
         launches: list[tuple[list[int], ...]] = []
         in_flight: tuple[ScheduledBatch, asyncio.Future[StepResult]] | None = None

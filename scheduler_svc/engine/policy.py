@@ -54,6 +54,10 @@ class PolicyConfig:
     max_waiting: int = 1024  # new requests beyond this many waiting ones are refused
     prefix_cache: bool = True  # reuse the KV of cached prefixes (scheduler_svc/engine/kv/prefix_cache.py)
     speculative: SpeculativeConfig | None = None  # decode rows verify drafts (docs/SPECULATIVE.md)
+    # Up to this many rows, a step's plain decode rows are picked and applied a row at a time
+    # through the `array` views of the columns: for a few rows that costs less than the numpy
+    # operations, each a microsecond or more whatever its length (0: always a column at a time).
+    small_batch: int = 48
 
 
 @dataclass
@@ -95,8 +99,12 @@ class SchedulingPolicy:
         draft_tokens = 0 if config.speculative is None else config.speculative.num_speculative_tokens
         self.slots = SessionSlots(config.prefix_cache, telemetry, draft_tokens)
         self.admission = AdmissionManager(self.table, self.slots, telemetry)
-        self.running_manager = RunningManager(self.table, self.slots, self.stats, telemetry)
-        self.results = ResultProcessor(self.slots, outbox, self.stats, telemetry, self._end)
+        self.running_manager = RunningManager(
+            self.table, self.slots, self.stats, telemetry, config.small_batch
+        )
+        self.results = ResultProcessor(
+            self.slots, outbox, self.stats, telemetry, self._end, config.small_batch
+        )
         self._next_step_id = 1
         # What it holds, read when /metrics is scraped rather than set at every step.
         telemetry.running.set_function(lambda: len(self.table.running))

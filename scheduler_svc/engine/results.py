@@ -16,7 +16,7 @@ from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.request import Request
-from scheduler_svc.engine.rows import SMALL_BATCH, Column
+from scheduler_svc.engine.rows import Column
 from scheduler_svc.engine.running import note_accepted
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
@@ -37,12 +37,16 @@ class ResultProcessor:
         stats: SchedulerStats,
         telemetry: SchedulerTelemetry,
         end: Callable[[Request, FinishReason], None],
+        small_batch: int,
     ) -> None:
+        """`small_batch`: up to this many sampled rows, plain rows are applied a row at a time
+        (`_apply_small`), not a column at a time (`PolicyConfig.small_batch`)."""
         self.slots = slots
         self.outbox = outbox
         self.stats = stats
         self.telemetry = telemetry
         self._end = end  # ends a finished request: its slots are freed, it leaves the table
+        self.small_batch = small_batch
 
     def apply(
         self,
@@ -69,7 +73,7 @@ class ResultProcessor:
         if not token_ids:
             return
         rows = self.slots.rows
-        small = len(token_ids) <= SMALL_BATCH and not grammar_finished
+        small = len(token_ids) <= self.small_batch and not grammar_finished
         if small and self._apply_small(
             batch.sampled, batch.sampled_slots, batch.sampled_tags, list(token_ids)
         ):

@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 
 Column = npt.NDArray[np.int64]
 NO_TAG = -1
-# Up to this many rows, a step's plain decode rows are picked and applied a row at a time
-# through the `array` columns: for a few rows that costs less than the numpy operations, each
-# a microsecond or more whatever its length.
-SMALL_BATCH = 48
 
 
 class SlotRows:

@@ -14,7 +14,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.requests import RequestTable
-from scheduler_svc.engine.rows import SMALL_BATCH, Column, SlotRows
+from scheduler_svc.engine.rows import Column, SlotRows
 from scheduler_svc.engine.slots import SessionSlots
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 
@@ -24,12 +24,20 @@ if TYPE_CHECKING:
 
 class RunningManager:
     def __init__(
-        self, table: RequestTable, slots: SessionSlots, stats: SchedulerStats, telemetry: SchedulerTelemetry
+        self,
+        table: RequestTable,
+        slots: SessionSlots,
+        stats: SchedulerStats,
+        telemetry: SchedulerTelemetry,
+        small_batch: int,
     ) -> None:
+        """`small_batch`: up to this many running requests, a step of plain decodes is picked a
+        row at a time (`_pick_small`), not a column at a time (`PolicyConfig.small_batch`)."""
         self.table = table
         self.slots = slots
         self.stats = stats
         self.telemetry = telemetry
+        self.small_batch = small_batch
         self._slots_version = -1
         self._slots_cache = np.zeros(0, np.int64)
 
@@ -68,7 +76,7 @@ class RunningManager:
         if not running:
             return True
         rows = self.slots.rows
-        if len(running) <= SMALL_BATCH and not rows.draft_tokens:
+        if len(running) <= self.small_batch and not rows.draft_tokens:
             return self._pick_small(batch, budget)
         slots = self._running_slots()
         computed = rows.computed_np[slots]
