@@ -45,7 +45,7 @@ from stepahead.protocol import (
 )
 from stepahead.v1 import core_pb2, worker_pb2
 
-BATCH_SIZES = (4, 16, 64, 128, 256, 512)  # 4 and 16: the small-batch path (`SMALL_BATCH`)
+BATCH_SIZES = (4, 16, 64, 128, 256, 512)  # 4 and 16: the small-batch path (`PolicyConfig.small_batch`)
 PHASES = ("schedule", "launch", "result", "process")
 TARGET_BATCH = 256
 TARGET_US_PER_TOKEN = 15.0
