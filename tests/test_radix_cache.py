@@ -3,6 +3,9 @@ slot, under random sequences of insert, match, lock, unlock and evict."""
 
 from __future__ import annotations
 
+import copy
+import heapq
+import itertools
 import random
 from collections import Counter
 
@@ -46,6 +49,22 @@ def random_ids(rng: random.Random, stems: list[list[int]]) -> list[int]:
     return stem + [rng.randrange(6) for _ in range(rng.randint(1 if not stem else 0, 8))] or [0]
 
 
+def evict_by_a_walk(cache: RadixCache, wanted: int) -> list[int]:
+    """Eviction as a walk of the whole tree finds it: every unreferenced leaf, least recently
+    used first, a parent left an unreferenced leaf joining them."""
+    freed: list[int] = []
+    order = itertools.count()
+    leaves = [(n.last_use, next(order), n) for n in cache._nodes() if n.is_leaf and n.refs == 0]
+    heapq.heapify(leaves)
+    while len(freed) < wanted and leaves:
+        leaf = heapq.heappop(leaves)[2]
+        parent = leaf.parent
+        freed.extend(cache._remove(leaf))
+        if parent is not None and parent is not cache.root and parent.is_leaf and parent.refs == 0:
+            heapq.heappush(leaves, (parent.last_use, next(order), parent))
+    return freed
+
+
 def check_tree(cache: RadixCache, model: Model) -> None:
     """Same prefixes, same slots, prefix-closed, sizes exact, every slot held once."""
     assert cache.size == len(model.cached)
@@ -87,7 +106,9 @@ def test_random_operations_agree_with_the_brute_force_model(seed: int) -> None:
         else:
             wanted, evictable = rng.randint(1, 20), model.evictable()
             locked = model.locked_prefixes()
+            expected = evict_by_a_walk(copy.deepcopy(cache), wanted)
             freed = cache.evict(wanted)
+            assert freed == expected, "the candidates' heap evicts what a walk of the tree would"
             assert len(freed) >= wanted if evictable >= wanted else len(freed) == evictable
             gone = {p for p, s in model.cached.items() if s in set(freed)}
             assert len(gone) == len(freed) and not gone & locked, "only unlocked prefixes go"
@@ -146,3 +167,16 @@ def test_shared_length_is_the_first_difference_at_every_position() -> None:
                 while walked < min(len(key), len(short) - start) and key[walked] == short[start + walked]:
                     walked += 1
                 assert _shared_length(key, short, start) == walked, (start, cut, end)
+
+
+def test_eviction_walks_no_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool full of cached prefixes evicts at every admission: the least recently used leaves
+    come off the candidates' heap, with no walk of the tree however many leaves it has."""
+    cache = RadixCache()
+    for i in range(500):
+        cache.insert([i, 1, 2], [3 * i, 3 * i + 1, 3 * i + 2])
+    cache.match([7, 1, 2])  # used again: the last to go
+    monkeypatch.setattr(RadixCache, "_nodes", lambda self: pytest.fail("the tree was walked"))
+    assert cache.evict(4) == [0, 1, 2, 3, 4, 5]
+    assert cache.evict(3 * 497) == [s for i in range(2, 500) if i != 7 for s in (3 * i, 3 * i + 1, 3 * i + 2)]
+    assert cache.evict(1) == [21, 22, 23] and cache.size == cache.evictable == 0

@@ -289,3 +289,57 @@ async def test_the_gaps_between_a_step_s_tokens_are_observed_per_row(monkeypatch
     buckets, total = itl.snapshot()
     assert buckets[-1][1] == 3 + 3 + 2  # gaps: a 3, b 3, c 2
     assert total == pytest.approx(2 * (2 + 1 + 4) + (1 + 4))
+
+
+@pytest.mark.parametrize("small_batch", [0, 10_000], ids=["columns", "rows"])
+async def test_a_step_of_decodes_evicts_cached_prefixes_for_its_rows_at_once(small_batch: int) -> None:
+    """A pool full of cached prefixes (a long-running server's usual state) with no slot free: the
+    next step of decodes makes room once, evicting whole unreferenced leaves, and is still picked
+    a column (or a small batch's row) at a time, not row by row with a room check each."""
+    worker = FakeWorker(1000, 16, hold=True)
+    core, frontend = await connected(worker, budget=512)
+    core.policy.running_manager.small_batch = core.policy.results.small_batch = small_batch
+
+    async def drain() -> None:
+        in_flight: tuple[ScheduledBatch, asyncio.Future[StepResult]] | None = None
+        while core.policy.requests or in_flight is not None:
+            batch = core.pick_batch()
+            launched = None if batch is None else (batch, await core.launch_step(batch))
+            if in_flight is not None:
+                worker.complete_next()
+                await core.process_results(*in_flight)
+            in_flight = launched
+
+    for i in range(8):  # their prompts and outputs stay cached: 8 leaves of 27 slots
+        add(frontend, f"old{i}", [i + 1] * 8, 20)
+    await drain()
+    kv = core.policy.kv
+    assert kv.tree.evictable == kv.tree.size == 8 * 27
+    clients = [add(frontend, f"new{i}", [100 + i] * 8, 4) for i in range(8)]
+    prefill = core.pick_batch()
+    assert prefill is not None and prefill.forward_mode == "prefill"
+    prefill_done = await core.launch_step(prefill)
+    kv._slots.allocate(kv.num_free)  # nothing free: the decodes' slots must come from the cache
+    cached, evicted = kv.tree.size, kv.evicted
+    took = []
+    pick_decodes = core.policy.running_manager._pick_decodes
+
+    def recording(batch: ScheduledBatch, budget: int) -> bool:
+        took.append(pick_decodes(batch, budget))
+        return took[-1]
+
+    core.policy.running_manager._pick_decodes = recording  # type: ignore[method-assign]
+    decodes = core.pick_batch()
+    assert took == [True]  # the step's fast path, not row by row
+    assert decodes is not None and decodes.forward_mode == "decode" and decodes.launch.num_rows == 8
+    # Each old request left a node of its prompt and first token (9 slots, kept at that token)
+    # and a leaf of the rest (18): one leaf is room for the 8 rows.
+    assert kv.evicted - evicted == 18 and kv.tree.size == cached - 18
+    assert core.stats.preemptions == 0
+    worker.complete_next()
+    await core.process_results(prefill, prefill_done)
+    decodes_done = await core.launch_step(decodes)
+    worker.complete_next()
+    await core.process_results(decodes, decodes_done)
+    for i, client in enumerate(clients):
+        assert [t for _, chunk in client.take() for t in chunk.token_ids] == expected([100 + i] * 8, 2)

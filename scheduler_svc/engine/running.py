@@ -70,8 +70,8 @@ class RunningManager:
 
     def _pick_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
         """The common step, column by column: no running request continues a prefill, and every
-        decode row fits the budget and free KV slots (no eviction, no preemption). False when
-        the step is not that one: then the rows are picked one by one."""
+        decode row fits the budget and the KV slots free or evictable (no preemption). False
+        when the step is not that one: then the rows are picked one by one."""
         running = self.table.running
         if not running:
             return True
@@ -93,7 +93,9 @@ class RunningManager:
         if drafts is not None:
             drafting = (rows.skip_np[chosen] == 0) & (rows.found_np[chosen] == 1)
             tokens += int(np.where(drafting, drafts, 0).sum())
-        if tokens > budget or tokens > self.slots.kv.num_free:
+        # Room for the whole step at once: evicting cached prefixes if the free slots fall short
+        # (a pool full of them is a long-running server's usual state), nothing in vain.
+        if tokens > budget or not self.slots.kv.make_room(tokens):
             return False
         if not n:
             return True
@@ -128,7 +130,7 @@ class RunningManager:
                 reqs.append(req)
                 chosen.append(slot)
                 starts.append(done)
-        if len(reqs) > budget or len(reqs) > self.slots.kv.num_free:
+        if len(reqs) > budget or not self.slots.kv.make_room(len(reqs)):
             return False
         if not reqs:
             return True

@@ -9,6 +9,12 @@ position from the root: a path from the root spells a prefix and names the slots
     insert(ids, slots)       cache a computed prefix; returns how many of `slots` it did not take
     evict(n)                 free up to `n` slots of unreferenced leaves, least recently used first
 
+Eviction does not walk the tree: a heap of candidates (an unreferenced leaf, at its last use) is
+kept as nodes become such leaves or are used again; an entry whose node has since been used,
+locked, given a child or removed is skipped when it comes up. A server whose pool is full of
+cached prefixes evicts at most admissions and steps, and a walk of a tree of thousands of leaves
+each time cost milliseconds of the loop's CPU.
+
 Invariants the policy relies on (tests/test_radix_cache.py checks them against a brute-force
 model of the cache):
 - A slot the tree holds is never written: the tree only takes slots whose KV is computed, and
@@ -36,6 +42,12 @@ class RadixNode:
     children: dict[int, RadixNode] = field(default_factory=dict)  # by the child key's first id
     refs: int = 0  # live requests whose matched or inserted prefix runs through this node
     last_use: int = 0
+    removed: bool = False  # evicted: no longer in the tree
+
+    @property
+    def evictable(self) -> bool:
+        """An unreferenced leaf of the tree (the root never is one)."""
+        return not self.children and self.refs == 0 and self.parent is not None and not self.removed
 
     @property
     def is_leaf(self) -> bool:
@@ -60,6 +72,9 @@ class RadixCache:
         self.size = 0  # slots held by the tree
         self.evictable = 0  # of them, in nodes no live request references
         self._clock = itertools.count(1)
+        # (last use, order, node): every evictable leaf at its last use, and stale entries
+        self._candidates: list[tuple[int, int, RadixNode]] = []
+        self._order = itertools.count()  # ties in last use go first offered first
 
     def match(self, ids: list[int]) -> Match:
         """The longest prefix of `ids` in the tree; a node that matches only part of its key is
@@ -73,6 +88,7 @@ class RadixCache:
             slots.extend(child.slots)
             child.last_use = now
             node, i = child, i + shared
+        self._offer(node)  # used now: only the last node of the path can be a leaf
         return Match(slots, node)
 
     def lock(self, node: RadixNode) -> None:
@@ -87,6 +103,7 @@ class RadixCache:
             n.refs -= 1
             if n.refs == 0:
                 self.evictable += len(n.slots)
+                self._offer(n)
             assert n.refs >= 0, "unlocked more often than locked"
 
     def insert(self, ids: list[int], slots: Sequence[int]) -> tuple[RadixNode, int]:
@@ -103,6 +120,7 @@ class RadixCache:
         match.node.children[leaf.key[0]] = leaf
         self.size += len(leaf.slots)
         self.evictable += len(leaf.slots)
+        self._offer(leaf)
         return leaf, taken_from
 
     def evict(self, wanted: int) -> list[int]:
@@ -110,15 +128,15 @@ class RadixCache:
         unreferenced leaves, least recently used first; a parent left childless and unreferenced
         becomes a leaf in its turn."""
         freed: list[int] = []
-        order = itertools.count()  # ties in last use go oldest-found first
-        leaves = [(n.last_use, next(order), n) for n in self._nodes() if n.is_leaf and n.refs == 0]
-        heapq.heapify(leaves)
-        while len(freed) < wanted and leaves:
-            leaf = heapq.heappop(leaves)[2]
-            freed.extend(self._remove(leaf))
+        candidates = self._candidates
+        while len(freed) < wanted and candidates:
+            last_use, _, leaf = heapq.heappop(candidates)
+            if not leaf.evictable or leaf.last_use != last_use:
+                continue  # used, locked, given a child or removed since it was offered
             parent = leaf.parent
-            if parent is not None and parent is not self.root and parent.is_leaf and parent.refs == 0:
-                heapq.heappush(leaves, (parent.last_use, next(order), parent))
+            freed.extend(self._remove(leaf))
+            if parent is not None:
+                self._offer(parent)  # a leaf now, perhaps
         return freed
 
     def reset(self) -> list[int]:
@@ -127,7 +145,20 @@ class RadixCache:
         assert self.evictable == self.size, "reset with prefixes in use"
         slots = [s for n in self._nodes() for s in n.slots]
         self.root, self.size, self.evictable = RadixNode(), 0, 0
+        self._candidates = []
         return slots
+
+    def _offer(self, node: RadixNode) -> None:
+        """`node`, if an evictable leaf, is a candidate at its last use. The heap is rebuilt from
+        its live entries when stale ones outnumber the slots the tree holds."""
+        if not node.evictable:
+            return
+        candidates = self._candidates
+        heapq.heappush(candidates, (node.last_use, next(self._order), node))
+        if len(candidates) > 2 * self.size + 64:
+            live = [c for c in candidates if c[2].evictable and c[2].last_use == c[0]]
+            heapq.heapify(live)
+            self._candidates = live
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut `node`'s key after `at` ids; the new upper node keeps its references."""
@@ -142,6 +173,7 @@ class RadixCache:
     def _remove(self, leaf: RadixNode) -> list[int]:
         assert leaf.parent is not None and leaf.is_leaf and leaf.refs == 0
         del leaf.parent.children[leaf.key[0]]
+        leaf.removed = True
         self.size -= len(leaf.slots)
         self.evictable -= len(leaf.slots)
         return leaf.slots
