@@ -29,9 +29,9 @@ class Device:
         return None if self.sim_step_ms is None else concurrency * 1e3 / self.sim_step_ms
 
 
-def sim(step_ms: float = 10.0) -> Device:
+def sim(step_ms: float = 10.0, kv_slots: int = SIM_KV_SLOTS) -> Device:
     args = ("--model", "sim", "--sim-step-ms", f"{step_ms:g}", "--sim-token-us", "0")
-    return Device("sim", (*args, "--kv-slots", str(SIM_KV_SLOTS)), step_ms)
+    return Device("sim", (*args, "--kv-slots", str(kv_slots)), step_ms)
 
 
 TINY = Device("tiny", ("--model", "tiny"))

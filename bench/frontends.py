@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from bench.baseline import Baseline, checkout
 from bench.cells import NONE, number
-from bench.configs import Case, Configuration, Workload, sim, waves
+from bench.configs import SIM_KV_SLOTS, Case, Configuration, Workload, sim, waves
 from bench.envelope import Envelope, begin
 from bench.figures import CPU, Figures, figures, ratio
 from bench.machine import Machine, load_average, loop_calibration
@@ -202,6 +202,7 @@ class FrontendsRun:
     results: tuple[PointResult, ...]  # by step time, concurrency, frontend count, connections, code
     loop_s: float | None = None  # the machine's loop calibration (`bench.machine.loop_calibration`)
     baseline: str | None = None  # the baseline's commit, when one ran
+    kv_slots: int = SIM_KV_SLOTS  # the sim worker's KV pool
 
 
 def to_stderr(line: str) -> None:
@@ -214,10 +215,12 @@ def run_plan(
     baseline: Baseline | None = None,
     link: WorkerLink = "socket",
     client: GrpcClient = "grpc",
+    kv_slots: int = SIM_KV_SLOTS,
 ) -> FrontendsRun:
     """`link`: how this checkout's scheduler reaches its worker (a baseline uses its own best);
     `client`: loadgen's gRPC backend against this checkout (a baseline without GenerateMany is
-    sent Generate calls)."""
+    sent Generate calls); `kv_slots`: the sim worker's KV pool (small enough, it fills with cached
+    prefixes as the points go on, and admissions and steps evict)."""
     started_at, machine = begin()
     loop_s = loop_calibration()
     progress(f"loop calibration: {loop_s:.2f} s")
@@ -232,7 +235,7 @@ def run_plan(
         for code, path, code_link, code_client in codes
         for result in run_pair(
             plan,
-            Configuration(sim(step_ms), "overlap", code_link, frontends=frontends),
+            Configuration(sim(step_ms, kv_slots), "overlap", code_link, frontends=frontends),
             progress,
             code,
             path,
@@ -241,7 +244,7 @@ def run_plan(
     ]
     ordered = tuple(sorted(results, key=lambda r: r.point))
     commit = None if baseline is None else baseline.commit
-    return FrontendsRun(plan, started_at, machine, load_average(), ordered, loop_s, commit)
+    return FrontendsRun(plan, started_at, machine, load_average(), ordered, loop_s, commit, kv_slots)
 
 
 def run_pair(
@@ -302,7 +305,12 @@ def envelope(run: FrontendsRun, command: str) -> Envelope:
 
 def to_json(run: FrontendsRun, command: str) -> dict[str, Any]:
     points = [_point_json(r) for r in run.results]
-    extra = {"loop_calibration_s": run.loop_s, "baseline_commit": run.baseline, "points": points}
+    extra = {
+        "loop_calibration_s": run.loop_s,
+        "baseline_commit": run.baseline,
+        "kv_slots": run.kv_slots,
+        "points": points,
+    }
     return envelope(run, command).json(extra)
 
 
@@ -426,6 +434,12 @@ def notes(run: FrontendsRun) -> list[str]:
         f"- each point: {p.waves} x concurrency requests, {p.input_len}-token prompts, exactly "
         f"{p.output_len} new tokens (ignore_eos), a closed loop over {connections} client connections; "
         f"warmup: concurrency x 8 tokens; overlap mode; ideal = concurrency x 1000 / step ms",
+        f"- the sim worker's KV pool: {run.kv_slots:,} slots"
+        + (
+            " (the default: room for every point's cached prefixes)"
+            if run.kv_slots == SIM_KV_SLOTS
+            else " (it fills with cached prefixes as the points go on; then the prefix cache evicts)"
+        ),
         "- msg/s a frontend: messages streamed to clients per second (gRPC responses, server-sent "
         "events), per frontend process (the core's own with 0)",
         "- µs/tok: CPU time per token streamed to clients (Δ stepahead_generation_tokens_total); core: "
@@ -479,6 +493,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="loadgen's gRPC backend: a Generate call a request (default), or one GenerateMany call a "
         "connection (a baseline without GenerateMany is sent Generate calls)",
     )
+    p.add_argument(
+        "--kv-slots",
+        type=int,
+        default=SIM_KV_SLOTS,
+        help=f"the sim worker's KV pool (default {SIM_KV_SLOTS:,}); a smaller one fills "
+        "with cached prefixes, as a long-running server's does, and the prefix cache evicts",
+    )
     return p.parse_args(argv)
 
 
@@ -487,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     command = command_line("bench.frontends", argv)
     baseline = None if args.baseline is None else checkout(args.baseline)
     plan = QUICK if args.quick else FULL
-    run = run_plan(plan, baseline=baseline, link=args.worker_link, client=args.client)
+    run = run_plan(plan, baseline=baseline, link=args.worker_link, client=args.client, kv_slots=args.kv_slots)
     publish("frontends", run.started_at, to_json(run, command), to_markdown(run, command), args.out)
 
 

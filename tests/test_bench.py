@@ -30,7 +30,18 @@ from bench import (
     tensor_parallel,
 )
 from bench import run as bench_run
-from bench.configs import Case, Configuration, Mode, Plan, Sweep, Transport, Workload, side_by_side, sim
+from bench.configs import (
+    SIM_KV_SLOTS,
+    Case,
+    Configuration,
+    Mode,
+    Plan,
+    Sweep,
+    Transport,
+    Workload,
+    side_by_side,
+    sim,
+)
 from bench.figures import Figures, busy_fraction, figures, ratio
 from bench.frontends import MESSAGES, Code, PointResult, cpu_figures, cpu_shares, ratio_table
 from bench.frontends import QUICK as QUICK_FRONTENDS
@@ -1328,3 +1339,14 @@ def test_speculative_runs_each_kind_and_concurrency_with_and_without_drafts() ->
     table = speculative.markdown(points, "python -m bench.speculative", 2.0)
     assert table.count("\n| copy | 1 |") == 1 and table.count("\n| free | 1 |") == 1
     assert table.count("x | ") == len(speculative.KINDS) and ", " in table.split("| copy | 1 |")[1]
+
+
+def test_frontends_kv_slots_reach_the_sim_worker_and_the_report() -> None:
+    from bench import frontends
+
+    assert frontends.parse_args([]).kv_slots == SIM_KV_SLOTS
+    args = frontends.parse_args(["--kv-slots", "60000"])
+    device = sim(20.0, args.kv_slots)
+    assert device.worker_args[device.worker_args.index("--kv-slots") + 1] == "60000"
+    run = frontends.FrontendsRun(QUICK_FRONTENDS, datetime.now(UTC), {}, 0.0, (), kv_slots=args.kv_slots)
+    assert "- the sim worker's KV pool: 60,000 slots (it fills" in "\n".join(frontends.notes(run))
