@@ -12,8 +12,8 @@ position from the root: a path from the root spells a prefix and names the slots
 Eviction does not walk the tree: a heap of candidates (an unreferenced leaf, at its last use) is
 kept as nodes become such leaves or are used again; an entry whose node has since been used,
 locked, given a child or removed is skipped when it comes up. A server whose pool is full of
-cached prefixes evicts at most admissions and steps, and a walk of a tree of thousands of leaves
-each time cost milliseconds of the loop's CPU.
+cached prefixes evicts at most of its admissions and steps, and a walk of a tree of thousands of
+leaves each time cost milliseconds of the loop's CPU.
 
 Invariants the policy relies on (tests/test_radix_cache.py checks them against a brute-force
 model of the cache):
