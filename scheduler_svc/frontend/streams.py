@@ -63,10 +63,9 @@ class OutputStream:
 
     def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> bool:
         """Whether the stream is due a wake (its reader is the pacer's to wake, `StreamPacer`).
-        Its text is `text`: the tokens put with `put_id` before it have theirs made first."""
-        self.catch_up()
+        Its text is `text`, after that of the tokens put with `put_id` (`catch_up` first)."""
         self._ids.append(token_id)
-        self._decoded += 1
+        self._decoded = len(self._ids)
         if logprob is not None:
             self._logprobs.append(logprob)
         if text:

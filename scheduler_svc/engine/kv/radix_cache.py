@@ -45,7 +45,7 @@ class RadixNode:
     removed: bool = False  # evicted: no longer in the tree
 
     @property
-    def evictable(self) -> bool:
+    def is_evictable(self) -> bool:
         """An unreferenced leaf of the tree (the root never is one)."""
         return not self.children and self.refs == 0 and self.parent is not None and not self.removed
 
@@ -130,9 +130,10 @@ class RadixCache:
         freed: list[int] = []
         candidates = self._candidates
         while len(freed) < wanted and candidates:
-            last_use, _, leaf = heapq.heappop(candidates)
-            if not leaf.evictable or leaf.last_use != last_use:
+            entry = heapq.heappop(candidates)
+            if not _current(entry):
                 continue  # used, locked, given a child or removed since it was offered
+            leaf = entry[2]
             parent = leaf.parent
             freed.extend(self._remove(leaf))
             if parent is not None:
@@ -151,12 +152,12 @@ class RadixCache:
     def _offer(self, node: RadixNode) -> None:
         """`node`, if an evictable leaf, is a candidate at its last use. The heap is rebuilt from
         its live entries when stale ones outnumber the slots the tree holds."""
-        if not node.evictable:
+        if not node.is_evictable:
             return
         candidates = self._candidates
         heapq.heappush(candidates, (node.last_use, next(self._order), node))
         if len(candidates) > 2 * self.size + 64:
-            live = [c for c in candidates if c[2].evictable and c[2].last_use == c[0]]
+            live = [c for c in candidates if _current(c)]
             heapq.heapify(live)
             self._candidates = live
 
@@ -203,6 +204,12 @@ def _shared_length(key: list[int], ids: list[int], start: int) -> int:
         else:
             differs = mid
     return shared
+
+
+def _current(candidate: tuple[int, int, RadixNode]) -> bool:
+    """A candidate's node is still an evictable leaf, last used when it was offered."""
+    last_use, _, node = candidate
+    return node.is_evictable and node.last_use == last_use
 
 
 def _path(node: RadixNode) -> list[RadixNode]:
