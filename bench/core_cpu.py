@@ -8,13 +8,17 @@ outbox flush, each frontend's message serialized as the frontend link sends it).
 worker executes every launch at once, outside the timed parts: a FutureMap per request slot,
 one token per sampled row. Requests never finish, so every measured step decodes the whole batch.
 A batch of at most `PolicyConfig.small_batch` rows, which the policy picks and applies a row at a
-time, is also run a column at a time (`small_batch=0`), beside it.
+time, is also run a column at a time (`small_batch=0`), beside it. Some batch sizes are run again
+with the thread asleep for `idle_ms` before each step, as the served core sleeps through a device
+step while its result is computed: the same work then finds the caches cold, and takes about
+twice as long as back to back.
 Writes bench/results/<UTC date-time>-core-cpu.{json,md} and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -46,6 +50,8 @@ from stepahead.protocol import (
 from stepahead.v1 import core_pb2, worker_pb2
 
 BATCH_SIZES = (4, 16, 64, 128, 256, 512)  # 4 and 16: the small-batch path (`PolicyConfig.small_batch`)
+IDLE_BATCH_SIZES = (4, 64, 256)  # run again, each step after `idle_ms` asleep
+IDLE_MS = 20.0  # a device step of the benchmarks' sim at batch 256
 PHASES = ("schedule", "launch", "result", "process")
 TARGET_BATCH = 256
 TARGET_US_PER_TOKEN = 15.0
@@ -63,6 +69,8 @@ class CoreCpuConfig:
     prompt_len: int = 16
     max_batch_tokens: int = PolicyConfig.max_batch_tokens
     small_batch: int = PolicyConfig.small_batch  # batches up to this size are also run with it 0
+    idle_batch_sizes: tuple[int, ...] = IDLE_BATCH_SIZES
+    idle_ms: float = IDLE_MS
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class CoreCpuRow:
     phase_us: dict[str, float]  # median of each phase
     launch_bytes: float  # serialized launch per step (median)
     outputs_bytes: float  # serialized frontend messages per step (median)
+    idle_ms: float = 0.0  # asleep before each step (0: back to back)
 
 
 @dataclass(frozen=True)
@@ -235,11 +244,19 @@ def parse_result(wire: bytes) -> StepResult:
 # ---- measuring -------------------------------------------------------------------------------
 
 
-def measure_batch(config: CoreCpuConfig, batch_size: int, small_batch: int) -> CoreCpuRow:
+def measure_batch(
+    config: CoreCpuConfig, batch_size: int, small_batch: int, idle_ms: float = 0.0
+) -> CoreCpuRow:
+    """`idle_ms`: asleep before each measured step (outside its timing)."""
     path = CorePath(config, batch_size, small_batch)
     _warm_up(path, config.warmup_steps)
     name = "rows" if batch_size <= small_batch else "columns"
-    return summarize(batch_size, name, [path.step()[1] for _ in range(config.steps)])
+    steps = []
+    for _ in range(config.steps):
+        if idle_ms:
+            time.sleep(idle_ms / 1e3)
+        steps.append(path.step()[1])
+    return dataclasses.replace(summarize(batch_size, name, steps), idle_ms=idle_ms)
 
 
 def _warm_up(path: CorePath, steps: int) -> None:
@@ -288,6 +305,8 @@ def run(config: CoreCpuConfig) -> CoreCpuRun:
         rows.append(measure_batch(config, batch_size, config.small_batch))
         if batch_size <= config.small_batch:  # the same batch a column at a time, beside it
             rows.append(measure_batch(config, batch_size, 0))
+    for batch_size in config.idle_batch_sizes:  # the policy's path, each step after a sleep
+        rows.append(measure_batch(config, batch_size, config.small_batch, config.idle_ms))
     return CoreCpuRun(config, started_at, machine, tuple(rows))
 
 
@@ -295,7 +314,9 @@ def run(config: CoreCpuConfig) -> CoreCpuRun:
 
 
 def target_row(run: CoreCpuRun) -> CoreCpuRow | None:
-    return next((r for r in run.rows if r.batch_size == TARGET_BATCH and r.path == "columns"), None)
+    return next(
+        (r for r in run.rows if r.batch_size == TARGET_BATCH and r.path == "columns" and not r.idle_ms), None
+    )
 
 
 def envelope(run: CoreCpuRun, command: str) -> Envelope:
@@ -337,6 +358,8 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
         f"- every request decodes ({c.prompt_len}-token prompts, admitted and prefilled during the "
         f"warmup, then {c.warmup_steps} more steps); medians over {c.steps} steps; "
         f"token budget {c.max_batch_tokens} per step; one frontend link",
+        "- idle ms: asleep before each step, as the served core sleeps through a device step (the "
+        "caches go cold); 0: back to back",
         *target_lines(run),
     ]
     return envelope(run, command).markdown(lines)
@@ -344,16 +367,16 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
 
 def table(rows: Sequence[CoreCpuRow]) -> list[str]:
     header = (
-        "| batch | path | µs/step | mean µs/step | µs/token | schedule µs | launch µs | result µs "
-        "| process µs | launch bytes | outputs bytes |"
+        "| batch | path | idle ms | µs/step | mean µs/step | µs/token | schedule µs | launch µs "
+        "| result µs | process µs | launch bytes | outputs bytes |"
     )
-    return [header, "|---:|---|" + "---:|" * 9, *(_row(r) for r in rows)]
+    return [header, "|---:|---|" + "---:|" * 10, *(_row(r) for r in rows)]
 
 
 def _row(r: CoreCpuRow) -> str:
     phases = " | ".join(f"{r.phase_us[p]:,.0f}" for p in PHASES)
     return (
-        f"| {r.batch_size} | {r.path} | {r.us_per_step:,.0f} | {r.us_per_step_mean:,.0f} "
+        f"| {r.batch_size} | {r.path} | {r.idle_ms:g} | {r.us_per_step:,.0f} | {r.us_per_step_mean:,.0f} "
         f"| {r.us_per_token:.2f} | {phases} | {r.launch_bytes:,.0f} | {r.outputs_bytes:,.0f} |"
     )
 

@@ -642,7 +642,7 @@ def test_frontends_messages_per_frontend_and_the_ratios_to_a_baseline() -> None:
 
 def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() -> None:
     """A small batch is run both ways, a row at a time (the policy's default) and a column at a
-    time; larger ones a column at a time."""
+    time; larger ones a column at a time; then some again, each step after a sleep."""
     run = core_cpu.run(core_cpu.CoreCpuConfig(steps=4, warmup_steps=1))
     assert [(r.batch_size, r.path) for r in run.rows] == [
         (4, "rows"),
@@ -653,7 +653,11 @@ def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() ->
         (128, "columns"),
         (256, "columns"),
         (512, "columns"),
+        (4, "rows"),
+        (64, "columns"),
+        (256, "columns"),
     ]
+    assert [r.idle_ms for r in run.rows] == [0.0] * 8 + [core_cpu.IDLE_MS] * 3
     for r in run.rows:
         assert r.steps == 4 and r.tokens_per_step == r.batch_size
         assert r.us_per_step > 0 and r.us_per_step_mean > 0 and r.us_per_token > 0
@@ -661,7 +665,7 @@ def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() ->
         assert r.launch_bytes > 0 and r.outputs_bytes > 0
     document = json.loads(json.dumps(finite(core_cpu.to_json(run, "test")), allow_nan=False))
     assert document["target"]["batch_size"] == 256 and document["target"]["met"] in (True, False)
-    assert "| 256 | columns |" in core_cpu.to_markdown(run, "test")
+    assert "| 256 | columns | 0 |" in core_cpu.to_markdown(run, "test")
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:

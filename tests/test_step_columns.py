@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -15,7 +16,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.results import ResultProcessor
-from scheduler_svc.engine.rows import SlotRows
+from scheduler_svc.engine.rows import TAIL, SlotRows
 from scheduler_svc.engine.running import RunningManager
 from scheduler_svc.frontend import frontend as frontend_module
 from scheduler_svc.frontend.streams import OutputStream
@@ -158,6 +159,48 @@ def test_progress_reads_through_to_the_row_while_a_slot_is_held() -> None:
     req.rows = None
     req.num_computed, req.num_inflight, req.prompt_kept = held
     assert (req.num_computed, req.num_inflight) == (3, 1) and rows.tag[3] == -1
+
+
+def test_a_row_s_tails_hold_its_new_tokens_and_kv_slots_until_full_read_or_cleared() -> None:
+    """Tokens and KV slots written into the rows' tails, a column at a time and a row at a time,
+    at different fill levels: a request's `output_ids` and `kv_slots` always read every one, in
+    order; a tail never holds more than TAIL; clearing the row moves its tail into the lists."""
+    rows = SlotRows(4)
+    reqs = [Request(f"r{i}", [1, 2, 3], params(1000, ignore_eos=True), i) for i in range(3)]
+    want_tokens: list[list[int]] = [[], [], [7]]
+    want_kv: list[list[int]] = [[], [], [70]]
+    reqs[2].output_head.append(7)  # from before: a recompute's processed output
+    reqs[2].kv_head.append(70)
+    for slot, req in enumerate(reqs):
+        rows.place(req, slot, 0, 0, 0)
+        req.req_slot, req.rows = slot, rows
+    for step in range(3 * TAIL + 5):
+        slots = [0, 1, 2] if step % 2 else [0, 1]  # row 2 fills at half the rate
+        tokens = [1000 * step + slot for slot in slots]
+        kv = [2000 * step + slot for slot in slots]
+        if step % 3:
+            rows.append_tokens(np.array(slots, np.int64), np.array(tokens, np.int64))
+            rows.append_kv(np.array(slots, np.int64), np.array(kv, np.int64))
+        else:
+            for slot, token, kv_slot in zip(slots, tokens, kv, strict=True):
+                rows.append_token(slot, token)
+                rows.append_kv_one(slot, kv_slot)
+        for slot, token, kv_slot in zip(slots, tokens, kv, strict=True):
+            want_tokens[slot].append(token)
+            want_kv[slot].append(kv_slot)
+        assert max(rows.new_tokens_np[:3]) < TAIL and max(rows.new_kv_np[:3]) < TAIL
+        if step in (TAIL // 2, 2 * TAIL + 1):  # read midway: the tail moves, and fills again
+            assert reqs[1].output_ids == want_tokens[1] and reqs[1].kv_slots == want_kv[1]
+            assert rows.new_tokens[1] == rows.new_kv[1] == 0
+    assert len(reqs[0].output_head) < len(want_tokens[0])  # some were still in the tail
+    for slot, req in enumerate(reqs):
+        assert req.output_ids == want_tokens[slot] and req.kv_slots == want_kv[slot]
+        assert req.num_known == 3 + len(want_tokens[slot])
+    rows.append_tokens(np.array([0], np.int64), np.array([5], np.int64))
+    rows.clear(0)
+    reqs[0].rows = None
+    assert reqs[0].output_head == [*want_tokens[0], 5] and rows.requests[0] is None
+    assert rows.new_tokens[0] == 0
 
 
 def test_a_double_free_of_many_slots_is_refused_and_changes_nothing() -> None:

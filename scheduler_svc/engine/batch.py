@@ -10,12 +10,13 @@ from stepahead.protocol import GrammarConstraint, Launch, LogitsProcessing, NewR
 
 @dataclass
 class ScheduledBatch:
-    """The rows whose sampled token comes back are `sampled[i]`, in row order, with their
-    request slot and that slot's tag at launch (`rows.py`): a row whose request has since
-    ended, been preempted or been aborted no longer matches its slot's tag."""
+    """The rows whose sampled token comes back, in row order: their request slots and those
+    slots' tags at launch (`rows.py`). A row whose request has since ended, been preempted or
+    been aborted no longer matches its slot's tag; one that matches is the request in its slot's
+    row (`SlotRows.requests`). The batch holds no request objects of its own: a step of a few
+    hundred decode rows would touch each of them twice more (`rows.py`, the tails)."""
 
     launch: Launch
-    sampled: list[Request] = field(default_factory=list)
     sampled_slots: list[int] = field(default_factory=list)
     sampled_tags: list[int] = field(default_factory=list)
     verifying: set[int] = field(default_factory=set)  # sampled rows that are verify rows
@@ -45,7 +46,7 @@ class ScheduledBatch:
         """A verify row (speculative decoding): the request's pending token from the FutureMap
         and len(kv_slots) - 1 drafts the worker proposes, at positions the worker holds, the
         first at most `first_bound`."""
-        self.verifying.add(len(self.sampled))
+        self.verifying.add(len(self.sampled_slots))
         self._add_row(req, first_bound, len(kv_slots), from_future=True, sample=True)
         self.launch.kv_slots.extend(kv_slots)
 
@@ -77,23 +78,23 @@ class ScheduledBatch:
         launch.row_from_future.append(from_future)
         launch.row_sample.append(sample)
         if sample:
-            self.sampled.append(req)
             self.sampled_slots.append(req.req_slot)  # type: ignore[arg-type]
             self.sampled_tags.append(req.rows.tag[req.req_slot])  # type: ignore[union-attr,index]
 
-    def add_decodes(
-        self, reqs: list[Request], slots: list[int], tags: list[int], starts: list[int], kv: list[int]
-    ) -> None:
-        """One decode row for each of `reqs` (request slots `slots`, their tags, first
-        positions `starts`, one new KV slot each), in that order."""
-        launch, n = self.launch, len(reqs)
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampled_slots)
+
+    def add_decodes(self, slots: list[int], tags: list[int], starts: list[int], kv: list[int]) -> None:
+        """One decode row for the request in each of `slots` (request slots, with their tags,
+        first positions `starts` and one new KV slot each), in that order."""
+        launch, n = self.launch, len(slots)
         launch.row_req_slots.extend(slots)
         launch.row_start_pos.extend(starts)
         launch.row_num_tokens.extend([1] * n)
         launch.row_from_future.extend([True] * n)
         launch.row_sample.extend([True] * n)
         launch.kv_slots.extend(kv)
-        self.sampled.extend(reqs)
         self.sampled_slots.extend(slots)
         self.sampled_tags.extend(tags)
 

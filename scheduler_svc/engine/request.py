@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from scheduler_svc.engine.rows import SlotRows
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """NOTE: `output_ids` are the tokens the CPU has processed; up to
     `num_inflight` more are sampled on the device but not seen yet (the last
@@ -38,9 +38,11 @@ class Request:
     owner: OutputSink | None = None
     handle: int = 0
     index: int = 0  # which of the client request's n completions
-    output_ids: list[int] = field(default_factory=list)
+    # `output_ids` and `kv_slots` (properties): these lists, then the tails of its row, while it
+    # holds one (`rows.SlotRows.append_tokens`), which a read of either moves into them.
+    output_head: list[int] = field(default_factory=list)
     req_slot: int | None = None
-    kv_slots: list[int] = field(default_factory=list)
+    kv_head: list[int] = field(default_factory=list)
     # Speculative decoding: per verify row in flight, oldest first, the K KV slots reserved for
     # its drafts (`kv/manager.py`); its first slot, its pending token's, is in kv_slots already.
     draft_slots: collections.deque[list[int]] = field(default_factory=collections.deque)
@@ -60,6 +62,29 @@ class Request:
     num_computed = RowField("computed")  # positions whose KV is computed or launched
     num_inflight = RowField("inflight")  # sampled on the device, not processed yet
     prompt_kept = RowField("kept")  # this attempt's prefill is in the prefix cache
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Its processed output tokens (the list itself: appending to it adds one)."""
+        self._take_tails()
+        return self.output_head
+
+    @property
+    def kv_slots(self) -> list[int]:
+        """The KV slots of its positions, one each (the list itself, as `output_ids`)."""
+        self._take_tails()
+        return self.kv_head
+
+    @kv_slots.setter
+    def kv_slots(self, slots: list[int]) -> None:
+        self._take_tails()
+        self.kv_head = slots
+
+    def _take_tails(self) -> None:
+        """Its row's tails (`rows.SlotRows.append_tokens`) move into its lists."""
+        rows = self.rows
+        if rows is not None:
+            rows.flush(self, self.req_slot)  # type: ignore[arg-type]
 
     def add_output(self, token: int) -> None:
         """A processed token joins the output."""

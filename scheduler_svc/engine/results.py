@@ -68,15 +68,13 @@ class ResultProcessor:
         if token_counts or batch.verifying or drafts_found:
             self._apply_counted(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
             return
-        if len(token_ids) != len(batch.sampled):
-            raise ValueError(f"{len(token_ids)} sampled ids for {len(batch.sampled)} sampling rows")
+        if len(token_ids) != batch.num_sampled:
+            raise ValueError(f"{len(token_ids)} sampled ids for {batch.num_sampled} sampling rows")
         if not token_ids:
             return
         rows = self.slots.rows
         small = len(token_ids) <= self.small_batch and not grammar_finished
-        if small and self._apply_small(
-            batch.sampled, batch.sampled_slots, batch.sampled_tags, list(token_ids)
-        ):
+        if small and self._apply_small(batch.sampled_slots, batch.sampled_tags, list(token_ids)):
             return
         slots = np.array(batch.sampled_slots, np.int64)
         tokens = np.array(token_ids, np.int64)
@@ -88,17 +86,15 @@ class ResultProcessor:
         if grammar_finished:
             plain[list(grammar_finished)] = False
         if plain.all():
-            self._apply_plain(batch.sampled, slots, tokens)
+            self._apply_plain(slots, tokens)
             return
         index = np.flatnonzero(plain)
         if len(index):
-            self._apply_plain([batch.sampled[i] for i in index.tolist()], slots[index], tokens[index])
+            self._apply_plain(slots[index], tokens[index])
         finished = set(grammar_finished)
         for i in np.flatnonzero(~plain).tolist():
-            req = batch.sampled[i]
-            logprob = _row_logprob(logprobs, i, req)
             slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
-            self._process_row(req, slot, tag, token_ids[i], logprob, i in finished)
+            self._process_row(slot, tag, token_ids[i], logprobs, i, i in finished)
 
     def _apply_counted(
         self,
@@ -111,32 +107,30 @@ class ResultProcessor:
     ) -> None:
         """A batch with verify rows: row i emitted token_counts[i] of `token_ids`, in row order;
         drafts_found[i]: the worker's lookup found drafts for its request (None: not told)."""
-        counts = token_counts or (1,) * len(batch.sampled)
-        if len(counts) != len(batch.sampled) or sum(counts) != len(token_ids):
+        counts = token_counts or (1,) * batch.num_sampled
+        if len(counts) != batch.num_sampled or sum(counts) != len(token_ids):
             raise ValueError(
-                f"{len(token_ids)} ids in {len(counts)} counts for {len(batch.sampled)} sampling rows"
+                f"{len(token_ids)} ids in {len(counts)} counts for {batch.num_sampled} sampling rows"
             )
         finished = set(grammar_finished)
         rows = self.slots.rows
         at = 0
-        for i, (req, n) in enumerate(zip(batch.sampled, counts, strict=True)):
+        for i, n in enumerate(counts):
             slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
             found = drafts_found[i] if drafts_found else True
             if rows.tag[slot] == tag and rows.drafts[slot]:
                 rows.found[slot] = found
             if i in batch.verifying:
                 tokens = token_ids[at : at + n]
-                self._process_verified(req, slot, tag, tokens, logprobs, at, found, i in finished)
+                self._process_verified(slot, tag, tokens, logprobs, at, found, i in finished)
             elif n != 1:
                 raise ValueError(f"sampling row {i}: {n} tokens from a row that is not a verify row")
             else:
-                logprob = _row_logprob(logprobs, at, req)
-                self._process_row(req, slot, tag, token_ids[at], logprob, i in finished)
+                self._process_row(slot, tag, token_ids[at], logprobs, at, i in finished)
             at += n
 
     def _process_verified(
         self,
-        req: Request,
         slot: int,
         tag: int,
         tokens: Sequence[int],
@@ -156,6 +150,7 @@ class ResultProcessor:
             self.stats.dropped_inflight_tokens += len(tokens)
             self.telemetry.dropped_inflight_tokens.inc(len(tokens))
             return
+        req = self._request(slot)
         if not tokens:
             raise ValueError(f"a verify row of request slot {slot} emitted no token")
         accepted = len(tokens) - 1
@@ -176,14 +171,13 @@ class ResultProcessor:
                 self._end(req, finish)
                 return
 
-    def _apply_plain(self, reqs: list[Request], slots: Column, tokens: Column) -> None:
+    def _apply_plain(self, slots: Column, tokens: Column) -> None:
         rows = self.slots.rows
         rows.inflight_np[slots] -= 1
         known = rows.known_np[slots] + 1
         rows.known_np[slots] = known
+        rows.append_tokens(slots, tokens)
         token_list = tokens.tolist()
-        for req, token in zip(reqs, token_list, strict=True):
-            req.output_ids.append(token)
         stop = (rows.eos_stops_np[slots] == 1) & self._is_eos(tokens) & (known >= rows.stop_from_np[slots])
         length = known >= rows.limit_np[slots]
         finish = np.where(stop, int(FinishReason.STOP), np.where(length, int(FinishReason.LENGTH), 0))
@@ -199,9 +193,9 @@ class ResultProcessor:
                     rows.owners[owner], handles[mine].tolist(), tokens[mine].tolist(), finish[mine].tolist()
                 )
         for i in np.flatnonzero(finish).tolist():
-            self._end(reqs[i], FinishReason(int(finish[i])))
+            self._end(self._request(int(slots[i])), FinishReason(int(finish[i])))
 
-    def _apply_small(self, reqs: list[Request], slots: list[int], tags: list[int], tokens: list[int]) -> bool:
+    def _apply_small(self, slots: list[int], tags: list[int], tokens: list[int]) -> bool:
         """`_apply_plain` a row at a time, for a batch of a few rows, where a handful of array
         operations cost more than the rows: False (nothing applied) unless every row is plain."""
         rows = self.slots.rows
@@ -212,19 +206,19 @@ class ResultProcessor:
         inflight, known, limit = rows.inflight, rows.known, rows.limit
         eos_stops, stop_from, eos_ids = rows.eos_stops, rows.stop_from, self.slots.eos_token_ids
         by_owner: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        ended: list[tuple[Request, FinishReason]] = []
-        for req, slot, token in zip(reqs, slots, tokens, strict=True):
+        ended: list[tuple[int, FinishReason]] = []
+        for slot, token in zip(slots, tokens, strict=True):
             inflight[slot] -= 1
             length = known[slot] + 1
             known[slot] = length
-            req.output_ids.append(token)
+            rows.append_token(slot, token)
             finish = 0
             if eos_stops[slot] and token in eos_ids and length >= stop_from[slot]:
                 finish = _STOP
             elif length >= limit[slot]:
                 finish = _LENGTH
             if finish:
-                ended.append((req, FinishReason(finish)))
+                ended.append((slot, FinishReason(finish)))
             owner = rows.owner[slot]
             mine = by_owner.get(owner)
             if mine is None:
@@ -235,8 +229,8 @@ class ResultProcessor:
         for owner in sorted(by_owner):
             handles, owned_tokens, finishes = by_owner[owner]
             self.outbox.tokens(rows.owners[owner], handles, owned_tokens, finishes)
-        for req, reason in ended:
-            self._end(req, reason)
+        for slot, reason in ended:
+            self._end(self._request(slot), reason)
         return True
 
     def _is_eos(self, tokens: Column) -> npt.NDArray[np.bool_]:
@@ -247,13 +241,17 @@ class ResultProcessor:
         return hit
 
     def _process_row(
-        self, req: Request, slot: int, tag: int, token: int, logprob: TokenLogprob | None, grammar_done: bool
+        self, slot: int, tag: int, token: int, logprobs: StepLogprobs | None, at: int, grammar_done: bool
     ) -> None:
+        """A row of request slot `slot` (its tag at launch `tag`) sampled `token`, the step's
+        entry `at` (its log-probabilities too)."""
         if self.slots.rows.tag[slot] != tag:
             # Ended, preempted or aborted while this batch was in flight: never streamed.
             self.stats.dropped_inflight_tokens += 1
             self.telemetry.dropped_inflight_tokens.inc()
             return
+        req = self._request(slot)
+        logprob = _row_logprob(logprobs, at, req)
         req.num_inflight -= 1
         req.add_output(token)
         if not req.prompt_kept:  # its prefill is computed: later arrivals may reuse it
@@ -266,6 +264,12 @@ class ResultProcessor:
         self.outbox.token(req, token, finish, logprob, first)
         if finish is not None:
             self._end(req, finish)
+
+    def _request(self, slot: int) -> Request:
+        """The request in `slot`'s row (a row whose tag matched its batch's)."""
+        req = self.slots.rows.requests[slot]
+        assert req is not None, f"request slot {slot} holds no request"
+        return req
 
     def _token_finish(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

@@ -8,6 +8,14 @@ fields otherwise (`request.py`). The pick and the result processing of plain dec
 whole columns at once (`running.py`, `results.py`), so a step costs a few array operations
 plus one tight loop per row (its KV slot, its token) rather than a walk of Python objects.
 
+A step's new output tokens and KV slots of plain decode rows are written into the rows' tails
+(`append_tokens`, `append_kv`), a column at a time, not onto each request's lists: a step that
+walks a few hundred requests' objects and lists pays a cache miss or more for each after the
+loop has slept through a device step, which made the served core's steps about twice as long
+as the same work done back to back. A tail holds up to TAIL entries; it moves into the request's
+own lists when it fills, when the request reads them (`Request.output_ids`, `Request.kv_slots`)
+and when the row is cleared.
+
 Each assignment of a slot gets a fresh `tag`: a batch records its rows' tags, and a row whose
 slot has since been released (the request ended, was preempted or aborted) or given to another
 request no longer matches, so its token is dropped, never applied to the wrong request.
@@ -27,6 +35,7 @@ if TYPE_CHECKING:
 
 Column = npt.NDArray[np.int64]
 NO_TAG = -1
+TAIL = 64  # new output tokens (and KV slots) a row holds before they move into its request's lists
 
 
 class SlotRows:
@@ -49,6 +58,8 @@ class SlotRows:
         "tag",  # this assignment of the slot (NO_TAG: free)
         "handle",  # its name at its owner
         "owner",  # its owner's number (`owner_ids`)
+        "new_tokens",  # output tokens in its tail, not yet in the request's `output_ids`
+        "new_kv",  # KV slots in its tail, not yet in the request's `kv_slots`
     )
 
     def __init__(self, capacity: int, draft_tokens: int = 0) -> None:
@@ -61,6 +72,12 @@ class SlotRows:
             view = np.frombuffer(a, dtype=np.int64) if capacity else np.zeros(0, np.int64)
             setattr(self, name + "_np", view)
         self.tag_np[:] = NO_TAG
+        # The tails, TAIL entries a row: `array` for a row at a time, numpy views for columns.
+        self.tail_tokens = array("q", bytes(8 * capacity * TAIL))
+        self.tail_kv = array("q", bytes(8 * capacity * TAIL))
+        self.tail_tokens_np = _matrix(self.tail_tokens, capacity)
+        self.tail_kv_np = _matrix(self.tail_kv, capacity)
+        self.requests: list[Request | None] = [None] * capacity  # by request slot
         self.owners: list[OutputSink | None] = []  # by owner number
         self._owner_ids: dict[int, int] = {}  # id(owner) -> owner number
         self._next_tag = 0
@@ -82,6 +99,8 @@ class SlotRows:
     tag: array[int]
     handle: array[int]
     owner: array[int]
+    new_tokens: array[int]
+    new_kv: array[int]
     computed_np: Column
     inflight_np: Column
     known_np: Column
@@ -98,6 +117,8 @@ class SlotRows:
     tag_np: Column
     handle_np: Column
     owner_np: Column
+    new_tokens_np: Column
+    new_kv_np: Column
 
     def owner_id(self, owner: OutputSink | None) -> int:
         key = id(owner)
@@ -127,12 +148,78 @@ class SlotRows:
         self._next_tag += 1
         self.handle[slot] = req.handle
         self.owner[slot] = self.owner_id(req.owner)
+        self.new_tokens[slot] = self.new_kv[slot] = 0
+        self.requests[slot] = req
 
     def clear(self, slot: int) -> tuple[int, int, int]:
-        """The row of `slot` is free again; returns what it held (computed, inflight, kept)."""
+        """The row of `slot` is free again, its tails moved into its request's lists; returns
+        what it held (computed, inflight, kept)."""
+        req = self.requests[slot]
+        if req is not None:
+            self.flush(req, slot)
+            self.requests[slot] = None
         held = self.computed[slot], self.inflight[slot], self.kept[slot]
         self.tag[slot] = NO_TAG
         return held
+
+    # ---- the tails ---------------------------------------------------------------------
+
+    def append_tokens(self, slots: Column, tokens: Column) -> None:
+        """Each row of `slots` (distinct) gains its output token of `tokens`."""
+        self._append(self.new_tokens_np, self.tail_tokens_np, slots, tokens)
+
+    def append_kv(self, slots: Column, kv: Column) -> None:
+        """Each row of `slots` (distinct) gains the KV slot of `kv` for its next position."""
+        self._append(self.new_kv_np, self.tail_kv_np, slots, kv)
+
+    def append_token(self, slot: int, token: int) -> None:
+        """`append_tokens` for one row."""
+        self._append_one(self.new_tokens, self.tail_tokens, slot, token)
+
+    def append_kv_one(self, slot: int, kv_slot: int) -> None:
+        """`append_kv` for one row."""
+        self._append_one(self.new_kv, self.tail_kv, slot, kv_slot)
+
+    def flush(self, req: Request, slot: int) -> None:
+        """`req`'s (the row of `slot`'s) tails move into its lists."""
+        n = self.new_tokens[slot]
+        if n:
+            at = slot * TAIL
+            req.output_head.extend(self.tail_tokens[at : at + n])
+            self.new_tokens[slot] = 0
+        n = self.new_kv[slot]
+        if n:
+            at = slot * TAIL
+            req.kv_head.extend(self.tail_kv[at : at + n])
+            self.new_kv[slot] = 0
+
+    def _append(self, counts: Column, tail: npt.NDArray[np.int64], slots: Column, values: Column) -> None:
+        n = counts[slots]
+        tail[slots, n] = values
+        n += 1
+        counts[slots] = n
+        if (n == TAIL).any():
+            for slot in slots[n == TAIL].tolist():
+                self._flush_slot(slot)
+
+    def _append_one(self, counts: array[int], tail: array[int], slot: int, value: int) -> None:
+        n = counts[slot]
+        tail[slot * TAIL + n] = value
+        counts[slot] = n + 1
+        if n + 1 == TAIL:
+            self._flush_slot(slot)
+
+    def _flush_slot(self, slot: int) -> None:
+        req = self.requests[slot]
+        assert req is not None, f"request slot {slot}: a tail without a request"
+        self.flush(req, slot)
+
+
+def _matrix(buffer: array[int], capacity: int) -> npt.NDArray[np.int64]:
+    """`buffer` as a (capacity, TAIL) matrix, sharing its memory."""
+    if not capacity:
+        return np.zeros((0, TAIL), np.int64)
+    return np.frombuffer(buffer, dtype=np.int64).reshape(capacity, TAIL)
 
 
 class RowField:

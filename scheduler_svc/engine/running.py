@@ -99,16 +99,15 @@ class RunningManager:
             return False
         if not n:
             return True
-        reqs = list(running) if n == len(running) else [running[i] for i in np.flatnonzero(want).tolist()]
         if drafts is not None and drafts.any():
-            for req in reqs:
-                add_decode_row(self.slots, batch, req)
+            for i in np.flatnonzero(want).tolist():
+                add_decode_row(self.slots, batch, running[i])
             return True
-        kv = self.slots.kv.allocate_each(reqs)
+        kv = self.slots.kv.allocate_rows(rows, chosen)
         starts = computed[want].tolist()
         rows.computed_np[chosen] += 1
         rows.inflight_np[chosen] += 1
-        batch.add_decodes(reqs, chosen.tolist(), rows.tag_np[chosen].tolist(), starts, kv)
+        batch.add_decodes(chosen.tolist(), rows.tag_np[chosen].tolist(), starts, kv)
         return True
 
     def _pick_small(self, batch: ScheduledBatch, budget: int) -> bool:
@@ -116,7 +115,6 @@ class RunningManager:
         where the array operations would cost more than the rows."""
         rows = self.slots.rows
         computed, inflight, known, limit = rows.computed, rows.inflight, rows.known, rows.limit
-        reqs: list[Request] = []
         chosen: list[int] = []
         starts: list[int] = []
         for req in self.table.running:
@@ -127,18 +125,17 @@ class RunningManager:
                 return False
             pending = known[slot] + inflight[slot]
             if done == pending - 1 and pending < limit[slot]:
-                reqs.append(req)
                 chosen.append(slot)
                 starts.append(done)
-        if len(reqs) > budget or not self.slots.kv.make_room(len(reqs)):
+        if len(chosen) > budget or not self.slots.kv.make_room(len(chosen)):
             return False
-        if not reqs:
+        if not chosen:
             return True
-        kv = self.slots.kv.allocate_each(reqs)
+        kv = self.slots.kv.allocate_rows(rows, chosen)
         for slot in chosen:
             computed[slot] += 1
             inflight[slot] += 1
-        batch.add_decodes(reqs, chosen, [rows.tag[slot] for slot in chosen], starts, kv)
+        batch.add_decodes(chosen, [rows.tag[slot] for slot in chosen], starts, kv)
         return True
 
     def _running_slots(self) -> Column:

@@ -9,10 +9,13 @@ cache's (`prefix_cache.py`), the rest its own, freed here when it ends.
 
 from __future__ import annotations
 
+import numpy as np
+
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.kv.prefix_cache import PrefixCache
 from scheduler_svc.engine.kv.radix_cache import RadixCache
 from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.rows import Column, SlotRows
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
 
 
@@ -82,11 +85,16 @@ class KvManager:
         req.kv_slots.extend(slots)
         return slots
 
-    def allocate_each(self, reqs: list[Request]) -> list[int]:
-        """One new slot for each of `reqs`' next position (`num_free` covers them)."""
-        slots = self._slots.allocate(len(reqs))
-        for req, slot in zip(reqs, slots, strict=True):
-            req.kv_slots.append(slot)
+    def allocate_rows(self, rows: SlotRows, req_slots: Column | list[int]) -> list[int]:
+        """One new slot for the next position of each request in `req_slots` (distinct request
+        slots, after `make_room` said yes), in its row's tail (`SlotRows.append_kv`): a column
+        at a time, or a row at a time for a list (a few rows)."""
+        slots = self._slots.allocate(len(req_slots))
+        if isinstance(req_slots, list):
+            for req_slot, slot in zip(req_slots, slots, strict=True):
+                rows.append_kv_one(req_slot, slot)
+        else:
+            rows.append_kv(req_slots, np.array(slots, np.int64))
         return slots
 
     def allocate_verify(self, req: Request, drafts: int) -> list[int]:
