@@ -6,15 +6,15 @@ A request holds a row while it holds a request slot (`SessionSlots.assign` to `r
 `num_computed`, `num_inflight` and `prompt_kept` read and write that row then, and its own
 fields otherwise (`request.py`). The pick and the result processing of plain decode rows work on
 whole columns at once (`running.py`, `results.py`), so a step costs a few array operations
-plus one tight loop per row (its KV slot, its token) rather than a walk of Python objects.
+rather than a walk of Python objects.
 
 A step's new output tokens and KV slots of plain decode rows are written into the rows' tails
-(`append_tokens`, `append_kv`), a column at a time, not onto each request's lists: a step that
-walks a few hundred requests' objects and lists pays a cache miss or more for each after the
-loop has slept through a device step, which made the served core's steps about twice as long
-as the same work done back to back. A tail holds up to TAIL entries; it moves into the request's
-own lists when it fills, when the request reads them (`Request.output_ids`, `Request.kv_slots`)
-and when the row is cleared.
+(`append_tokens`, `append_kv`), a column at a time, not onto each request's lists. The served
+core sleeps through each device step, and the step after finds the caches cold: one that walks
+a few hundred requests' objects and lists pays cache misses for each (`bench.core_cpu`'s rows
+after an idle sleep). A tail holds up to TAIL entries; it moves into the request's own lists
+when it fills, when the request reads them (`Request.output_ids`, `Request.kv_slots`) and when
+the row is cleared.
 
 Each assignment of a slot gets a fresh `tag`: a batch records its rows' tags, and a row whose
 slot has since been released (the request ended, was preempted or aborted) or given to another
