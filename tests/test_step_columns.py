@@ -386,3 +386,65 @@ async def test_a_step_of_decodes_evicts_cached_prefixes_for_its_rows_at_once(sma
     await core.process_results(decodes, decodes_done)
     for i, client in enumerate(clients):
         assert [t for _, chunk in client.take() for t in chunk.token_ids] == expected([100 + i] * 8, 2)
+
+
+@pytest.mark.parametrize("small_batch", [0, 10_000], ids=["columns", "rows"])
+async def test_a_prompt_taken_in_chunks_continues_beside_a_column_of_decodes(
+    small_batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt longer than a step's budget, admitted while others decode: the steps that carry
+    the rest of its prefill are picked a column (or a small batch's row) at a time too, not
+    request by request, and launch the rows the request-by-request pick launches: each decode,
+    and the prompt's next chunk; its last chunk samples."""
+
+    async def serve(fast: bool) -> tuple[list[list[tuple[int, int, int, bool]]], dict[str, list[int]]]:
+        worker = FakeWorker(4096, 16)
+        core, frontend = await connected(worker, mode="serial", budget=40)
+        running = core.policy.running_manager
+        running.small_batch = core.policy.results.small_batch = small_batch
+        took: list[bool] = []
+        if fast:
+            pick_decodes = running._pick_decodes
+
+            def recording(batch: ScheduledBatch, budget: int) -> bool:
+                took.append(pick_decodes(batch, budget))
+                return took[-1]
+
+            running._pick_decodes = recording  # type: ignore[method-assign]
+        else:
+            running._pick_decodes = lambda batch, budget: False  # type: ignore[method-assign]
+        clients = {f"d{i}": add(frontend, f"d{i}", [i + 1] * 3, 12) for i in range(6)}
+        steps: list[list[tuple[int, int, int, bool]]] = []
+        for _ in range(2):  # the six decode
+            batch = core.pick_batch()
+            assert batch is not None
+            await core.process_results(batch, await core.launch_step(batch))
+        clients["long"] = add(frontend, "long", [50] * 100, 4)
+        while core.policy.requests:
+            batch = core.pick_batch()
+            assert batch is not None
+            launch = batch.launch
+            rows = zip(
+                launch.row_req_slots,
+                launch.row_start_pos,
+                launch.row_num_tokens,
+                launch.row_sample,
+                strict=True,
+            )
+            steps.append(sorted(rows))
+            await core.process_results(batch, await core.launch_step(batch))
+        if fast:
+            assert took and all(took)  # every step's pick took the fast path
+        streamed = {rid: [t for _, chunk in c.take() for t in chunk.token_ids] for rid, c in clients.items()}
+        return steps, streamed
+
+    def no_request_walk(self: Request) -> bool:
+        raise AssertionError("a running request's row was picked request by request")
+
+    by_request = await serve(fast=False)
+    monkeypatch.setattr(Request, "wants_decode", no_request_walk)
+    steps, streamed = await serve(fast=True)
+    assert (steps, streamed) == by_request
+    chunks = [[row for row in step if row[2] > 1] for step in steps]
+    assert [c[0][1:] for c in chunks if c] == [(0, 34, False), (34, 34, False), (68, 32, True)]
+    assert streamed["long"] == expected([50] * 100, 4)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler_svc.engine.request import Request
+from scheduler_svc.engine.rows import Column
 from stepahead.protocol import GrammarConstraint, Launch, LogitsProcessing, NewRequest
 
 
@@ -22,6 +25,7 @@ class ScheduledBatch:
     verifying: set[int] = field(default_factory=set)  # sampled rows that are verify rows
     epoch: int = 0  # the worker session it is launched in
     launched_at: float = 0.0  # time.monotonic() when it was sent
+    _columns: tuple[Column, Column] | None = field(default=None, repr=False)
 
     @property
     def step_id(self) -> int:
@@ -85,9 +89,16 @@ class ScheduledBatch:
     def num_sampled(self) -> int:
         return len(self.sampled_slots)
 
-    def add_decodes(self, slots: list[int], tags: list[int], starts: list[int], kv: list[int]) -> None:
+    def add_decodes(
+        self, slots: list[int] | Column, tags: list[int] | Column, starts: list[int], kv: list[int]
+    ) -> None:
         """One decode row for the request in each of `slots` (request slots, with their tags,
-        first positions `starts` and one new KV slot each), in that order."""
+        first positions `starts` and one new KV slot each), in that order. As arrays, they are
+        kept for `sampled_columns`."""
+        if isinstance(slots, np.ndarray) and isinstance(tags, np.ndarray):
+            if not self.sampled_slots:
+                self._columns = (slots, tags)
+            slots, tags = _ints(slots), _ints(tags)
         launch, n = self.launch, len(slots)
         launch.row_req_slots.extend(slots)
         launch.row_start_pos.extend(starts)
@@ -97,6 +108,19 @@ class ScheduledBatch:
         launch.kv_slots.extend(kv)
         self.sampled_slots.extend(slots)
         self.sampled_tags.extend(tags)
+
+    def sampled_columns(self) -> tuple[Column, Column]:
+        """`sampled_slots` and `sampled_tags` as arrays (those `add_decodes` was given, when its
+        rows are all the sampling rows)."""
+        columns = self._columns
+        if columns is not None and len(columns[0]) == len(self.sampled_slots):
+            return columns
+        return np.array(self.sampled_slots, np.int64), np.array(self.sampled_tags, np.int64)
+
+
+def _ints(column: Column) -> list[int]:
+    ints: list[int] = column.tolist()
+    return ints
 
 
 def logits_processing(req: Request, eos_token_ids: frozenset[int]) -> LogitsProcessing:

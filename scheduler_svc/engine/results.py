@@ -76,13 +76,9 @@ class ResultProcessor:
         small = len(token_ids) <= self.small_batch and not grammar_finished
         if small and self._apply_small(batch.sampled_slots, batch.sampled_tags, list(token_ids)):
             return
-        slots = np.array(batch.sampled_slots, np.int64)
+        slots, tags = batch.sampled_columns()
         tokens = np.array(token_ids, np.int64)
-        plain = (
-            (rows.tag_np[slots] == np.array(batch.sampled_tags, np.int64))
-            & (rows.plain_np[slots] == 1)
-            & (rows.kept_np[slots] == 1)
-        )
+        plain = (rows.tag_np[slots] == tags) & (rows.plain_np[slots] == 1) & (rows.kept_np[slots] == 1)
         if grammar_finished:
             plain[list(grammar_finished)] = False
         if plain.all():

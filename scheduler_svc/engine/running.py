@@ -69,9 +69,12 @@ class RunningManager:
         return preempted
 
     def _pick_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
-        """The common step, column by column: no running request continues a prefill, and every
-        decode row fits the budget and the KV slots free or evictable (no preemption). False
-        when the step is not that one: then the rows are picked one by one."""
+        """The common step, column by column: each running request decodes, or continues a
+        prefill (a prompt longer than a step's budget, or one of a burst of arrivals, is taken in
+        chunks: those left after the step's decodes, in running order, share what the decodes
+        leave of the budget), the decodes fit the budget and the whole step fits the KV slots
+        free or evictable (no preemption). False when the step is not that one: then the rows are
+        picked one by one."""
         running = self.table.running
         if not running:
             return True
@@ -82,32 +85,40 @@ class RunningManager:
         computed = rows.computed_np[slots]
         known = rows.known_np[slots]
         pending = known + rows.inflight_np[slots]
-        if (computed < known).any():
-            return False
         # wants_decode: its last sampled token is not in KV yet, and more tokens are allowed
         want = (computed == pending - 1) & (pending < rows.limit_np[slots])
+        prefilling = computed < known
+        chunks: list[int] = []  # in running order, those continuing a prefill (a few at most)
+        rests: list[int] = []  # their prompts' tokens still to compute
+        if prefilling.any():
+            want &= ~prefilling
+            chunks = np.flatnonzero(prefilling).tolist()
+            rests = (known - computed)[prefilling].tolist()
         chosen = slots[want]
-        n = len(chosen)
+        n = tokens = len(chosen)
         drafts = rows.drafts_np[chosen] if rows.draft_tokens else None
-        tokens = n
         if drafts is not None:
             drafting = (rows.skip_np[chosen] == 0) & (rows.found_np[chosen] == 1)
             tokens += int(np.where(drafting, drafts, 0).sum())
+        if tokens > budget:
+            return False
+        needs = _chunks(rests, budget - tokens)
+        tokens += sum(needs)
         # Room for the whole step at once: evicting cached prefixes if the free slots fall short
         # (a pool full of them is a long-running server's usual state), nothing in vain.
-        if tokens > budget or not self.slots.kv.make_room(tokens):
+        if not self.slots.kv.make_room(tokens):
             return False
-        if not n:
-            return True
         if drafts is not None and drafts.any():
             for i in np.flatnonzero(want).tolist():
                 add_decode_row(self.slots, batch, running[i])
-            return True
-        kv = self.slots.kv.allocate_rows(rows, chosen)
-        starts = computed[want].tolist()
-        rows.computed_np[chosen] += 1
-        rows.inflight_np[chosen] += 1
-        batch.add_decodes(chosen.tolist(), rows.tag_np[chosen].tolist(), starts, kv)
+        elif n:
+            kv = self.slots.kv.allocate_rows(rows, chosen)
+            starts = computed[want].tolist()
+            rows.computed_np[chosen] += 1
+            rows.inflight_np[chosen] += 1
+            batch.add_decodes(chosen, rows.tag_np[chosen], starts, kv)
+        for i, need in zip(chunks, needs, strict=False):
+            add_row(self.slots.kv, batch, running[i], need)
         return True
 
     def _pick_small(self, batch: ScheduledBatch, budget: int) -> bool:
@@ -117,25 +128,33 @@ class RunningManager:
         computed, inflight, known, limit = rows.computed, rows.inflight, rows.known, rows.limit
         chosen: list[int] = []
         starts: list[int] = []
+        chunks: list[Request] = []  # those continuing a prefill
+        rests: list[int] = []
         for req in self.table.running:
             slot = req.req_slot
             assert slot is not None
             done = computed[slot]
             if done < known[slot]:
-                return False
+                chunks.append(req)
+                rests.append(known[slot] - done)
+                continue
             pending = known[slot] + inflight[slot]
             if done == pending - 1 and pending < limit[slot]:
                 chosen.append(slot)
                 starts.append(done)
-        if len(chosen) > budget or not self.slots.kv.make_room(len(chosen)):
+        if len(chosen) > budget:
             return False
-        if not chosen:
-            return True
-        kv = self.slots.kv.allocate_rows(rows, chosen)
-        for slot in chosen:
-            computed[slot] += 1
-            inflight[slot] += 1
-        batch.add_decodes(chosen, [rows.tag[slot] for slot in chosen], starts, kv)
+        needs = _chunks(rests, budget - len(chosen))
+        if not self.slots.kv.make_room(len(chosen) + sum(needs)):
+            return False
+        if chosen:
+            kv = self.slots.kv.allocate_rows(rows, chosen)
+            for slot in chosen:
+                computed[slot] += 1
+                inflight[slot] += 1
+            batch.add_decodes(chosen, [rows.tag[slot] for slot in chosen], starts, kv)
+        for req, need in zip(chunks, needs, strict=False):
+            add_row(self.slots.kv, batch, req, need)
         return True
 
     def _running_slots(self) -> Column:
@@ -183,6 +202,19 @@ class RunningManager:
         """
         for req in reversed(list(self.table.running)):
             self.requeue_for_recompute(req, computed=False)
+
+
+def _chunks(rests: list[int], budget: int) -> list[int]:
+    """The next chunk of each prefill with `rests` tokens still to compute, in order, while
+    `budget` lasts (fewer entries than `rests` when it runs out)."""
+    needs = []
+    for rest in rests:
+        if budget <= 0:
+            break
+        need = min(rest, budget)
+        needs.append(need)
+        budget -= need
+    return needs
 
 
 DRAFT_BACKOFF_MAX = 32  # decode rows without drafts, at most, after verify rows that gained little

@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
+import numpy.typing as npt
 
 
 class SlotAllocator:
@@ -36,16 +37,26 @@ class SlotAllocator:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        if n > 8:
+            slots: list[int] = self.allocate_column(n).tolist()
+            return slots
         if n > len(self._free):
             raise MemoryError(f"{self.name}: {n} slots asked, {len(self._free)} free")
         slots = self._free[len(self._free) - n :].tolist()
         del self._free[len(self._free) - n :]
-        if n > 8:
-            self._in_use_np[slots] = 1  # a column at a time
-        else:
-            for slot in slots:
-                self._in_use[slot] = 1
+        for slot in slots:
+            self._in_use[slot] = 1
         return slots
+
+    def allocate_column(self, n: int) -> npt.NDArray[np.int64]:
+        """`allocate`, as an array (no Python int per slot)."""
+        if n > len(self._free):
+            raise MemoryError(f"{self.name}: {n} slots asked, {len(self._free)} free")
+        taken = self._free[len(self._free) - n :]  # a copy: the free stack stays resizable
+        del self._free[len(self._free) - n :]
+        column = np.frombuffer(taken, dtype=np.int64) if n else np.zeros(0, np.int64)
+        self._in_use_np[column] = 1
+        return column
 
     def allocate_one(self) -> int:
         return self.allocate(1)[0]

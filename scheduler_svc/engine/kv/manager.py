@@ -9,8 +9,6 @@ cache's (`prefix_cache.py`), the rest its own, freed here when it ends.
 
 from __future__ import annotations
 
-import numpy as np
-
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.kv.prefix_cache import PrefixCache
 from scheduler_svc.engine.kv.radix_cache import RadixCache
@@ -89,12 +87,14 @@ class KvManager:
         """One new slot for the next position of each request in `req_slots` (distinct request
         slots, after `make_room` said yes), in its row's tail (`SlotRows.append_kv`): a column
         at a time, or a row at a time for a list (a few rows)."""
-        slots = self._slots.allocate(len(req_slots))
         if isinstance(req_slots, list):
-            for req_slot, slot in zip(req_slots, slots, strict=True):
+            taken = self._slots.allocate(len(req_slots))
+            for req_slot, slot in zip(req_slots, taken, strict=True):
                 rows.append_kv_one(req_slot, slot)
-        else:
-            rows.append_kv(req_slots, np.array(slots, np.int64))
+            return taken
+        column = self._slots.allocate_column(len(req_slots))
+        rows.append_kv(req_slots, column)
+        slots: list[int] = column.tolist()
         return slots
 
     def allocate_verify(self, req: Request, drafts: int) -> list[int]:
