@@ -161,8 +161,7 @@ class RunningManager:
         """The running requests' request slots, in running order (rebuilt when the list changes)."""
         version = self.table.version
         if self._slots_version != version:
-            running = self.table.running
-            self._slots_cache = np.fromiter((r.req_slot for r in running), np.int64, len(running))
+            self._slots_cache = np.array(self.table.running_slots, np.int64)
             self._slots_version = version
         return self._slots_cache
 
