@@ -188,6 +188,7 @@ def test_a_row_s_tails_hold_its_new_tokens_and_kv_slots_until_full_read_or_clear
         for slot, token, kv_slot in zip(slots, tokens, kv, strict=True):
             want_tokens[slot].append(token)
             want_kv[slot].append(kv_slot)
+            rows.known[slot] += 1  # as the result processing counts them
         assert max(rows.new_tokens_np[:3]) < TAIL and max(rows.new_kv_np[:3]) < TAIL
         if step in (TAIL // 2, 2 * TAIL + 1):  # read midway: the tail moves, and fills again
             assert reqs[1].output_ids == want_tokens[1] and reqs[1].kv_slots == want_kv[1]
@@ -201,6 +202,7 @@ def test_a_row_s_tails_hold_its_new_tokens_and_kv_slots_until_full_read_or_clear
     reqs[0].rows = None
     assert reqs[0].output_head == [*want_tokens[0], 5] and rows.requests[0] is None
     assert rows.new_tokens[0] == 0
+    assert reqs[0].num_known == 3 + len(want_tokens[0]) + 1  # from its own lists, out of its row
 
 
 def test_a_double_free_of_many_slots_is_refused_and_changes_nothing() -> None:

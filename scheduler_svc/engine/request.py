@@ -118,8 +118,12 @@ class Request:
 
     @property
     def num_known(self) -> int:
-        """Tokens the CPU knows: prompt plus processed output."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens the CPU knows: prompt plus processed output (its row counts them, tails and
+        all, while it holds one)."""
+        rows = self.rows
+        if rows is not None:
+            return rows.known[self.req_slot]  # type: ignore[index]
+        return len(self.prompt_ids) + len(self.output_head)
 
     @property
     def in_prefill(self) -> bool:
@@ -144,4 +148,4 @@ class Request:
 
     @property
     def num_generated_or_inflight(self) -> int:
-        return len(self.output_ids) + self.num_inflight
+        return self.num_known - len(self.prompt_ids) + self.num_inflight

@@ -61,23 +61,26 @@ class PrefixCache:
             self.cached_prompt_tokens += hit
             self.telemetry.cache_hit_tokens.inc(hit)
 
-    def keep(self, req: Request, upto: int) -> None:
-        """The tree takes `req`'s KV of its first `upto` positions where it holds none yet."""
+    def keep(self, req: Request, upto: int, hold: bool = True) -> None:
+        """The tree takes `req`'s KV of its first `upto` positions where it holds none yet; with
+        `hold`, `req` locks the node they end in (instead of the one it held)."""
         if not self.enabled or upto < 1:
             return
-        node, taken_from = self.tree.insert(req.known_ids(0, upto), req.kv_slots[:upto])
-        req.tree_slots.update(req.kv_slots[taken_from:upto])
-        self.tree.lock(node)
-        if req.cache_node is not None:
-            self.tree.unlock(req.cache_node)
-        req.cache_node = node
+        kv_slots = req.kv_slots
+        node, taken_from = self.tree.insert(req.known_ids(0, upto), kv_slots[:upto])
+        req.tree_slots.update(kv_slots[taken_from:upto])
+        if hold:
+            self.tree.lock(node)
+            if req.cache_node is not None:
+                self.tree.unlock(req.cache_node)
+            req.cache_node = node
 
     def release(self, req: Request, computed: bool) -> list[int]:
         """`req` ends (or waits to be recomputed): with `computed` (its KV exists: not a lost
         worker session) the tree keeps what it computed of the tokens it knows. Returns the
         slots that are the request's own, for the caller to free."""
         if computed:
-            self.keep(req, min(req.num_computed, req.num_known))
+            self.keep(req, min(req.num_computed, req.num_known), hold=False)  # let go at once
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
             req.cache_node = None
