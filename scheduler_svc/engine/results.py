@@ -174,22 +174,32 @@ class ResultProcessor:
         rows.known_np[slots] = known
         rows.append_tokens(slots, tokens)
         token_list = tokens.tolist()
-        stop = (rows.eos_stops_np[slots] == 1) & self._is_eos(tokens) & (known >= rows.stop_from_np[slots])
+        # A step's rows mostly go on: the stops' columns are read only when a token could end one.
+        eos = self._is_eos(tokens)
         length = known >= rows.limit_np[slots]
-        finish = np.where(stop, int(FinishReason.STOP), np.where(length, int(FinishReason.LENGTH), 0))
+        if eos.any():
+            stop = eos & (rows.eos_stops_np[slots] == 1) & (known >= rows.stop_from_np[slots])
+            finish = np.where(stop, _STOP, np.where(length, _LENGTH, 0))
+        elif length.any():
+            finish = np.where(length, _LENGTH, 0)
+        else:
+            finish = None
+        finish_list = [0] * len(token_list) if finish is None else finish.tolist()
         owners = rows.owner_np[slots]
         handles = rows.handle_np[slots]
         first_owner = int(owners[0])
         if (owners == first_owner).all():
-            self.outbox.tokens(rows.owners[first_owner], handles.tolist(), token_list, finish.tolist())
+            self.outbox.tokens(rows.owners[first_owner], handles.tolist(), token_list, finish_list)
         else:
+            ended = np.array(finish_list, np.int64)
             for owner in np.unique(owners).tolist():
                 mine = owners == owner
                 self.outbox.tokens(
-                    rows.owners[owner], handles[mine].tolist(), tokens[mine].tolist(), finish[mine].tolist()
+                    rows.owners[owner], handles[mine].tolist(), tokens[mine].tolist(), ended[mine].tolist()
                 )
-        for i in np.flatnonzero(finish).tolist():
-            self._end(self._request(int(slots[i])), FinishReason(int(finish[i])))
+        if finish is not None:
+            for i in np.flatnonzero(finish).tolist():
+                self._end(self._request(int(slots[i])), FinishReason(int(finish[i])))
 
     def _apply_small(self, slots: list[int], tags: list[int], tokens: list[int]) -> bool:
         """`_apply_plain` a row at a time, for a batch of a few rows, where a handful of array
@@ -231,10 +241,10 @@ class ResultProcessor:
 
     def _is_eos(self, tokens: Column) -> npt.NDArray[np.bool_]:
         """Which of `tokens` are one of the model's EOS ids (a model has one or a few)."""
-        hit = np.zeros(len(tokens), bool)
+        hit: npt.NDArray[np.bool_] | None = None
         for eos in self.slots.eos_token_ids:
-            hit |= tokens == eos
-        return hit
+            hit = tokens == eos if hit is None else hit | (tokens == eos)
+        return np.zeros(len(tokens), bool) if hit is None else hit
 
     def _process_row(
         self, slot: int, tag: int, token: int, logprobs: StepLogprobs | None, at: int, grammar_done: bool
