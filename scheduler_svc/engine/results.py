@@ -81,7 +81,7 @@ class ResultProcessor:
         plain = (rows.tag_np[slots] == tags) & (rows.plain_np[slots] == 1) & (rows.kept_np[slots] == 1)
         if grammar_finished:
             plain[list(grammar_finished)] = False
-        if plain.all():
+        if np.count_nonzero(plain) == len(plain):
             self._apply_plain(slots, tokens)
             return
         index = np.flatnonzero(plain)
@@ -177,10 +177,10 @@ class ResultProcessor:
         # A step's rows mostly go on: the stops' columns are read only when a token could end one.
         eos = self._is_eos(tokens)
         length = known >= rows.limit_np[slots]
-        if eos.any():
+        if np.count_nonzero(eos):
             stop = eos & (rows.eos_stops_np[slots] == 1) & (known >= rows.stop_from_np[slots])
             finish = np.where(stop, _STOP, np.where(length, _LENGTH, 0))
-        elif length.any():
+        elif np.count_nonzero(length):
             finish = np.where(length, _LENGTH, 0)
         else:
             finish = None
@@ -188,7 +188,7 @@ class ResultProcessor:
         owners = rows.owner_np[slots]
         handles = rows.handle_np[slots]
         first_owner = int(owners[0])
-        if (owners == first_owner).all():
+        if np.count_nonzero(owners == first_owner) == len(owners):
             self.outbox.tokens(rows.owners[first_owner], handles.tolist(), token_list, finish_list)
         else:
             ended = np.array(finish_list, np.int64)
@@ -198,7 +198,7 @@ class ResultProcessor:
                     rows.owners[owner], handles[mine].tolist(), tokens[mine].tolist(), ended[mine].tolist()
                 )
         if finish is not None:
-            for i in np.flatnonzero(finish).tolist():
+            for i in finish.nonzero()[0].tolist():
                 self._end(self._request(int(slots[i])), FinishReason(int(finish[i])))
 
     def _apply_small(self, slots: list[int], tags: list[int], tokens: list[int]) -> bool:

@@ -16,6 +16,9 @@ after an idle sleep). A tail holds up to TAIL entries; it moves into the request
 when it fills, when the request reads them (`Request.output_ids`, `Request.kv_slots`) and when
 the row is cleared.
 
+Truth tests of a column are `np.count_nonzero` and `ndarray.nonzero`: numpy's `any`, `all` and
+`flatnonzero` run a Python function of numpy's each, which a cold step pays several times over.
+
 Each assignment of a slot gets a fresh `tag`: a batch records its rows' tags, and a row whose
 slot has since been released (the request ended, was preempted or aborted) or given to another
 request no longer matches, so its token is dropped, never applied to the wrong request.
@@ -198,7 +201,7 @@ class SlotRows:
         tail[slots, n] = values
         n += 1
         counts[slots] = n
-        if (n == TAIL).any():
+        if np.count_nonzero(n == TAIL):
             for slot in slots[n == TAIL].tolist():
                 self._flush_slot(slot)
 

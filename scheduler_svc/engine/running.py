@@ -90,9 +90,9 @@ class RunningManager:
         prefilling = computed < known
         chunks: list[int] = []  # in running order, those continuing a prefill (a few at most)
         rests: list[int] = []  # their prompts' tokens still to compute
-        if prefilling.any():
+        if np.count_nonzero(prefilling):
             want &= ~prefilling
-            chunks = np.flatnonzero(prefilling).tolist()
+            chunks = prefilling.nonzero()[0].tolist()
             rests = (known - computed)[prefilling].tolist()
         chosen = slots[want]
         n = tokens = len(chosen)
