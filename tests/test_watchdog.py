@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from scheduler_svc.engine.batch import ScheduledBatch
-from scheduler_svc.engine.core import CoreConfig, EngineCore, StepHandle
+from scheduler_svc.engine.core import CoreConfig, EngineCore, StepHandle, done_within
 from scheduler_svc.engine.transport import WorkerUnavailable
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.process.link.local import LocalCore
@@ -139,3 +139,24 @@ async def test_the_retry_timeout_counts_from_the_first_loss_of_a_run_of_lost_ses
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
+
+
+async def test_waiting_for_a_step_s_result_neither_cancels_it_nor_misses_it() -> None:
+    """The watchdog's wait for a step's result (`done_within`): it times out with the result
+    still pending, a cancelled wait leaves the result to come, and a result that comes ends the
+    wait at once."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[StepResult] = loop.create_future()
+    assert not await done_within(result, 0.01)  # timed out
+    assert not result.done()
+    waiting = asyncio.ensure_future(done_within(result, GUARD_S))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not result.done()  # a cancelled wait never cancels the step's result
+    step = StepResult(7, [1])
+    loop.call_later(0.01, result.set_result, step)
+    started = time.monotonic()
+    assert await done_within(result, GUARD_S)
+    assert result.result() == step and time.monotonic() - started < GUARD_S
