@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 import tempfile
@@ -12,15 +13,17 @@ from typing import Any
 import pytest
 
 import stepahead
-from scheduler_svc.contract import CoreRequestSpec, StepOutputs
+from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs
 from scheduler_svc.engine.core import CoreConfig, EngineCore
 from scheduler_svc.engine.request import Request
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
+from scheduler_svc.process.link.codec import params_from_proto, params_to_proto
 from scheduler_svc.process.link.core_side import CoreLink, RemoteFrontend
 from scheduler_svc.process.link.frontend_side import CoreGone, RemoteCore
 from stepahead.event_loop import EVENT_LOOP_ENV
 from stepahead.event_loop import run as run_loop
 from stepahead.framing import HEADER, MAX_FRAME_BYTES, FrameProtocol
+from stepahead.protocol import Constraint
 from stepahead.v1 import core_pb2
 from tests.harness import params
 
@@ -296,3 +299,41 @@ def test_a_connection_that_does_not_start_with_a_hello_is_closed() -> None:
 
 def test_a_frontend_without_a_core_returns_from_attach() -> None:
     run_loop(_a_frontend_without_a_core_returns_from_attach())
+
+
+def test_sampling_parameters_cross_the_link_whole_zeros_included() -> None:
+    """Every parameter the core reads comes through the link as the frontend set it: a zero the
+    wire leaves out is read as that zero (not the dataclass's own default), and stop ids, logit
+    bias and a constraint as sent; stop strings stay in the frontend."""
+    rng = random.Random(5)
+    constraints = [None, Constraint("json", '{"type": "object"}'), Constraint("regex", "")]
+    cases = [
+        SamplingParams(0, 0.0, 0.0, 0, 0, frozenset(), (), False, repetition_penalty=0.0),
+        SamplingParams(1, 0.5, 1.0, 0, 1, frozenset(), ("stop",), True),
+    ]
+    for _ in range(20):
+        cases.append(
+            SamplingParams(
+                rng.randrange(1, 4096),
+                rng.choice([0.0, 0.25, 1.5]),
+                rng.choice([0.0, 0.5, 1.0]),
+                rng.randrange(0, 50),
+                rng.randrange(0, 2**31),
+                frozenset(rng.sample(range(300), rng.randrange(0, 4))),
+                (),
+                rng.random() < 0.5,
+                logprobs=rng.random() < 0.5,
+                top_logprobs=rng.randrange(0, 5),
+                repetition_penalty=rng.choice([0.0, 1.0, 1.25]),
+                presence_penalty=rng.choice([0.0, -0.5, 0.5]),
+                frequency_penalty=rng.choice([0.0, 0.75]),
+                min_tokens=rng.randrange(0, 8),
+                logit_bias=tuple(sorted((t, rng.choice([-5.0, 0.5])) for t in rng.sample(range(300), 2))),
+                constraint=rng.choice(constraints),
+                min_p=rng.choice([0.0, 0.125]),
+            )
+        )
+    for sent in cases:
+        wire = core_pb2.CoreSampling.FromString(params_to_proto(sent).SerializeToString())
+        got = params_from_proto(wire)
+        assert got == dataclasses.replace(sent, stop=()), sent

@@ -39,14 +39,27 @@ def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
     return msg
 
 
+# A field the wire leaves out holds its zero (proto3), whatever SamplingParams' own default.
+_SAMPLING_ZEROS = {
+    name: core_pb2.CoreSampling.DESCRIPTOR.fields_by_name[name].default_value for name in SAMPLING_FIELDS
+}
+
+
 def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
-    """Stop strings stay in the frontend: the core's copy has none."""
+    """Stop strings stay in the frontend: the core's copy has none.
+
+    NOTE: read through `ListFields` (the fields set, in one call): every request that reaches the
+    core is read here, and a field read by name costs the protobuf runtime a lookup and, for a
+    repeated one, a container even when empty."""
+    given = {field.name: value for field, value in m.ListFields()}
+    scalars = {name: given.get(name, zero) for name, zero in _SAMPLING_ZEROS.items()}
+    constraint = given.get("constraint")
     return SamplingParams(
-        **same_fields(m, SAMPLING_FIELDS),
-        stop_token_ids=frozenset(m.stop_token_ids),
+        **scalars,
+        stop_token_ids=frozenset(given.get("stop_token_ids", ())),
         stop=(),
-        logit_bias=tuple(zip(m.bias_ids, m.bias_values, strict=True)),
-        constraint=constraint_of(m.constraint.kind, m.constraint.text) if m.HasField("constraint") else None,
+        logit_bias=tuple(zip(given.get("bias_ids", ()), given.get("bias_values", ()), strict=True)),
+        constraint=None if constraint is None else constraint_of(constraint.kind, constraint.text),
     )
 
 
