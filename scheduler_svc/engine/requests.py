@@ -55,15 +55,14 @@ class RequestTable:
 
     def requeue(self, req: Request) -> None:
         """A running request goes back to the head of the waiting queue (to be recomputed)."""
-        self._leave_running(req)
+        if not self._leave_running(req):
+            raise ValueError(f"request {req.rid} requeued while not running")
         self.waiting.appendleft(req)
 
     def forget(self, req: Request) -> None:
         self.requests.pop(req.key, None)
         self._by_handle.pop((req.owner, req.handle), None)
-        if req in self.running:
-            self._leave_running(req)
-        elif req in self.waiting:
+        if not self._leave_running(req) and req in self.waiting:
             self.waiting.remove(req)
 
     def clear_queues(self) -> None:
@@ -72,8 +71,13 @@ class RequestTable:
         del self.running_slots[:]
         self.waiting.clear()
 
-    def _leave_running(self, req: Request) -> None:
-        i = self.running.index(req)
+    def _leave_running(self, req: Request) -> bool:
+        """Whether `req` was running (it no longer is)."""
+        try:
+            i = self.running.index(req)
+        except ValueError:
+            return False
         del self.running[i]
         del self.running_slots[i]
         self.version += 1
+        return True

@@ -191,7 +191,7 @@ class ResultProcessor:
         if np.count_nonzero(owners == first_owner) == len(owners):
             self.outbox.tokens(rows.owners[first_owner], handles.tolist(), token_list, finish_list)
         else:
-            ended = np.array(finish_list, np.int64)
+            ended = np.zeros(len(token_list), np.int64) if finish is None else finish
             for owner in np.unique(owners).tolist():
                 mine = owners == owner
                 self.outbox.tokens(

@@ -201,8 +201,9 @@ class SlotRows:
         tail[slots, n] = values
         n += 1
         counts[slots] = n
-        if np.count_nonzero(n == TAIL):
-            for slot in slots[n == TAIL].tolist():
+        full = n == TAIL
+        if np.count_nonzero(full):
+            for slot in slots[full].tolist():
                 self._flush_slot(slot)
 
     def _append_one(self, counts: array[int], tail: array[int], slot: int, value: int) -> None:
