@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from stepahead.packed import U8, U32, pack, unpack, unpack_flags
 from stepahead.speculative import SpeculativeConfig
 from stepahead.v1 import worker_pb2
 
-PROTOCOL_VERSION = 4  # 2: Keepalive messages while a step computes; 3: grammar constraints;
-# 4: speculative decoding (verify rows, token counts)
+PROTOCOL_VERSION = 5  # 2: Keepalive messages while a step computes; 3: grammar constraints;
+# 4: speculative decoding (verify rows, token counts); 5: packed columns (stepahead/packed.py)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
 # No HTTP/2 BDP probing: it pings with every burst of data to size the flow-control window for
 # bulk transfers, and these streams carry small messages every step, where each ping and its
@@ -261,28 +262,29 @@ def launch_to_proto(launch: Launch) -> worker_pb2.Launch:
         step_id=launch.step_id,
         released_slots=launch.released_slots,
         new_requests=[new_request_to_proto(r) for r in launch.new_requests],
-        row_req_slots=launch.row_req_slots,
-        row_start_pos=launch.row_start_pos,
-        row_num_tokens=launch.row_num_tokens,
-        row_from_future=launch.row_from_future,
-        row_sample=launch.row_sample,
-        prompt_ids=launch.prompt_ids,
-        kv_slots=launch.kv_slots,
+        row_req_slots=pack(U32, launch.row_req_slots),
+        row_start_pos=pack(U32, launch.row_start_pos),
+        row_num_tokens=pack(U32, launch.row_num_tokens),
+        row_from_future=pack(U8, launch.row_from_future),
+        row_sample=pack(U8, launch.row_sample),
+        prompt_ids=pack(U32, launch.prompt_ids),
+        kv_slots=pack(U32, launch.kv_slots),
     )
 
 
 def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
+    """ValueError naming the field for a column that is not a whole array."""
     return Launch(
         step_id=msg.step_id,
         released_slots=list(msg.released_slots),
         new_requests=[new_request_from_proto(r) for r in msg.new_requests],
-        row_req_slots=list(msg.row_req_slots),
-        row_start_pos=list(msg.row_start_pos),
-        row_num_tokens=list(msg.row_num_tokens),
-        row_from_future=list(msg.row_from_future),
-        row_sample=list(msg.row_sample),
-        prompt_ids=list(msg.prompt_ids),
-        kv_slots=list(msg.kv_slots),
+        row_req_slots=unpack(U32, msg.row_req_slots, "row_req_slots"),
+        row_start_pos=unpack(U32, msg.row_start_pos, "row_start_pos"),
+        row_num_tokens=unpack(U32, msg.row_num_tokens, "row_num_tokens"),
+        row_from_future=unpack_flags(msg.row_from_future, "row_from_future"),
+        row_sample=unpack_flags(msg.row_sample, "row_sample"),
+        prompt_ids=unpack(U32, msg.prompt_ids, "prompt_ids"),
+        kv_slots=unpack(U32, msg.kv_slots, "kv_slots"),
     )
 
 
@@ -382,7 +384,7 @@ def speculative_from_hello(hello: worker_pb2.Hello) -> SpeculativeConfig | None:
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     msg = worker_pb2.StepResult(
         step_id=result.step_id,
-        token_ids=result.token_ids,
+        token_ids=pack(U32, result.token_ids),
         forward_start_unix_s=result.forward_start,
         forward_end_unix_s=result.forward_end,
         epoch=result.epoch,
@@ -404,7 +406,7 @@ def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = Non
     logprobs = None
     if msg.logprobs:
         logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
-    ids = list(msg.token_ids)
+    ids = unpack(U32, msg.token_ids, "token_ids")
     start, end = msg.forward_start_unix_s, msg.forward_end_unix_s
     finished = tuple(msg.grammar_finished)
     return StepResult(

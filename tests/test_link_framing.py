@@ -23,6 +23,7 @@ from scheduler_svc.process.link.frontend_side import CoreGone, RemoteCore
 from stepahead.event_loop import EVENT_LOOP_ENV
 from stepahead.event_loop import run as run_loop
 from stepahead.framing import HEADER, MAX_FRAME_BYTES, FrameProtocol
+from stepahead.packed import I32, U64, pack
 from stepahead.protocol import Constraint
 from stepahead.v1 import core_pb2
 from tests.harness import params
@@ -49,7 +50,9 @@ class FakeTransport:
 
 
 def outputs_message(i: int) -> core_pb2.CoreMessage:
-    return core_pb2.CoreMessage(outputs=core_pb2.StepOutputs(handles=range(i), token_ids=range(i)))
+    return core_pb2.CoreMessage(
+        outputs=core_pb2.StepOutputs(handles=pack(U64, range(i)), token_ids=pack(I32, range(i)))
+    )
 
 
 def test_frames_parse_in_order_however_the_bytes_are_cut() -> None:
@@ -139,7 +142,8 @@ async def _frames_go_to_the_socket_at_once_and_in_order_when_it_is_full(loop_nam
     # Frames past what the socket holds: the rest is queued by the transport, and so is every
     # frame after it while its queue is not empty; the peer reads them all in order.
     big = [
-        core_pb2.CoreMessage(outputs=core_pb2.StepOutputs(token_ids=range(i, i + 30_000))) for i in range(40)
+        core_pb2.CoreMessage(outputs=core_pb2.StepOutputs(token_ids=pack(I32, range(i, i + 30_000))))
+        for i in range(40)
     ]
     for m in big:
         sender.send(m)

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.promtext import scrape, total
 from stepahead.processes import Link, Service, link_socket, spawn_scheduler, spawn_worker, wait_serving
-from stepahead.protocol import PROTOCOL_VERSION
+from stepahead.protocol import PROTOCOL_VERSION, Launch, NewRequest, launch_to_proto
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.live import (
@@ -336,3 +336,49 @@ def test_stats_need_the_worker_token() -> None:
         with grpc.insecure_channel(worker.address) as channel, pytest.raises(grpc.RpcError) as refused:
             worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=CALL_TIMEOUT_S)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def one_step(address: str, launch: worker_pb2.Launch) -> worker_pb2.WorkerMessage:
+    """A session of its own (no scheduler holds the worker): Hello, then `launch`; what the
+    worker answers it (Keepalives aside)."""
+    hello = worker_pb2.Hello(protocol_version=PROTOCOL_VERSION, scheduler_id="probe")
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Connect(timeout=CALL_TIMEOUT_S)
+
+        async def answer() -> worker_pb2.WorkerMessage:
+            while True:
+                message = await call.read()
+                assert isinstance(message, worker_pb2.WorkerMessage), message  # not the stream's end
+                if not message.HasField("keepalive"):
+                    return message
+
+        await call.write(worker_pb2.SchedulerMessage(hello=hello))
+        assert (await answer()).HasField("welcome")
+        await call.write(worker_pb2.SchedulerMessage(launch=launch))
+        step = await answer()
+        call.cancel()
+        return step
+
+
+def test_a_launch_with_a_column_cut_short_fails_its_step_naming_the_column() -> None:
+    """Launch's columns are packed arrays (stepahead/packed.py): one whose bytes are not whole
+    elements is refused as the step's error, by name, and the worker serves the next session."""
+    worker = spawn_worker(SIM)
+    with running(worker):
+        wait_serving(worker.address)
+        good = launch_to_proto(
+            Launch(1, new_requests=[NewRequest(0, temperature=0.0, top_p=1.0, top_k=0, seed=0)])
+        )
+        for column, cut in [
+            ("row_req_slots", b"\x00\x00\x00"),
+            ("row_sample", b"\x02"),
+            ("kv_slots", b"\x01"),
+        ]:
+            bad = worker_pb2.Launch()
+            bad.CopyFrom(good)
+            setattr(bad, column, cut)
+            answer = asyncio.run(one_step(worker.address, bad))
+            assert answer.HasField("error") and answer.error.step_id == 1
+            assert answer.error.message.startswith(f"launch: {column}: "), answer.error.message
+        answer = asyncio.run(one_step(worker.address, good))
+        assert answer.HasField("result") and answer.result.step_id == 1

@@ -28,6 +28,7 @@ from stepahead.protocol import (
 from stepahead.serving import NO_PORT_SHARING, add_health_and_reflection, add_port
 from stepahead.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.engine import SessionEnded, WorkerEngine
+from worker_svc.launch_check import LaunchError
 
 log = logging.getLogger("stepahead.worker")
 
@@ -251,7 +252,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if session.superseded:
                     break
                 read_at = time.monotonic()
-                launch = launch_from_proto(message.launch)
+                try:
+                    launch = launch_from_proto(message.launch)
+                except ValueError as exc:  # a column that is not a whole array, lists that differ
+                    refused = asyncio.get_running_loop().create_future()
+                    refused.set_exception(LaunchError(f"launch: {exc}"))
+                    session.unanswered += 1
+                    session.in_flight.put_nowait((message.launch.step_id, refused, read_at))
+                    break  # the step's error ends the session (`_results`)
                 done = asyncio.wrap_future(self._engine.submit(launch, session.ticket))
                 done.add_done_callback(_retrieved)  # a session that ends leaves its results unread
                 session.unanswered += 1

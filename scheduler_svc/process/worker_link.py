@@ -87,7 +87,12 @@ class PendingSteps:
             self.fail(WorkerUnavailable(f"step {message.error.step_id} failed on the worker"))
             return
         rtt = max(time.monotonic() - sent_at - message.result.held_s, 0.0)  # the link's share of the wait
-        result = result_from_proto(message.result, link_rtt_s=rtt)
+        try:
+            result = result_from_proto(message.result, link_rtt_s=rtt)
+        except ValueError as exc:  # not this protocol's result: the session cannot go on
+            done.set_exception(WorkerUnavailable(f"step {step_id}: a malformed result: {exc}"))
+            self.fail(WorkerUnavailable(f"a malformed result of step {step_id}"))
+            return
         if result.step_id != step_id:
             done.set_exception(WorkerUnavailable(f"result of step {result.step_id}, expected {step_id}"))
             self.fail(WorkerUnavailable("results out of launch order"))

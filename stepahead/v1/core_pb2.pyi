@@ -336,7 +336,10 @@ Global___RequestBatch: _TypeAlias = RequestBatch  # noqa: Y015
 
 @_typing.final
 class StepOutputs(_message.Message):
-    """One entry per request that changed in the step: a new token (-1: none) and/or a finish."""
+    """One entry per request that changed in the step: a new token (-1: none) and/or a finish.
+    The entries' columns are packed arrays in bytes fields, little-endian (as Launch's columns in
+    worker.proto): a step's message carries one entry per running request of the frontend.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -351,14 +354,12 @@ class StepOutputs(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     CACHED_ENTRIES_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """FinishReason values; 0 while the request runs."""
-
+    handles: _builtins.bytes
+    """u64, an entry each"""
+    token_ids: _builtins.bytes
+    """i32, an entry each"""
+    finish_reasons: _builtins.bytes
+    """u8, an entry each: FinishReason values; 0 while the request runs."""
     @_builtins.property
     def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestError]: ...
     @_builtins.property
@@ -386,9 +387,9 @@ class StepOutputs(_message.Message):
     def __init__(
         self,
         *,
-        handles: _abc.Iterable[_builtins.int] | None = ...,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        finish_reasons: _abc.Iterable[_builtins.int] | None = ...,
+        handles: _builtins.bytes = ...,
+        token_ids: _builtins.bytes = ...,
+        finish_reasons: _builtins.bytes = ...,
         errors: _abc.Iterable[Global___RequestError] | None = ...,
         logprob_entries: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,

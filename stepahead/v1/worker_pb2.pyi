@@ -488,6 +488,11 @@ class Launch(_message.Message):
     Under speculative decoding a row_from_future row of num_speculative_tokens + 1 tokens is a
     verify row: the FutureMap's token and that many drafts the worker proposes, at positions the
     worker holds (row_start_pos[i] is then the scheduler's bound on the first).
+
+    The per-row and per-token columns are packed arrays in bytes fields: little-endian uint32
+    elements (u32), or one byte each for the flags (u8, 0 or 1). A step carries one element per
+    row or token of its batch, hundreds of them, and a bytes field is read and written as one
+    block where a repeated field costs a Python object per element on each side of the link.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -503,39 +508,37 @@ class Launch(_message.Message):
     PROMPT_IDS_FIELD_NUMBER: _builtins.int
     KV_SLOTS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
+    row_req_slots: _builtins.bytes
+    """u32, a row each"""
+    row_start_pos: _builtins.bytes
+    """u32, a row each"""
+    row_num_tokens: _builtins.bytes
+    """u32, a row each"""
+    row_from_future: _builtins.bytes
+    """u8, a row each"""
+    row_sample: _builtins.bytes
+    """u8, a row each; 0 for a prefill chunk that does not end its prompt: nothing sampled."""
+    prompt_ids: _builtins.bytes
+    """u32, one per token of the rows not from the FutureMap"""
+    kv_slots: _builtins.bytes
+    """u32, a token each"""
     @_builtins.property
     def released_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def new_requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequest]: ...
-    @_builtins.property
-    def row_req_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def row_start_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def row_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def row_from_future(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
-    @_builtins.property
-    def row_sample(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """False for a prefill chunk that does not end its prompt: nothing sampled."""
-
-    @_builtins.property
-    def prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def kv_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         step_id: _builtins.int = ...,
         released_slots: _abc.Iterable[_builtins.int] | None = ...,
         new_requests: _abc.Iterable[Global___NewRequest] | None = ...,
-        row_req_slots: _abc.Iterable[_builtins.int] | None = ...,
-        row_start_pos: _abc.Iterable[_builtins.int] | None = ...,
-        row_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
-        row_from_future: _abc.Iterable[_builtins.bool] | None = ...,
-        row_sample: _abc.Iterable[_builtins.bool] | None = ...,
-        prompt_ids: _abc.Iterable[_builtins.int] | None = ...,
-        kv_slots: _abc.Iterable[_builtins.int] | None = ...,
+        row_req_slots: _builtins.bytes = ...,
+        row_start_pos: _builtins.bytes = ...,
+        row_num_tokens: _builtins.bytes = ...,
+        row_from_future: _builtins.bytes = ...,
+        row_sample: _builtins.bytes = ...,
+        prompt_ids: _builtins.bytes = ...,
+        kv_slots: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -563,6 +566,8 @@ class StepResult(_message.Message):
     TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     DRAFTS_FOUND_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
+    token_ids: _builtins.bytes
+    """One token per sampling row, in row order: u32 elements (see Launch)."""
     forward_start_unix_s: _builtins.float
     """When the forward ran on the device (worker clock, Unix seconds)."""
     forward_end_unix_s: _builtins.float
@@ -574,10 +579,6 @@ class StepResult(_message.Message):
     scheduler takes it from the time it waited to get the link's round trip, free of any
     clock offset (scheduler_svc/depth.py).
     """
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """One token per sampling row, in row order."""
-
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """When a sampling row asked for log-probabilities: for every sampling row, in row order,
@@ -612,7 +613,7 @@ class StepResult(_message.Message):
         self,
         *,
         step_id: _builtins.int = ...,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _builtins.bytes = ...,
         forward_start_unix_s: _builtins.float = ...,
         forward_end_unix_s: _builtins.float = ...,
         epoch: _builtins.int = ...,

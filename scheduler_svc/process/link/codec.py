@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs, TokenLogprob
+from stepahead.packed import I32, U8, U64, pack, unpack
 from stepahead.protocol import WorkerInfo, constraint_of, info_to_proto, same_fields
 from stepahead.v1 import core_pb2
 
@@ -82,9 +83,9 @@ def spec_from_proto(m: core_pb2.NewCoreRequest) -> CoreRequestSpec:
 
 def outputs_to_proto(outputs: StepOutputs) -> core_pb2.StepOutputs:
     msg = core_pb2.StepOutputs(
-        handles=outputs.handles,
-        token_ids=outputs.token_ids,
-        finish_reasons=outputs.finish_reasons,
+        handles=pack(U64, outputs.handles),
+        token_ids=pack(I32, outputs.token_ids),
+        finish_reasons=pack(U8, outputs.finish_reasons),
         errors=[
             core_pb2.RequestError(handle=h, code=grpc.StatusCode[code].value[0], message=message)
             for h, code, message in outputs.errors
@@ -107,9 +108,9 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 def outputs_from_proto(m: core_pb2.StepOutputs) -> StepOutputs:
     return StepOutputs(
-        list(m.handles),
-        list(m.token_ids),
-        list(m.finish_reasons),
+        unpack(U64, m.handles, "handles"),
+        unpack(I32, m.token_ids, "token_ids"),
+        unpack(U8, m.finish_reasons, "finish_reasons"),
         [(e.handle, _CODE_NAMES.get(e.code, "UNKNOWN"), e.message) for e in m.errors],
         list(m.logprob_entries),
         _logprobs_from_proto(m),
