@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 import numpy.typing as npt
 
@@ -14,47 +12,53 @@ class SlotAllocator:
     NOTE: the free stack and the in-use map are flat arrays, not lists or sets of
     ints: a KV pool has up to millions of slots, and a container of that many
     objects makes every full garbage collection walk it, stalling the event loop
-    for milliseconds (long enough to leave the device idle).
+    for milliseconds (long enough to leave the device idle). The stack is allocated
+    once, at its full size, with a count of the free slots on it: a resizable one
+    (`array`) is reallocated whenever it shrinks by more than a few elements, which a
+    step's column of new KV slots always does, and for a pool of millions of slots that is
+    an `mremap` of megabytes (and a TLB flush) every step.
     """
 
     def __init__(self, capacity: int, name: str) -> None:
         self.capacity = capacity
         self.name = name
-        # Popping from the end hands out low slots first.
-        self._free = array("q", range(capacity - 1, -1, -1))
+        # Taking from the top hands out low slots first.
+        self._stack = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._top = capacity  # the free slots are _stack[:_top]
         self._in_use = bytearray(capacity)
         self._in_use_np = np.frombuffer(self._in_use, dtype=np.uint8) if capacity else np.zeros(0, np.uint8)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self._top
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._top
 
     def allocate(self, n: int) -> list[int]:
         if n > 8:
             slots: list[int] = self.allocate_column(n).tolist()
             return slots
-        if n > len(self._free):
-            raise MemoryError(f"{self.name}: {n} slots asked, {len(self._free)} free")
-        slots = self._free[len(self._free) - n :].tolist()
-        del self._free[len(self._free) - n :]
+        top = self._top
+        if n > top:
+            raise MemoryError(f"{self.name}: {n} slots asked, {top} free")
+        slots = self._stack[top - n : top].tolist()
+        self._top = top - n
         for slot in slots:
             self._in_use[slot] = 1
         return slots
 
     def allocate_column(self, n: int) -> npt.NDArray[np.int64]:
         """`allocate`, as an array (no Python int per slot)."""
-        if n > len(self._free):
-            raise MemoryError(f"{self.name}: {n} slots asked, {len(self._free)} free")
-        taken = self._free[len(self._free) - n :]  # a copy: the free stack stays resizable
-        del self._free[len(self._free) - n :]
-        column = np.frombuffer(taken, dtype=np.int64) if n else np.zeros(0, np.int64)
+        top = self._top
+        if n > top:
+            raise MemoryError(f"{self.name}: {n} slots asked, {top} free")
+        column = self._stack[top - n : top].copy()  # a copy: the stack's top is written again
+        self._top = top - n
         self._in_use_np[column] = 1
         return column
 
@@ -71,4 +75,6 @@ class SlotAllocator:
                         self._in_use[freed] = 1
                     raise ValueError(f"{self.name}: slot {slot} freed twice")
                 self._in_use[slot] = 0
-        self._free.extend(slots)
+        top = self._top  # every slot was in use, so the stack has room for them all
+        self._stack[top : top + len(slots)] = slots
+        self._top = top + len(slots)
