@@ -165,10 +165,19 @@ def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny
             extra_body={"best_of": 3},
         )
     assert refused.value.body["param"] == "best_of"  # type: ignore[index]
-    # What is served (the default) passes, and so does a field no API documents (logged).
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(
+            model=SERVED_NAME, prompt="Hi", max_tokens=2, extra_body={"modalities": ["audio"]}
+        )
+    assert refused.value.body["param"] == "modalities"  # type: ignore[index]
+    # What is served (the default, however OpenAI spells it) passes, and so does a field no API
+    # documents (logged).
     served_extras: list[dict[str, object]] = [
         {"min_p": 0.0},
         {"skip_special_tokens": True},
+        {"modalities": ["text"]},
+        {"service_tier": "auto"},
+        {"service_tier": "default"},
         {"no_api_has": [1]},
     ]
     for extra in served_extras:

@@ -249,6 +249,12 @@ UNSERVED: dict[str, object] = {
     "request_id": None,
     "echo": False,  # chat (completions serve it)
 }
+# Other spellings of what is served, which OpenAI documents as the field's default: a client that
+# sends the default explicitly asks for what this server does.
+ALSO_SERVED: dict[str, tuple[object, ...]] = {
+    "modalities": (["text"],),
+    "service_tier": ("auto", "default"),
+}
 MAX_NAMES_LOGGED = 8
 MAX_PROMPTS = 128  # a /v1/completions list of prompts (each with its n completions)
 
@@ -291,7 +297,7 @@ class SamplingFields(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name not in UNSERVED:
                 unknown.append(name)
-            elif value != UNSERVED[name] and value is not None:
+            elif value != UNSERVED[name] and value is not None and value not in ALSO_SERVED.get(name, ()):
                 served = json.dumps(UNSERVED[name])
                 raise FieldError(
                     name, f"not served: only {served} (the default) is, got {json.dumps(value)[:64]}"
