@@ -6,6 +6,7 @@ a frontend's text made once a message."""
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -218,6 +219,35 @@ def test_a_double_free_of_many_slots_is_refused_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="freed twice"):
         slots.free([*extra, extra[0]])  # one slot twice in one call
     assert slots.num_free == 52
+
+
+def test_slots_go_out_once_each_and_the_free_stack_is_never_reallocated() -> None:
+    """Against a set of the slots in use, over random columns and single slots taken and given
+    back; the free stack keeps its one buffer (a resized one was an `mremap` of the pool's
+    megabytes a step)."""
+    rng = random.Random(7)
+    slots = SlotAllocator(300, "kv slots")
+    buffer = slots._stack.ctypes.data
+    held: list[int] = []
+    for _ in range(400):
+        if held and rng.random() < 0.45:
+            rng.shuffle(held)
+            n = rng.randint(1, len(held))
+            slots.free(held[:n])
+            held = held[n:]
+        else:
+            n = rng.choice([1, 3, 9, 40, 120])
+            if not slots.can_allocate(n):
+                with pytest.raises(MemoryError):
+                    slots.allocate(n)
+                continue
+            got = slots.allocate_column(n).tolist() if rng.random() < 0.5 else slots.allocate(n)
+            assert not set(got) & set(held) and len(set(got)) == n and all(0 <= s < 300 for s in got)
+            held += got
+        assert slots.num_used == len(held) and slots.num_free == 300 - len(held)
+    assert slots._stack.ctypes.data == buffer
+    slots.free(held)
+    assert sorted(slots.allocate(300)) == list(range(300))
 
 
 def test_the_loop_histogram_exposes_what_the_client_library_histogram_does() -> None:
