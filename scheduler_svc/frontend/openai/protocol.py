@@ -297,8 +297,10 @@ class SamplingFields(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name not in UNSERVED:
                 unknown.append(name)
-            elif value != UNSERVED[name] and value is not None and value not in ALSO_SERVED.get(name, ()):
-                served = json.dumps(UNSERVED[name])
+                continue
+            served_values = (UNSERVED[name], *ALSO_SERVED.get(name, ()))
+            if value is not None and value not in served_values:
+                served = " or ".join(json.dumps(v) for v in served_values)
                 raise FieldError(
                     name, f"not served: only {served} (the default) is, got {json.dumps(value)[:64]}"
                 )
