@@ -9,9 +9,10 @@ worker executes every launch at once, outside the timed parts: a FutureMap per r
 one token per sampled row. Requests never finish, so every measured step decodes the whole batch.
 A batch of at most `PolicyConfig.small_batch` rows, which the policy picks and applies a row at a
 time, is also run a column at a time (`small_batch=0`), beside it. Some batch sizes are run again
-with the thread asleep for `idle_ms` before each step, as the served core sleeps through a device
-step while its result is computed: the same work then finds the caches cold, and takes about
-twice as long as back to back.
+with `idle_ms` between steps, as the served core waits through a device step while its result is
+computed: the same work then finds the caches cold, and takes several times as long as back to
+back. `--idle spin` spends that time spinning instead of asleep: if the steps are as slow, it is
+not this thread's sleep that costs, but what else the host ran on the core meanwhile.
 Writes bench/results/<UTC date-time>-core-cpu.{json,md} and prints the table.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.envelope import Envelope, begin, load_clause
-from bench.machine import Machine
+from bench.machine import Machine, loop_calibration
 from bench.save import RESULTS, command_line, publish
 from scheduler_svc.contract import SamplingParams, StepOutputs
 from scheduler_svc.engine.batch import ScheduledBatch
@@ -50,8 +51,9 @@ from stepahead.protocol import (
 from stepahead.v1 import core_pb2, worker_pb2
 
 BATCH_SIZES = (4, 16, 64, 128, 256, 512)  # 4 and 16: the small-batch path (`PolicyConfig.small_batch`)
-IDLE_BATCH_SIZES = (4, 64, 256)  # run again, each step after `idle_ms` asleep
-IDLE_MS = 20.0  # a device step of the benchmarks' sim at batch 256
+IDLE_BATCH_SIZES = (4, 64, 256)  # run again, each step after `idle_ms` idle
+IDLE_MS = (20.0,)  # a device step of the benchmarks' sim at batch 256
+IDLE_WAYS = ("sleep", "spin")  # how a step's idle time passes: asleep, or in a loop of clock reads
 PHASES = ("schedule", "launch", "result", "process")
 TARGET_BATCH = 256
 TARGET_US_PER_TOKEN = 15.0
@@ -70,7 +72,8 @@ class CoreCpuConfig:
     max_batch_tokens: int = PolicyConfig.max_batch_tokens
     small_batch: int = PolicyConfig.small_batch  # batches up to this size are also run with it 0
     idle_batch_sizes: tuple[int, ...] = IDLE_BATCH_SIZES
-    idle_ms: float = IDLE_MS
+    idle_ms: tuple[float, ...] = IDLE_MS
+    idle: str = IDLE_WAYS[0]
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class CoreCpuRow:
     phase_us: dict[str, float]  # median of each phase
     launch_bytes: float  # serialized launch per step (median)
     outputs_bytes: float  # serialized frontend messages per step (median)
-    idle_ms: float = 0.0  # asleep before each step (0: back to back)
+    idle_ms: float = 0.0  # idle before each step (0: back to back)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class CoreCpuRun:
     started_at: datetime
     machine: Machine
     rows: tuple[CoreCpuRow, ...]
+    loop_s: tuple[float, float] | None = None  # the loop calibration before and after the rows
 
 
 # ---- the two sides of the core ---------------------------------------------------------------
@@ -247,16 +251,26 @@ def parse_result(wire: bytes) -> StepResult:
 def measure_batch(
     config: CoreCpuConfig, batch_size: int, small_batch: int, idle_ms: float = 0.0
 ) -> CoreCpuRow:
-    """`idle_ms`: asleep before each measured step (outside its timing)."""
+    """`idle_ms`: idle before each measured step (outside its timing), the config's way."""
     path = CorePath(config, batch_size, small_batch)
     _warm_up(path, config.warmup_steps)
     name = "rows" if batch_size <= small_batch else "columns"
     steps = []
     for _ in range(config.steps):
         if idle_ms:
-            time.sleep(idle_ms / 1e3)
+            idle(config.idle, idle_ms)
         steps.append(path.step()[1])
     return dataclasses.replace(summarize(batch_size, name, steps), idle_ms=idle_ms)
+
+
+def idle(way: str, ms: float) -> None:
+    """Let `ms` pass asleep, or spinning on the clock (which touches almost nothing)."""
+    if way == "sleep":
+        time.sleep(ms / 1e3)
+        return
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
 
 
 def _warm_up(path: CorePath, steps: int) -> None:
@@ -305,8 +319,9 @@ def run(config: CoreCpuConfig) -> CoreCpuRun:
         rows.append(measure_batch(config, batch_size, config.small_batch))
         if batch_size <= config.small_batch:  # the same batch a column at a time, beside it
             rows.append(measure_batch(config, batch_size, 0))
-    for batch_size in config.idle_batch_sizes:  # the policy's path, each step after a sleep
-        rows.append(measure_batch(config, batch_size, config.small_batch, config.idle_ms))
+    for idle_ms in config.idle_ms:  # the policy's path, each step after idle time
+        for batch_size in config.idle_batch_sizes:
+            rows.append(measure_batch(config, batch_size, config.small_batch, idle_ms))
     return CoreCpuRun(config, started_at, machine, tuple(rows))
 
 
@@ -339,6 +354,7 @@ def to_json(run: CoreCpuRun, command: str) -> dict[str, Any]:
     return envelope(run, command).json(
         {
             "phases": list(PHASES),
+            "loop_calibration_s": None if run.loop_s is None else list(run.loop_s),
             "rows": [asdict(row) for row in run.rows],
             "target": {
                 "batch_size": TARGET_BATCH,
@@ -358,11 +374,24 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
         f"- every request decodes ({c.prompt_len}-token prompts, admitted and prefilled during the "
         f"warmup, then {c.warmup_steps} more steps); medians over {c.steps} steps; "
         f"token budget {c.max_batch_tokens} per step; one frontend link",
-        "- idle ms: asleep before each step, as the served core sleeps through a device step (the "
-        "caches go cold); 0: back to back",
+        f"- idle ms: {_IDLE_TEXT[c.idle]} before each step, as the served core waits through a device "
+        "step (the caches go cold); 0: back to back",
+        *calibration_lines(run),
         *target_lines(run),
     ]
     return envelope(run, command).markdown(lines)
+
+
+_IDLE_TEXT = {"sleep": "asleep", "spin": "spinning on the clock"}
+
+
+def calibration_lines(run: CoreCpuRun) -> Iterator[str]:
+    if run.loop_s is not None:
+        before, after = run.loop_s
+        yield (
+            "- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes "
+            f"{before:.2f} s before the rows, {after:.2f} s after"
+        )
 
 
 def table(rows: Sequence[CoreCpuRow]) -> list[str]:
@@ -405,6 +434,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=BATCH_SIZES,
         help=f"comma-separated (default: {','.join(map(str, BATCH_SIZES))})",
     )
+    p.add_argument(
+        "--idle-ms",
+        type=lambda text: tuple(float(ms) for ms in text.split(",")),
+        default=IDLE_MS,
+        help="comma-separated idle times before each step of the idle rows (default: %(default)s)",
+    )
+    p.add_argument(
+        "--idle-batch-sizes",
+        type=lambda text: tuple(int(b) for b in text.split(",")) if text else (),
+        default=IDLE_BATCH_SIZES,
+        help="the batch sizes run with idle time "
+        f"(default: {','.join(map(str, IDLE_BATCH_SIZES))}; empty: none)",
+    )
+    p.add_argument("--idle", choices=IDLE_WAYS, default=IDLE_WAYS[0], help="how the idle time passes")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
     return p.parse_args(argv)
 
@@ -412,7 +455,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = command_line("bench.core_cpu", argv)
-    result = run(CoreCpuConfig(args.batch_sizes, args.steps, args.warmup_steps))
+    config = CoreCpuConfig(
+        args.batch_sizes,
+        args.steps,
+        args.warmup_steps,
+        idle_batch_sizes=args.idle_batch_sizes,
+        idle_ms=args.idle_ms,
+        idle=args.idle,
+    )
+    before = loop_calibration()
+    result = run(config)
+    result = dataclasses.replace(result, loop_s=(before, loop_calibration()))
     publish("core-cpu", result.started_at, to_json(result, command), to_markdown(result, command), args.out)
 
 

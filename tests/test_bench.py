@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -657,7 +658,7 @@ def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() ->
         (64, "columns"),
         (256, "columns"),
     ]
-    assert [r.idle_ms for r in run.rows] == [0.0] * 8 + [core_cpu.IDLE_MS] * 3
+    assert [r.idle_ms for r in run.rows] == [0.0] * 8 + [core_cpu.IDLE_MS[0]] * 3
     for r in run.rows:
         assert r.steps == 4 and r.tokens_per_step == r.batch_size
         assert r.us_per_step > 0 and r.us_per_step_mean > 0 and r.us_per_token > 0
@@ -666,6 +667,31 @@ def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() ->
     document = json.loads(json.dumps(finite(core_cpu.to_json(run, "test")), allow_nan=False))
     assert document["target"]["batch_size"] == 256 and document["target"]["met"] in (True, False)
     assert "| 256 | columns | 0 |" in core_cpu.to_markdown(run, "test")
+
+
+def test_core_cpu_runs_each_idle_time_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle rows come per idle time and batch size, each step after the idle time passed the
+    config's way; `spin` passes it awake, `sleep` asleep."""
+    args = core_cpu.parse_args(
+        ["--batch-sizes", "4", "--idle-ms", "0.5,1", "--idle-batch-sizes", "4,64", "--idle", "spin"]
+    )
+    assert (args.idle_ms, args.idle_batch_sizes, args.idle) == ((0.5, 1.0), (4, 64), "spin")
+    idled: list[tuple[str, float]] = []
+    monkeypatch.setattr(core_cpu, "idle", lambda way, ms: idled.append((way, ms)))
+    config = core_cpu.CoreCpuConfig((4,), 3, 1, idle_batch_sizes=(4, 64), idle_ms=(0.5, 1.0), idle="spin")
+    run = core_cpu.run(config)
+    assert [(r.batch_size, r.idle_ms) for r in run.rows[2:]] == [(4, 0.5), (64, 0.5), (4, 1.0), (64, 1.0)]
+    assert idled == [("spin", 0.5)] * 6 + [("spin", 1.0)] * 6  # before each measured step
+    assert "spinning on the clock before each step" in core_cpu.to_markdown(run, "test")
+    calibrated = dataclasses.replace(run, loop_s=(0.91, 1.02))
+    assert "takes 0.91 s before the rows, 1.02 s after" in core_cpu.to_markdown(calibrated, "test")
+    assert core_cpu.to_json(calibrated, "test")["loop_calibration_s"] == [0.91, 1.02]
+    monkeypatch.undo()
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    core_cpu.idle("spin", 1.0)
+    core_cpu.idle("sleep", 2.0)
+    assert slept == [0.002]
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:
