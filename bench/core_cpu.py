@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from bench.envelope import Envelope, begin, load_clause
 from bench.machine import Machine, loop_calibration
@@ -53,7 +53,8 @@ from stepahead.v1 import core_pb2, worker_pb2
 BATCH_SIZES = (4, 16, 64, 128, 256, 512)  # 4 and 16: the small-batch path (`PolicyConfig.small_batch`)
 IDLE_BATCH_SIZES = (4, 64, 256)  # run again, each step after `idle_ms` idle
 IDLE_MS = (20.0,)  # a device step of the benchmarks' sim at batch 256
-IDLE_WAYS = ("sleep", "spin")  # how a step's idle time passes: asleep, or in a loop of clock reads
+IdleWay = Literal["sleep", "spin"]  # how a step's idle time passes: asleep, or in a loop of clock reads
+IDLE_WAYS: tuple[IdleWay, ...] = get_args(IdleWay)
 PHASES = ("schedule", "launch", "result", "process")
 TARGET_BATCH = 256
 TARGET_US_PER_TOKEN = 15.0
@@ -73,7 +74,7 @@ class CoreCpuConfig:
     small_batch: int = PolicyConfig.small_batch  # batches up to this size are also run with it 0
     idle_batch_sizes: tuple[int, ...] = IDLE_BATCH_SIZES
     idle_ms: tuple[float, ...] = IDLE_MS
-    idle: str = IDLE_WAYS[0]
+    idle: IdleWay = IDLE_WAYS[0]
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ def measure_batch(
     return dataclasses.replace(summarize(batch_size, name, steps), idle_ms=idle_ms)
 
 
-def idle(way: str, ms: float) -> None:
+def idle(way: IdleWay, ms: float) -> None:
     """Let `ms` pass asleep, or spinning on the clock (which touches almost nothing)."""
     if way == "sleep":
         time.sleep(ms / 1e3)
