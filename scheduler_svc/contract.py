@@ -61,6 +61,9 @@ class SamplingParams:
     constraint: Constraint | None = None
     skip_special_tokens: bool = True  # the frontend's: special tokens left out of the text
     min_p: float = 0.0  # 0: off
+    # Each prompt token's log-probability (after the first), with this many alternatives: the
+    # worker scores the prompt as it computes it (no prefix-cache reuse). None: not asked.
+    prompt_logprobs: int | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -78,6 +81,13 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether the worker's penalties read the request's tokens."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether the worker must compute the whole prompt, reusing no cached prefix: its
+        penalties' token history is filled from prefill rows, and prompt log-probabilities are
+        scored as the prompt is computed."""
+        return self.penalized or self.prompt_logprobs is not None
 
     def stop_finishes(self, num_generated: int) -> bool:
         """EOS, stop tokens and stop strings end the request only after min_tokens tokens (a
@@ -112,6 +122,10 @@ class StepOutputs:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_entries: list[int] = field(default_factory=list)  # entries of first tokens, with
     cached_tokens: list[int] = field(default_factory=list)  # the prompt tokens found cached
+    # Entries of first tokens whose request asked for its prompt's log-probabilities, with them:
+    # one per prompt token after the first, in order.
+    prompt_entries: list[int] = field(default_factory=list)
+    prompt_logprobs: list[tuple[TokenLogprob, ...]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.handles or self.errors)
@@ -123,10 +137,14 @@ class StepOutputs:
         finish: FinishReason | None,
         logprob: TokenLogprob | None = None,
         cached: int | None = None,
+        prompt: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
         if cached is not None:
             self.cached_entries.append(len(self.handles))
             self.cached_tokens.append(cached)
+        if prompt is not None:
+            self.prompt_entries.append(len(self.handles))
+            self.prompt_logprobs.append(prompt)
         if logprob is not None:
             self.logprob_entries.append(len(self.handles))
             self.logprobs.append(logprob)

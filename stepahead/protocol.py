@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from stepahead.packed import U8, U32, pack, unpack, unpack_flags
+from stepahead.packed import I32, U8, U32, pack, unpack, unpack_flags
 from stepahead.speculative import SpeculativeConfig
 from stepahead.v1 import worker_pb2
 
-PROTOCOL_VERSION = 5  # 2: Keepalive messages while a step computes; 3: grammar constraints;
-# 4: speculative decoding (verify rows, token counts); 5: packed columns (stepahead/packed.py)
+PROTOCOL_VERSION = 6  # 2: Keepalive messages while a step computes; 3: grammar constraints;
+# 4: speculative decoding (verify rows, token counts); 5: packed columns (stepahead/packed.py);
+# 6: prompt log-probabilities (Launch.row_score, StepResult.prompt_logprobs)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the Welcome carries a tokenizer.json
 # No HTTP/2 BDP probing: it pings with every burst of data to size the flow-control window for
 # bulk transfers, and these streams carry small messages every step, where each ping and its
@@ -118,6 +119,10 @@ class NewRequest:
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
+NOT_SCORED = -2  # Launch.row_score: the row's positions are not scored
+IN_ROW = -1  # Launch.row_score: scored within the row only (its last position samples, or is the last asked)
+
+
 @dataclass
 class Launch:
     """One batch, as deltas against the worker's per-slot state.
@@ -138,6 +143,11 @@ class Launch:
     row_sample: list[bool] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)
+    # Prompt log-probabilities (`row_scores`): empty, or one per row: NOT_SCORED, IN_ROW (each
+    # position but the row's last is scored against the row's next token), or the token id its
+    # last position is scored against too (the next chunk's first); `score_top_n` alternatives.
+    row_score: list[int] = field(default_factory=list)
+    score_top_n: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -157,6 +167,24 @@ class Launch:
     @property
     def num_tokens(self) -> int:
         return len(self.kv_slots)
+
+    def row_scores(self) -> Iterator[tuple[int, int]]:
+        """Each row's scored positions: (how many, the last one's target or IN_ROW), from its
+        first position on; (0, NOT_SCORED) for a row not scored."""
+        if not self.row_score:
+            for _ in self.row_req_slots:
+                yield 0, NOT_SCORED
+            return
+        for n, score in zip(self.row_num_tokens, self.row_score, strict=True):
+            if score == NOT_SCORED:
+                yield 0, NOT_SCORED
+            else:
+                yield (n - 1 if score == IN_ROW else n), score
+
+    @property
+    def num_scored(self) -> int:
+        """Prompt positions scored by this launch, in row order (`StepResult.prompt_logprobs`)."""
+        return sum(count for count, _ in self.row_scores())
 
     @property
     def forward_mode(self) -> str:
@@ -201,6 +229,9 @@ class StepResult:
     # With token_counts: whether prompt lookup found drafts for each sampling row's request at
     # this step (carried or not): the scheduler drafts for a request while it finds some.
     drafts_found: tuple[bool, ...] = ()
+    # The launch's scored prompt positions (`Launch.row_scores`), in row order: each one's next
+    # prompt token's log-probability, and the launch's score_top_n alternatives.
+    prompt_logprobs: StepLogprobs | None = None
 
     @property
     def forward_seconds(self) -> float:
@@ -269,6 +300,8 @@ def launch_to_proto(launch: Launch) -> worker_pb2.Launch:
         row_sample=pack(U8, launch.row_sample),
         prompt_ids=pack(U32, launch.prompt_ids),
         kv_slots=pack(U32, launch.kv_slots),
+        row_score=pack(I32, launch.row_score),
+        score_top_n=launch.score_top_n,
     )
 
 
@@ -285,6 +318,8 @@ def launch_from_proto(msg: worker_pb2.Launch) -> Launch:
         row_sample=unpack_flags(msg.row_sample, "row_sample"),
         prompt_ids=unpack(U32, msg.prompt_ids, "prompt_ids"),
         kv_slots=unpack(U32, msg.kv_slots, "kv_slots"),
+        row_score=unpack(I32, msg.row_score, "row_score"),
+        score_top_n=msg.score_top_n,
     )
 
 
@@ -399,6 +434,12 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         msg.top_n = lp.top_n
         msg.top_ids.extend(lp.top_ids)
         msg.top_logprobs.extend(lp.top_logprobs)
+    scores = result.prompt_logprobs
+    if scores is not None:
+        msg.prompt_logprobs.extend(scores.chosen)
+        msg.prompt_top_n = scores.top_n
+        msg.prompt_top_ids.extend(scores.top_ids)
+        msg.prompt_top_logprobs.extend(scores.top_logprobs)
     return msg
 
 
@@ -406,6 +447,14 @@ def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = Non
     logprobs = None
     if msg.logprobs:
         logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
+    scores = None
+    if msg.prompt_logprobs:
+        scores = StepLogprobs(
+            list(msg.prompt_logprobs),
+            msg.prompt_top_n,
+            list(msg.prompt_top_ids),
+            list(msg.prompt_top_logprobs),
+        )
     ids = unpack(U32, msg.token_ids, "token_ids")
     start, end = msg.forward_start_unix_s, msg.forward_end_unix_s
     finished = tuple(msg.grammar_finished)
@@ -421,4 +470,5 @@ def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = Non
         link_rtt_s=link_rtt_s,
         token_counts=tuple(msg.token_counts),
         drafts_found=tuple(msg.drafts_found),
+        prompt_logprobs=scores,
     )

@@ -56,6 +56,7 @@ class ClientView:
     messages: int = 0
     completion_tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[tuple[TokenLogprob, ...]] = field(default_factory=list)  # each message's
 
 
 def make_engine(
@@ -266,6 +267,8 @@ def _add_chunk(view: ClientView, chunk: OutputChunk) -> None:
     view.token_ids += chunk.token_ids
     view.text += chunk.text
     view.logprobs += chunk.logprobs
+    if chunk.prompt_logprobs is not None:
+        view.prompt_logprobs.append(chunk.prompt_logprobs)
     view.completion_tokens.append(chunk.completion_tokens)
     view.finish_reason = chunk.finish_reason
 

@@ -199,9 +199,11 @@ def test_echo_puts_the_prompt_before_each_choice(tiny: Service) -> None:
         model=SERVED_NAME, prompt="Once", max_tokens=4, temperature=0, echo=True, stream=True
     )
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError) as refused:
-        c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=2, echo=True, logprobs=1)
-    assert refused.value.body["param"] == "echo"  # type: ignore[index]
+    scored = c.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=2, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs  # the prompt's tokens too, the first with no log-probability
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(prompt_ids) + 2 and "".join(lp.tokens).startswith("Once")
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny: Service) -> None:

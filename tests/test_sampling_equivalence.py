@@ -16,6 +16,8 @@ from scheduler_svc.contract import FinishReason, SamplingParams
 from scheduler_svc.engine.core import EngineCore
 from tests.harness import ClientView, WorkItem, mixed_workload, serve_workload, with_forced_scenarios
 from tests.test_equivalence import check_drained
+from tests.test_model import reference_logits
+from tests.test_worker_processing import model_of
 from worker_svc.engine import WorkerEngine
 
 pytestmark = pytest.mark.anyio
@@ -52,6 +54,13 @@ def features_workload(count: int, seed: int, *, sampled: bool, kv_slots: int) ->
     rng = random.Random(seed)
     items = mixed_workload(count, seed, sampled=sampled)
     items = [item if rng.random() < 1 / 6 else with_features(rng, item) for item in items]
+    scoring = random.Random(seed + 1)  # its own draws: the other features stay as they were
+    items = [
+        replace(item, params=replace(item.params, prompt_logprobs=scoring.choice((0, 1, 5))))
+        if scoring.random() < 0.2
+        else item
+        for item in items
+    ]
     return with_forced_scenarios(items, kv_slots, sampled=sampled)
 
 
@@ -75,6 +84,24 @@ def check_views(items: list[WorkItem], views: dict[str, ClientView]) -> None:
         if not p.min_tokens:  # else a stop string may sit in the first tokens' text
             assert not any(stop in view.text for stop in p.stop), key
         check_logprobs(key, item, view)
+        check_prompt_logprobs(key, item, view)
+
+
+def check_prompt_logprobs(key: str, item: WorkItem, view: ClientView) -> None:
+    """Once, with the first token, one per prompt token after the first, whatever preemption
+    recomputed; the alternatives as asked, and the prompt's token among them where it is."""
+    asked = item.params.prompt_logprobs
+    if asked is None or not view.token_ids:
+        assert not view.prompt_logprobs, key
+        return
+    assert len(view.prompt_logprobs) == 1, key
+    scores = view.prompt_logprobs[0]
+    assert len(scores) == len(item.prompt_ids) - 1, key
+    for token, lp in zip(item.prompt_ids[1:], scores, strict=True):
+        assert len(lp.top_ids) == len(lp.top_logprobs) == asked, key
+        assert lp.logprob <= 0.0 and math.isfinite(lp.logprob), key
+        if token in lp.top_ids:
+            assert lp.top_logprobs[lp.top_ids.index(token)] == pytest.approx(lp.logprob, abs=1e-6), key
 
 
 def check_logprobs(key: str, item: WorkItem, view: ClientView) -> None:
@@ -91,6 +118,21 @@ def check_logprobs(key: str, item: WorkItem, view: ClientView) -> None:
             assert lp.top_ids[:1] in ((), (token,)), key  # greedy picks the model's most likely
         if token in lp.top_ids:
             assert lp.top_logprobs[lp.top_ids.index(token)] == pytest.approx(lp.logprob, abs=1e-6), key
+
+
+def check_prompt_scores_against_the_model(
+    items: list[WorkItem], views: dict[str, ClientView], engine: WorkerEngine
+) -> None:
+    """Each prompt's scores are the model's: the log-softmax of a dense forward of the prompt."""
+    model = model_of(engine)
+    for key, item in completions(items):
+        if not views[key].prompt_logprobs:
+            continue
+        expected = reference_logits(model, item.prompt_ids).double().log_softmax(-1)
+        targets = torch.tensor(item.prompt_ids[1:], dtype=torch.long)
+        chosen = expected[torch.arange(len(targets)), targets]
+        got = [lp.logprob for lp in views[key].prompt_logprobs[0]]
+        assert got == pytest.approx(chosen.tolist(), abs=LOGPROB_ATOL), key
 
 
 def shapes_logits(p: SamplingParams) -> bool:
@@ -110,6 +152,11 @@ def assert_same_outputs(items: list[WorkItem], a: dict[str, ClientView], b: dict
             assert va.finish_reason == vb.finish_reason, key
             assert len(va.token_ids) == len(vb.token_ids), key
         assert va.token_ids[:n] == vb.token_ids[:n], key
+        for x_scores, y_scores in zip(va.prompt_logprobs, vb.prompt_logprobs, strict=False):
+            assert [x.top_ids for x in x_scores] == [y.top_ids for y in y_scores], key
+            assert [x.logprob for x in x_scores] == pytest.approx(
+                [y.logprob for y in y_scores], abs=LOGPROB_ATOL
+            )
         for x, y in zip(va.logprobs[:n], vb.logprobs[:n], strict=True):
             assert x.top_ids == y.top_ids, key
             assert abs(x.logprob - y.logprob) <= LOGPROB_ATOL, key
@@ -145,6 +192,8 @@ async def test_every_feature_overlap_equals_serial(sampled: bool) -> None:
     assert any(v.finish_reason == FinishReason.ABORT for v in overlap.values())
     assert sum(item.n > 1 for item in items) >= 10
     assert sum(bool(v.logprobs) for v in overlap.values()) >= 40
+    assert sum(bool(v.prompt_logprobs) for v in overlap.values()) >= 20
+    check_prompt_scores_against_the_model(items, overlap, engine)
     plain = [item for item in items if not shapes_logits(item.params) and not item.params.logprobs]
     assert len(plain) >= 30, "requests without features too"
     # Serial drops only the in-flight token of a client abort (one for each completion of it);

@@ -78,6 +78,11 @@ class Draw(Protocol):
         """Of the drawn `ids` [R], when the rows asked for them."""
         ...
 
+    def scores(self, targets: torch.Tensor, top_n: int) -> TokenLogprobs:
+        """The scored prompt positions' (`ForwardBatch.score_token_index`): the log-probability
+        of `targets` [S], each the prompt token after its position, and `top_n` alternatives."""
+        ...
+
 
 class ModelBackend(Protocol):
     name: str
@@ -111,6 +116,10 @@ class LogitsDraw:
     grammar mask, then temperature and top-k/top-p); log-probabilities from the raw ones."""
 
     def __init__(self, logits: torch.Tensor, sampling: RowSampling) -> None:
+        """`logits`: the sampling rows' [R, V], then the scored prompt positions' [S, V]."""
+        rows = sampling.positions.shape[0]
+        self._scored = logits[rows:]
+        logits = logits[:rows]
         self._logits = logits
         self._sampling = sampling
         self._processed = (
@@ -137,6 +146,9 @@ class LogitsDraw:
     def logprobs(self, ids: torch.Tensor) -> TokenLogprobs | None:
         top = self._sampling.top_logprobs
         return None if top is None else token_logprobs(self._logits, ids, top)
+
+    def scores(self, targets: torch.Tensor, top_n: int) -> TokenLogprobs:
+        return token_logprobs(self._scored, targets, top_n)
 
 
 def _sample(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
@@ -253,9 +265,12 @@ class SimBackend:
     def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Draw:
         self._device.run(self._step_s + self._token_s * batch.num_tokens)
         last = batch.input_ids[batch.sample_token_index]
-        return SimDraw(
-            _mix32(last * 65536 + sampling.positions), sampling, self.eos_token_ids[0], self.vocab_size
-        )
+        scored = None
+        if batch.score_token_index is not None:  # what the sim would draw after each position
+            index = batch.score_token_index
+            scored = _mix32(batch.input_ids[index] * 65536 + batch.positions[index] + 1)
+        h = _mix32(last * 65536 + sampling.positions)
+        return SimDraw(h, sampling, self.eos_token_ids[0], self.vocab_size, scored)
 
 
 class SimDraw:
@@ -263,11 +278,22 @@ class SimDraw:
     byte, or EOS when h % SIM_EOS_EVERY is 0. Under a grammar mask a row takes that token when
     the mask allows it, else the allowed id at h modulo the count of allowed ids."""
 
-    def __init__(self, h: torch.Tensor, sampling: RowSampling, eos: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        h: torch.Tensor,
+        sampling: RowSampling,
+        eos: int,
+        vocab_size: int,
+        scored: torch.Tensor | None = None,
+    ) -> None:
+        """`scored`: the hash of each scored prompt position, as `h` is each sampling row's."""
         self._h, self._sampling, self._eos, self._vocab = h, sampling, eos, vocab_size
+        self._scored = h[:0] if scored is None else scored
 
     def sample(self) -> torch.Tensor:
-        h = self._h
+        return self._token(self._h)
+
+    def _token(self, h: torch.Tensor) -> torch.Tensor:
         return torch.where(h % SIM_EOS_EVERY == 0, self._eos, 32 + h % 95)
 
     def sample_masked(self, rows: list[int], index: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -284,6 +310,14 @@ class SimDraw:
     def logprobs(self, ids: torch.Tensor) -> TokenLogprobs | None:
         top = self._sampling.top_logprobs
         return None if top is None else sim_logprobs(ids, top, self._vocab)
+
+    def scores(self, targets: torch.Tensor, top_n: int) -> TokenLogprobs:
+        """The sim's own next token is certain: a target that is it scores 0.0, any other
+        SIM_UNLIKELY_LOGPROB; the alternatives are `sim_logprobs`' of the sim's token."""
+        own = self._token(self._scored)
+        likely = sim_logprobs(own, top_n, self._vocab)
+        chosen = torch.where(targets == own, 0.0, SIM_UNLIKELY_LOGPROB)
+        return TokenLogprobs(chosen, likely.top_ids, likely.top_logprobs)
 
 
 def load_backend(

@@ -108,6 +108,7 @@ class _Enqueued:
     entry_rows: list[int] | None = None  # with a verify row: each sampling entry's sampling row
     computed: Launch | None = None  # the launch as its forward ran it (rows resolved), if not as sent
     found: tuple[bool, ...] | None = None  # resolved rows: each sampling row's lookup found drafts
+    entries: int = 0  # sampling entries in the copy (ahead of the scored prompt positions)
 
 
 @dataclass(frozen=True)
@@ -345,7 +346,10 @@ class WorkerEngine:
             if grammar is not None:
                 grammar.fail(exc)
             raise
-        sampled = unpack_from_host(host, with_states=enqueued.entry_rows is not None)
+        scored = None
+        if launch.row_score and (positions := launch.num_scored):
+            scored = (enqueued.entries, positions, launch.score_top_n)
+        sampled = unpack_from_host(host, enqueued.entry_rows is not None, scored)
         finished: tuple[int, ...] = ()
         if grammar is not None:  # the matchers take the tokens; some may finish with them
             grammar.tokens.set_result(_emitted_only(sampled))
@@ -362,10 +366,12 @@ class WorkerEngine:
                 sampled.logprobs,
                 grammar_finished=finished,
                 drafts_found=enqueued.found or (),
+                prompt_logprobs=sampled.scores,
             )
-        return self._verified_result(
+        verified = self._verified_result(
             launch.step_id, sampled, enqueued.entry_rows, finished, start, end, enqueued.epoch, enqueued.found
         )
+        return dataclasses.replace(verified, prompt_logprobs=sampled.scores)
 
     def _verified_result(
         self,
@@ -446,8 +452,16 @@ class WorkerEngine:
             # NOTE: handed on only once nothing of the step can fail here (the copy thread
             # always answers it), and before the next launch's deltas and masks: launch order.
             self._grammar_thread.advance(ran.grammar)
+        entries = 0 if ran.sampled is None else ran.sampled.token_ids.shape[0]
         return _Enqueued(
-            copy, self._slots.live, self._session.epoch, ran.grammar, ran.entry_rows, ran.computed, ran.found
+            copy,
+            self._slots.live,
+            self._session.epoch,
+            ran.grammar,
+            ran.entry_rows,
+            ran.computed,
+            ran.found,
+            entries,
         )
 
     def _run(self, launch: Launch) -> _Ran:
@@ -515,7 +529,8 @@ class WorkerEngine:
             self.ranks.check_same_ids(ids)
         entry_rows = rows.entry_rows if drafted is not None else None
         computed = None if launch is sent else launch
-        sampled = Sampled(ids, draw.logprobs(ids), entry_state)
+        scores = draw.scores(on_device.score_targets, launch.score_top_n) if rows.score_token_index else None
+        sampled = Sampled(ids, draw.logprobs(ids), entry_state, scores)
         return _Ran(sampled, grammar, entry_rows, computed, resolved.found)
 
     def _draft(self, rows: HostRows, on_device: DeviceRows, lookup: Lookup | None) -> Drafted:

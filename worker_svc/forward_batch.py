@@ -38,6 +38,9 @@ class ForwardBatch:
     sample_token_index: torch.Tensor  # [R] int64: index into T of each sampling row's last token
     req_to_token: torch.Tensor  # [request_slots, max_context_len + 1] int64 KV slot table (+ a spare)
     verify: VerifyRows | None = None  # None: no verify row
+    # [S] int64: index into T of each scored prompt position (Launch.row_scores), whose logits
+    # follow the sampling rows'; None: none scored.
+    score_token_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

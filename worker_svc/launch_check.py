@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from stepahead.protocol import (
     CONSTRAINT_KINDS,
+    IN_ROW,
     MAX_CONSTRAINT_BYTES,
+    NOT_SCORED,
     GrammarConstraint,
     Launch,
     LogitsProcessing,
@@ -68,6 +70,7 @@ def check_launch(launch: Launch, limits: LaunchLimits) -> None:
     _check_range("kv_slots[{}]", launch.kv_slots, limits.kv_slots, "the KV pool")
     _check_range("row_req_slots[{}]", launch.row_req_slots, limits.request_slots, "the request slots")
     _check_slot_deltas(launch, limits.request_slots)
+    _check_scores(launch, limits.vocab_size)
     for i, request in enumerate(launch.new_requests):
         _check_sampling(i, request)
         _check_prefix(i, request, limits)
@@ -101,6 +104,25 @@ def _check_row_arrays(launch: Launch) -> None:
     for name, column in columns.items():
         if len(column) != rows:
             raise LaunchError(f"{name}: {len(column)} entries for {rows} rows in row_req_slots")
+
+
+def _check_scores(launch: Launch, vocab_size: int) -> None:
+    """Prompt log-probabilities: a score per row (or none), of a prompt row, a real target."""
+    _check_count("score_top_n", launch.score_top_n, MAX_TOP_LOGPROBS, "the most alternatives")
+    if not launch.row_score:
+        return
+    if len(launch.row_score) != launch.num_rows:
+        raise LaunchError(
+            f"row_score: {len(launch.row_score)} entries for {launch.num_rows} rows in row_req_slots"
+        )
+    for i, (score, from_future) in enumerate(zip(launch.row_score, launch.row_from_future, strict=True)):
+        if score == NOT_SCORED:
+            continue
+        if not IN_ROW <= score < vocab_size:
+            allowed = f"{NOT_SCORED}, {IN_ROW} or in the vocabulary [0, {vocab_size})"
+            raise LaunchError(f"row_score[{i}]: {score} is not {allowed}")
+        if from_future:
+            raise LaunchError(f"row_score[{i}]: a row_from_future row has no prompt positions to score")
 
 
 def _check_row_tokens(launch: Launch, budget: int, draft_tokens: int) -> None:

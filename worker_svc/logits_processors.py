@@ -40,6 +40,7 @@ draws from the processed logits; greedy is their argmax.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,9 @@ class Sampled:
     logprobs: TokenLogprobs | None = None
     # With a verify row: per sampling entry, EMITTED | PROPOSED (worker_svc/speculative.py).
     entry_state: torch.Tensor | None = None
+    # The launch's scored prompt positions (Launch.row_scores): each one's next prompt token's
+    # log-probability (`chosen`) and the most likely ids; None: none scored.
+    scores: TokenLogprobs | None = None
 
 
 class TokenHistory:
@@ -181,6 +185,11 @@ def pack_for_host(sampled: Sampled) -> torch.Tensor:
     states, these as the first column(s) of [R, 2] int64 or [R, 3 + 2 * top_n] float64 rows,
     the state last."""
     # NOTE: float64 holds every id below 2**53 exactly, and every float32 log-probability.
+    if sampled.scores is not None:  # then flat: the ids' part, then [S, 1 + 2 * top_n] scores
+        scored = dataclasses.replace(sampled, scores=None)
+        s = sampled.scores
+        scores = torch.cat((s.chosen[:, None], s.top_ids, s.top_logprobs), dim=1).double()
+        return torch.cat((pack_for_host(scored).double().flatten(), scores.flatten()))
     lp, state = sampled.logprobs, sampled.entry_state
     if lp is None:
         if state is None:
@@ -199,11 +208,30 @@ class HostSampled:
     tokens: list[int]
     logprobs: StepLogprobs | None
     states: list[int] | None  # per entry, EMITTED | PROPOSED (None: no verify row)
+    scores: StepLogprobs | None = None  # the scored prompt positions' (Sampled.scores)
 
 
-def unpack_from_host(host: torch.Tensor, with_states: bool = False) -> HostSampled:
+def unpack_from_host(
+    host: torch.Tensor, with_states: bool = False, scored: tuple[int, int, int] | None = None
+) -> HostSampled:
     """`pack_for_host`'s tensor, copied to the host, as the step's ids and log-probabilities
-    (`with_states`: its entries' states are the last column)."""
+    (`with_states`: its entries' states are the last column); `scored`: (sampling entries,
+    scored positions, alternatives each) where the launch scored prompt positions."""
+    if scored is not None:
+        entries, positions, top_n = scored
+        split = host.numel() - positions * (1 + 2 * top_n)
+        head, tail = host[:split], host[split:].view(positions, 1 + 2 * top_n)
+        width = split // entries if entries else 1
+        if width == 1 or (width == 2 and with_states):  # ids (and states): integers, as packed
+            head = head.long()
+        sampled = unpack_from_host(head if width == 1 else head.view(entries, width), with_states)
+        scores = StepLogprobs(
+            tail[:, 0].tolist(),
+            top_n,
+            tail[:, 1 : 1 + top_n].long().flatten().tolist(),
+            tail[:, 1 + top_n :].flatten().tolist(),
+        )
+        return dataclasses.replace(sampled, scores=scores)
     states: list[int] | None = None
     if with_states:
         states = host[:, -1].long().tolist()

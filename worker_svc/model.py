@@ -103,7 +103,8 @@ class LlamaModel(nn.Module):
         self.decode_kernel: DecodeLayers | None = None
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Final-normed hidden states of the sampling rows, [R, hidden]."""
+        """Final-normed hidden states of the sampling rows, [R, hidden], then of the scored
+        prompt positions (`ForwardBatch.score_token_index`), [S, hidden]."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary_emb.at(batch.positions, x.dtype)
         plan = AttentionPlan.build(batch, self.query_group, self.sliding_window)
@@ -113,7 +114,10 @@ class LlamaModel(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, (kv.k[i], kv.v[i]), batch.out_kv_slots, plan)
-        normed: torch.Tensor = self.norm(x.index_select(0, batch.sample_token_index))
+        index = batch.sample_token_index
+        if batch.score_token_index is not None:  # prompt positions scored: their logits follow
+            index = torch.cat((index, batch.score_token_index))
+        normed: torch.Tensor = self.norm(x.index_select(0, index))
         return normed
 
 
@@ -143,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """float32 logits [R, vocab] of the sampling rows; writes the batch's K/V into `kv`.
+        """float32 logits [R, vocab] of the sampling rows (then [S, vocab] of the scored prompt
+        positions); writes the batch's K/V into `kv`.
 
         NOTE: enters no grad mode of its own: the worker's forward thread runs in
         inference mode for its whole life, and the weights need no gradient anyway.

@@ -52,6 +52,10 @@ class HostRows:
     plain_sample_index: list[int] = field(default_factory=list)  # the other sampling entries
     entry_rows: list[int] = field(default_factory=list)  # each sampling entry's sampling row
     verify_width: int = 0  # a bound on the verify rows' lengths, for their drafts' lookup
+    # Prompt log-probabilities (Launch.row_scores): each scored position's index into the
+    # tokens, and the prompt token it is scored against (the one that follows it).
+    score_token_index: list[int] = field(default_factory=list)
+    score_targets: list[int] = field(default_factory=list)
 
 
 def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0, resolved: bool = False) -> HostRows:
@@ -60,13 +64,14 @@ def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0, resolved:
     read from the FutureMap are at their true positions, a verify row only with drafts (more
     than one token), else a plain decode row (`WorkerEngine._resolve_rows`)."""
     rows = HostRows([], [], [], [], [], [], [], [], [], [])
-    t = 0
-    for slot, start, n, from_future, sample in zip(
+    t = p = 0  # the row's first token, and its first prompt id
+    for slot, start, n, from_future, sample, (scored, last) in zip(
         launch.row_req_slots,
         launch.row_start_pos,
         launch.row_num_tokens,
         launch.row_from_future,
         launch.row_sample,
+        launch.row_scores(),
         strict=True,
     ):
         rows.row_token_starts.append(t)
@@ -82,6 +87,12 @@ def host_rows(launch: Launch, draft_tokens: int = 0, context: int = 0, resolved:
             rows.future_req_slots.append(slot)
         else:
             rows.prompt_token_index.extend(range(t, t + n))
+            if scored:
+                rows.score_token_index.extend(range(t, t + scored))
+                rows.score_targets.extend(launch.prompt_ids[p + 1 : p + n])
+                if scored == n:
+                    rows.score_targets.append(last)
+            p += n
         if sample:
             if draft_tokens:
                 rows.plain_sample_index.append(len(rows.sample_token_index))
@@ -163,6 +174,8 @@ class DeviceRows:
     verify_sample_index: torch.Tensor
     verify_flat_index: torch.Tensor
     plain_sample_index: torch.Tensor
+    score_token_index: torch.Tensor
+    score_targets: torch.Tensor
 
 
 def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> DeviceRows:
@@ -190,6 +203,8 @@ def device_rows(launch: Launch, rows: HostRows, streams: DeviceStreams) -> Devic
         rows.verify_sample_index,
         rows.verify_flat_index,
         rows.plain_sample_index,
+        rows.score_token_index,
+        rows.score_targets,
     ]
     return DeviceRows(*to_device_columns(columns, streams.device, streams))
 
@@ -228,6 +243,7 @@ class BatchBuilder:
             sample_token_index=on_device.sample_token_index,
             req_to_token=req_to_token,
             verify=verify,
+            score_token_index=on_device.score_token_index if rows.score_token_index else None,
         )
 
     def _input_ids(self, rows: HostRows, on_device: DeviceRows, drafted: Drafted | None) -> torch.Tensor:

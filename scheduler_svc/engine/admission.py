@@ -40,7 +40,7 @@ class AdmissionManager:
     def _waits_for_first_completion(self, req: Request) -> bool:
         """Completion i > 0 of a call is admitted once completion 0's prompt is in the prefix
         cache (its first token processed), so that the n completions share the prompt's KV."""
-        if not self.slots.kv.caching or req.index == 0 or req.attempt or req.params.penalized:
+        if not self.slots.kv.caching or req.index == 0 or req.attempt or req.params.computes_prompt:
             return False
         first = self.table.requests.get((req.rid, 0))
         return first is not None and first.req_slot is not None and not first.prompt_kept

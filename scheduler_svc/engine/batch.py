@@ -8,7 +8,7 @@ import numpy as np
 
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.rows import Column
-from stepahead.protocol import GrammarConstraint, Launch, LogitsProcessing, NewRequest
+from stepahead.protocol import IN_ROW, NOT_SCORED, GrammarConstraint, Launch, LogitsProcessing, NewRequest
 
 
 @dataclass
@@ -23,6 +23,9 @@ class ScheduledBatch:
     sampled_slots: list[int] = field(default_factory=list)
     sampled_tags: list[int] = field(default_factory=list)
     verifying: set[int] = field(default_factory=set)  # sampled rows that are verify rows
+    # Rows scoring prompt positions (`Launch.row_score`), in row order: (request slot, its tag,
+    # positions scored), whose log-probabilities come back in `StepResult.prompt_logprobs`.
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
     epoch: int = 0  # the worker session it is launched in
     launched_at: float = 0.0  # time.monotonic() when it was sent
     _columns: tuple[Column, Column] | None = field(default=None, repr=False)
@@ -57,9 +60,28 @@ class ScheduledBatch:
     def add_prefill(self, req: Request, ids: list[int], kv_slots: list[int], sample: bool) -> None:
         """A chunk of known tokens; the chunk that ends them samples the next token."""
         assert req.req_slot is not None
-        self._add_row(req, req.num_computed, len(ids), from_future=False, sample=sample)
+        start = req.num_computed
+        self._add_row(req, start, len(ids), from_future=False, sample=sample)
         self.launch.prompt_ids.extend(ids)
         self.launch.kv_slots.extend(kv_slots)
+        if req.params.prompt_logprobs is not None and not req.prompt_scores_sent:
+            self._score(req, start, len(ids))
+
+    def _score(self, req: Request, start: int, n: int) -> None:
+        """The prefill row just added scores the prompt positions it holds: each against the
+        prompt token that follows it, up to the prompt's last (which samples the first output)."""
+        launch, prompt = self.launch, req.prompt_ids
+        end = start + n
+        if end > len(prompt) or start >= len(prompt) - 1:  # outputs replayed, or nothing to score
+            return
+        score = prompt[end] if end < len(prompt) else IN_ROW
+        if launch.row_score:  # this row's entry is there (`_add_row`)
+            launch.row_score[-1] = score
+        else:
+            launch.row_score = [NOT_SCORED] * (launch.num_rows - 1) + [score]
+        launch.score_top_n = max(launch.score_top_n, req.params.prompt_logprobs or 0)
+        count = n if end < len(prompt) else n - 1
+        self.scored.append((req.req_slot, req.rows.tag[req.req_slot], count))  # type: ignore[arg-type,union-attr,index]
 
     def register(self, req: Request, eos_token_ids: frozenset[int]) -> None:
         assert req.req_slot is not None
@@ -76,6 +98,8 @@ class ScheduledBatch:
 
     def _add_row(self, req: Request, start: int, n: int, from_future: bool, sample: bool) -> None:
         launch = self.launch
+        if launch.row_score:  # a row after a scored one: not scored unless it says so
+            launch.row_score.append(NOT_SCORED)
         launch.row_req_slots.append(req.req_slot)  # type: ignore[arg-type]
         launch.row_start_pos.append(start)
         launch.row_num_tokens.append(n)
@@ -106,6 +130,8 @@ class ScheduledBatch:
         launch.row_from_future.extend([True] * n)
         launch.row_sample.extend([True] * n)
         launch.kv_slots.extend(kv)
+        if launch.row_score:
+            launch.row_score.extend([NOT_SCORED] * n)
         self.sampled_slots.extend(slots)
         self.sampled_tags.extend(tags)
 

@@ -263,6 +263,7 @@ class EngineCore:
                 result.grammar_finished,
                 result.token_counts,
                 result.drafts_found,
+                result.prompt_logprobs,
             )
             self.outbox.flush()
 

@@ -23,8 +23,9 @@ class Outbox:
         finish: FinishReason | None = None,
         logprob: TokenLogprob | None = None,
         cached: int | None = None,
+        prompt: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
-        self._for(req.owner).add(req.handle, token, finish, logprob, cached)
+        self._for(req.owner).add(req.handle, token, finish, logprob, cached, prompt)
 
     def tokens(
         self, owner: OutputSink | None, handles: list[int], tokens: list[int], finishes: list[int]

@@ -231,10 +231,14 @@ class SchedulingPolicy:
         grammar_finished: tuple[int, ...] = (),
         token_counts: tuple[int, ...] = (),
         drafts_found: tuple[bool, ...] = (),
+        prompt_logprobs: StepLogprobs | None = None,
     ) -> None:
         """Apply the sampled ids of `batch` (and their log-probabilities, when the worker sent
         them; `token_counts`: each sampling row's, when a verify row emitted more than one): new
-        tokens and token-level finishes (a finished grammar's among them) go to the outbox."""
+        tokens and token-level finishes (a finished grammar's among them) go to the outbox;
+        `prompt_logprobs`: of the prompt positions the batch scored (`ScheduledBatch.scored`)."""
+        if batch.scored:
+            self.results.apply_scores(batch, prompt_logprobs)
         self.results.apply(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
 
     # ---- endings -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler_svc.contract import FinishReason, SamplingParams
+from scheduler_svc.contract import FinishReason, SamplingParams, TokenLogprob
 from scheduler_svc.engine.rows import RowField
 
 if TYPE_CHECKING:
@@ -49,6 +49,10 @@ class Request:
     tree_slots: set[int] = field(default_factory=set)  # of kv_slots, those the prefix cache holds
     cache_node: RadixNode | None = None  # where its cached prefix ends (locked while it lives)
     cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    # With params.prompt_logprobs: its prompt's log-probabilities as their steps' results come,
+    # position 1 on, until they go out with its first token (`prompt_scores_sent`).
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_scores_sent: bool = False
     attempt: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.time)

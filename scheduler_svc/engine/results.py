@@ -92,6 +92,28 @@ class ResultProcessor:
             slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
             self._process_row(slot, tag, token_ids[i], logprobs, i, i in finished)
 
+    def apply_scores(self, batch: ScheduledBatch, scores: StepLogprobs | None) -> None:
+        """The prompt positions `batch` scored join their requests' `prompt_scores` (a row whose
+        request has since ended or been preempted is dropped, as its tokens are)."""
+        expected = sum(count for _, _, count in batch.scored)
+        got = 0 if scores is None else len(scores.chosen)
+        if scores is None or got != expected:
+            raise ValueError(f"{got} prompt log-probabilities for {expected} scored prompt positions")
+        rows, at = self.slots.rows, 0
+        for slot, tag, count in batch.scored:
+            if rows.tag[slot] == tag:
+                req = self._request(slot)
+                n = scores.top_n
+                req.prompt_scores.extend(
+                    TokenLogprob(
+                        scores.chosen[i],
+                        tuple(scores.top_ids[i * n : (i + 1) * n]),
+                        tuple(scores.top_logprobs[i * n : (i + 1) * n]),
+                    )
+                    for i in range(at, at + count)
+                )
+            at += count
+
     def _apply_counted(
         self,
         batch: ScheduledBatch,
@@ -267,9 +289,20 @@ class ResultProcessor:
         if grammar_done and finish is None:
             finish = FinishReason.STOP  # no token can follow: the grammar has finished
         first = req.cached_prompt_tokens if len(req.output_ids) == 1 else None
-        self.outbox.token(req, token, finish, logprob, first)
+        self.outbox.token(req, token, finish, logprob, first, self._prompt_scores(req))
         if finish is not None:
             self._end(req, finish)
+
+    @staticmethod
+    def _prompt_scores(req: Request) -> tuple[TokenLogprob, ...] | None:
+        """A request's prompt log-probabilities, with the first token of the attempt that
+        computed them all, cut to the alternatives it asked for; then never again."""
+        asked = req.params.prompt_logprobs
+        if asked is None or req.prompt_scores_sent or len(req.prompt_scores) < len(req.prompt_ids) - 1:
+            return None
+        req.prompt_scores_sent = True
+        scores, req.prompt_scores = req.prompt_scores, []
+        return tuple(TokenLogprob(s.logprob, s.top_ids[:asked], s.top_logprobs[:asked]) for s in scores)
 
     def _request(self, slot: int) -> Request:
         """The request in `slot`'s row (a row whose tag matched its batch's)."""

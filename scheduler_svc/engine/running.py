@@ -191,6 +191,8 @@ class RunningManager:
         req.num_computed = 0
         req.num_inflight = 0
         req.prompt_kept = False
+        if not req.prompt_scores_sent:  # its prompt is scored again as it is recomputed
+            req.prompt_scores = []
         self.table.requeue(req)
 
     def requeue_all(self) -> None:

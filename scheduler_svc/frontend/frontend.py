@@ -287,6 +287,9 @@ class Frontend:
         for entry, cached in zip(outputs.cached_entries, outputs.cached_tokens, strict=True):
             if (client := clients.get(outputs.handles[entry])) is not None:
                 client.cached_tokens = cached
+        for entry, prompt in zip(outputs.prompt_entries, outputs.prompt_logprobs, strict=True):
+            if (client := clients.get(outputs.handles[entry])) is not None:
+                client.stream.put_prompt_logprobs(prompt)
         logprobs = outputs.entry_logprobs() if outputs.logprobs else None
         ttft, itl, due = self.telemetry.ttft, self.telemetry.itl, self._due
         # The rows whose last token came in one message share its time: their gaps are observed

@@ -150,6 +150,9 @@ def _fill(
         response.cached_tokens = cached
     if chunk.logprobs:
         response.logprobs.extend(_logprobs_to_proto(chunk))
+    if chunk.prompt_logprobs is not None:
+        pairs = zip(completions.prompt_ids[1:], chunk.prompt_logprobs, strict=True)
+        response.prompt_logprobs.extend(_logprob_to_proto(token, lp) for token, lp in pairs)
     for d in chunk.tool_calls:
         response.tool_calls.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
 

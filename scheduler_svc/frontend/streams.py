@@ -24,6 +24,9 @@ class OutputChunk:
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
     tool_calls: list[CallDelta] = field(default_factory=list)  # the calls' pieces, in order
+    # With sampling.prompt_logprobs, in the chunk of the first token: one per prompt token
+    # after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class OutputStream:
@@ -39,6 +42,7 @@ class OutputStream:
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
         self._calls: list[CallDelta] = []
+        self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
         self._finish: FinishReason | None = None
         self._decoded = 0  # of _ids, those with their text made: the rest get it at the next take
         self._decode: Callable[[list[int]], str] | None = None
@@ -101,6 +105,10 @@ class OutputStream:
     def put_calls(self, deltas: list[CallDelta]) -> None:
         self._calls += deltas
 
+    def put_prompt_logprobs(self, prompt: tuple[TokenLogprob, ...]) -> None:
+        """The prompt's log-probabilities: they go with the next message (the first token's)."""
+        self._prompt_logprobs = prompt
+
     def close(self, reason: FinishReason) -> None:
         self._finish = reason
         self.ready.set()
@@ -115,8 +123,11 @@ class OutputStream:
         self.ready.clear()
         self._sent += len(self._ids)
         text = "".join(self._text)
-        chunk = OutputChunk(self._ids, text, self._finish, self._sent, self._logprobs, self._calls)
+        chunk = OutputChunk(
+            self._ids, text, self._finish, self._sent, self._logprobs, self._calls, self._prompt_logprobs
+        )
         self._ids, self._text, self._logprobs, self._calls = [], [], [], []
+        self._prompt_logprobs = None
         self._decoded = 0
         self.done = self._finish is not None
         return chunk

@@ -335,7 +335,16 @@ def _sampling_params(
         constraint=None if requested is None else _bounded_constraint(requested, p),
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         min_p=min_p,
+        prompt_logprobs=_prompt_logprobs(p),
     )
+
+
+def _prompt_logprobs(p: generation_pb2.SamplingParams) -> int | None:
+    if not p.HasField("prompt_logprobs"):
+        return None
+    if p.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.prompt_logprobs: at most {MAX_TOP_LOGPROBS}, got {p.prompt_logprobs}")
+    return p.prompt_logprobs
 
 
 def _top_logprobs(p: generation_pb2.SamplingParams) -> int:

@@ -26,7 +26,7 @@ from stepahead.v1 import generation_pb2 as stepahead_dot_v1_dot_generation__pb2
 from stepahead.v1 import worker_pb2 as stepahead_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stepahead/v1/core.proto\x12\x0cstepahead.v1\x1a\x1dstepahead/v1/generation.proto\x1a\x19stepahead/v1/worker.proto\"\xbb\x02\n\x0f\x46rontendMessage\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.stepahead.v1.FrontendHelloH\x00\x12.\n\x08requests\x18\x02 \x01(\x0b\x32\x1a.stepahead.v1.RequestBatchH\x00\x12,\n\x07metrics\x18\x03 \x01(\x0b\x32\x19.stepahead.v1.MetricsTextH\x00\x12)\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x18.stepahead.v1.AbortQueryH\x00\x12\x34\n\x0bserver_info\x18\x05 \x01(\x0b\x32\x1d.stepahead.v1.ServerInfoQueryH\x00\x12\x33\n\nexposition\x18\x06 \x01(\x0b\x32\x1d.stepahead.v1.ExpositionQueryH\x00\x42\x06\n\x04kind\"\xc0\x02\n\x0b\x43oreMessage\x12+\n\x06worker\x18\x01 \x01(\x0b\x32\x19.stepahead.v1.WorkerStateH\x00\x12,\n\x07outputs\x18\x02 \x01(\x0b\x32\x19.stepahead.v1.StepOutputsH\x00\x12\x33\n\rmetrics_query\x18\x03 \x01(\x0b\x32\x1a.stepahead.v1.MetricsQueryH\x00\x12,\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x19.stepahead.v1.AbortAnswerH\x00\x12\x35\n\x0bserver_info\x18\x05 \x01(\x0b\x32\x1e.stepahead.v1.ServerInfoAnswerH\x00\x12\x34\n\nexposition\x18\x06 \x01(\x0b\x32\x1e.stepahead.v1.ExpositionAnswerH\x00\x42\x06\n\x04kind\"9\n\rFrontendHello\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04port\x18\x03 \x01(\r\"Y\n\x0bWorkerState\x12\x11\n\tconnected\x18\x01 \x01(\x08\x12+\n\x07welcome\x18\x02 \x01(\x0b\x32\x15.stepahead.v1.WelcomeH\x00\x88\x01\x01\x42\n\n\x08_welcome\"\x98\x03\n\x0c\x43oreSampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x10\n\x08\x62ias_ids\x18\x0e \x03(\r\x12\x13\n\x0b\x62ias_values\x18\x0f \x03(\x02\x12\x31\n\nconstraint\x18\x10 \x01(\x0b\x32\x18.stepahead.v1.ConstraintH\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x11 \x01(\x02\x42\r\n\x0b_constraint\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x9d\x01\n\x0eNewCoreRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.stepahead.v1.CoreSampling\x12\x16\n\x0e\x61rrival_unix_s\x18\x05 \x01(\x01\x12\r\n\x05index\x18\x06 \x01(\r\"H\n\x0cRequestBatch\x12)\n\x03\x61\x64\x64\x18\x01 \x03(\x0b\x32\x1c.stepahead.v1.NewCoreRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\x04\"\x90\x02\n\x0bStepOutputs\x12\x0f\n\x07handles\x18\x0c \x01(\x0c\x12\x11\n\ttoken_ids\x18\r \x01(\x0c\x12\x16\n\x0e\x66inish_reasons\x18\x0e \x01(\x0c\x12*\n\x06\x65rrors\x18\x04 \x03(\x0b\x32\x1a.stepahead.v1.RequestError\x12\x17\n\x0flogprob_entries\x18\x05 \x03(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x12\n\ntop_counts\x18\x07 \x03(\r\x12\x0f\n\x07top_ids\x18\x08 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x16\n\x0e\x63\x61\x63hed_entries\x18\n \x03(\r\x12\x15\n\rcached_tokens\x18\x0b \x03(\rJ\x04\x08\x01\x10\x04\"=\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x1a\n\x0cMetricsQuery\x12\n\n\x02id\x18\x01 \x01(\x04\"\'\n\x0bMetricsText\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\x0c\",\n\nAbortQuery\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"*\n\x0b\x41\x62ortAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\"\x1d\n\x0fServerInfoQuery\x12\n\n\x02id\x18\x01 \x01(\x04\"Q\n\x10ServerInfoAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x04info\x18\x02 \x01(\x0b\x32#.stepahead.v1.GetServerInfoResponse\"\x1d\n\x0f\x45xpositionQuery\x12\n\n\x02id\x18\x01 \x01(\x04\",\n\x10\x45xpositionAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stepahead/v1/core.proto\x12\x0cstepahead.v1\x1a\x1dstepahead/v1/generation.proto\x1a\x19stepahead/v1/worker.proto\"\xbb\x02\n\x0f\x46rontendMessage\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.stepahead.v1.FrontendHelloH\x00\x12.\n\x08requests\x18\x02 \x01(\x0b\x32\x1a.stepahead.v1.RequestBatchH\x00\x12,\n\x07metrics\x18\x03 \x01(\x0b\x32\x19.stepahead.v1.MetricsTextH\x00\x12)\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x18.stepahead.v1.AbortQueryH\x00\x12\x34\n\x0bserver_info\x18\x05 \x01(\x0b\x32\x1d.stepahead.v1.ServerInfoQueryH\x00\x12\x33\n\nexposition\x18\x06 \x01(\x0b\x32\x1d.stepahead.v1.ExpositionQueryH\x00\x42\x06\n\x04kind\"\xc0\x02\n\x0b\x43oreMessage\x12+\n\x06worker\x18\x01 \x01(\x0b\x32\x19.stepahead.v1.WorkerStateH\x00\x12,\n\x07outputs\x18\x02 \x01(\x0b\x32\x19.stepahead.v1.StepOutputsH\x00\x12\x33\n\rmetrics_query\x18\x03 \x01(\x0b\x32\x1a.stepahead.v1.MetricsQueryH\x00\x12,\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x19.stepahead.v1.AbortAnswerH\x00\x12\x35\n\x0bserver_info\x18\x05 \x01(\x0b\x32\x1e.stepahead.v1.ServerInfoAnswerH\x00\x12\x34\n\nexposition\x18\x06 \x01(\x0b\x32\x1e.stepahead.v1.ExpositionAnswerH\x00\x42\x06\n\x04kind\"9\n\rFrontendHello\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04port\x18\x03 \x01(\r\"Y\n\x0bWorkerState\x12\x11\n\tconnected\x18\x01 \x01(\x08\x12+\n\x07welcome\x18\x02 \x01(\x0b\x32\x15.stepahead.v1.WelcomeH\x00\x88\x01\x01\x42\n\n\x08_welcome\"\xca\x03\n\x0c\x43oreSampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x10\n\x08\x62ias_ids\x18\x0e \x03(\r\x12\x13\n\x0b\x62ias_values\x18\x0f \x03(\x02\x12\x31\n\nconstraint\x18\x10 \x01(\x0b\x32\x18.stepahead.v1.ConstraintH\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_constraintB\x12\n\x10_prompt_logprobs\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x9d\x01\n\x0eNewCoreRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.stepahead.v1.CoreSampling\x12\x16\n\x0e\x61rrival_unix_s\x18\x05 \x01(\x01\x12\r\n\x05index\x18\x06 \x01(\r\"H\n\x0cRequestBatch\x12)\n\x03\x61\x64\x64\x18\x01 \x03(\x0b\x32\x1c.stepahead.v1.NewCoreRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\x04\"\xc7\x02\n\x0bStepOutputs\x12\x0f\n\x07handles\x18\x0c \x01(\x0c\x12\x11\n\ttoken_ids\x18\r \x01(\x0c\x12\x16\n\x0e\x66inish_reasons\x18\x0e \x01(\x0c\x12*\n\x06\x65rrors\x18\x04 \x03(\x0b\x32\x1a.stepahead.v1.RequestError\x12\x17\n\x0flogprob_entries\x18\x05 \x03(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x12\n\ntop_counts\x18\x07 \x03(\r\x12\x0f\n\x07top_ids\x18\x08 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x16\n\x0e\x63\x61\x63hed_entries\x18\n \x03(\r\x12\x15\n\rcached_tokens\x18\x0b \x03(\r\x12\x35\n\x0fprompt_logprobs\x18\x0f \x03(\x0b\x32\x1c.stepahead.v1.PromptLogprobsJ\x04\x08\x01\x10\x04\"g\n\x0ePromptLogprobs\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"=\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x1a\n\x0cMetricsQuery\x12\n\n\x02id\x18\x01 \x01(\x04\"\'\n\x0bMetricsText\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\x0c\",\n\nAbortQuery\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"*\n\x0b\x41\x62ortAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\"\x1d\n\x0fServerInfoQuery\x12\n\n\x02id\x18\x01 \x01(\x04\"Q\n\x10ServerInfoAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x04info\x18\x02 \x01(\x0b\x32#.stepahead.v1.GetServerInfoResponse\"\x1d\n\x0f\x45xpositionQuery\x12\n\n\x02id\x18\x01 \x01(\x04\",\n\x10\x45xpositionAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATE']._serialized_start=799
   _globals['_WORKERSTATE']._serialized_end=888
   _globals['_CORESAMPLING']._serialized_start=891
-  _globals['_CORESAMPLING']._serialized_end=1299
-  _globals['_CONSTRAINT']._serialized_start=1301
-  _globals['_CONSTRAINT']._serialized_end=1341
-  _globals['_NEWCOREREQUEST']._serialized_start=1344
-  _globals['_NEWCOREREQUEST']._serialized_end=1501
-  _globals['_REQUESTBATCH']._serialized_start=1503
-  _globals['_REQUESTBATCH']._serialized_end=1575
-  _globals['_STEPOUTPUTS']._serialized_start=1578
-  _globals['_STEPOUTPUTS']._serialized_end=1850
-  _globals['_REQUESTERROR']._serialized_start=1852
-  _globals['_REQUESTERROR']._serialized_end=1913
-  _globals['_METRICSQUERY']._serialized_start=1915
-  _globals['_METRICSQUERY']._serialized_end=1941
-  _globals['_METRICSTEXT']._serialized_start=1943
-  _globals['_METRICSTEXT']._serialized_end=1982
-  _globals['_ABORTQUERY']._serialized_start=1984
-  _globals['_ABORTQUERY']._serialized_end=2028
-  _globals['_ABORTANSWER']._serialized_start=2030
-  _globals['_ABORTANSWER']._serialized_end=2072
-  _globals['_SERVERINFOQUERY']._serialized_start=2074
-  _globals['_SERVERINFOQUERY']._serialized_end=2103
-  _globals['_SERVERINFOANSWER']._serialized_start=2105
-  _globals['_SERVERINFOANSWER']._serialized_end=2186
-  _globals['_EXPOSITIONQUERY']._serialized_start=2188
-  _globals['_EXPOSITIONQUERY']._serialized_end=2217
-  _globals['_EXPOSITIONANSWER']._serialized_start=2219
-  _globals['_EXPOSITIONANSWER']._serialized_end=2263
+  _globals['_CORESAMPLING']._serialized_end=1349
+  _globals['_CONSTRAINT']._serialized_start=1351
+  _globals['_CONSTRAINT']._serialized_end=1391
+  _globals['_NEWCOREREQUEST']._serialized_start=1394
+  _globals['_NEWCOREREQUEST']._serialized_end=1551
+  _globals['_REQUESTBATCH']._serialized_start=1553
+  _globals['_REQUESTBATCH']._serialized_end=1625
+  _globals['_STEPOUTPUTS']._serialized_start=1628
+  _globals['_STEPOUTPUTS']._serialized_end=1955
+  _globals['_PROMPTLOGPROBS']._serialized_start=1957
+  _globals['_PROMPTLOGPROBS']._serialized_end=2060
+  _globals['_REQUESTERROR']._serialized_start=2062
+  _globals['_REQUESTERROR']._serialized_end=2123
+  _globals['_METRICSQUERY']._serialized_start=2125
+  _globals['_METRICSQUERY']._serialized_end=2151
+  _globals['_METRICSTEXT']._serialized_start=2153
+  _globals['_METRICSTEXT']._serialized_end=2192
+  _globals['_ABORTQUERY']._serialized_start=2194
+  _globals['_ABORTQUERY']._serialized_end=2238
+  _globals['_ABORTANSWER']._serialized_start=2240
+  _globals['_ABORTANSWER']._serialized_end=2282
+  _globals['_SERVERINFOQUERY']._serialized_start=2284
+  _globals['_SERVERINFOQUERY']._serialized_end=2313
+  _globals['_SERVERINFOANSWER']._serialized_start=2315
+  _globals['_SERVERINFOANSWER']._serialized_end=2396
+  _globals['_EXPOSITIONQUERY']._serialized_start=2398
+  _globals['_EXPOSITIONQUERY']._serialized_end=2427
+  _globals['_EXPOSITIONANSWER']._serialized_start=2429
+  _globals['_EXPOSITIONANSWER']._serialized_end=2473
 # @@protoc_insertion_point(module_scope)

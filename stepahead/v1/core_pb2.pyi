@@ -190,6 +190,7 @@ class CoreSampling(_message.Message):
     BIAS_VALUES_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     temperature: _builtins.float
     top_p: _builtins.float
@@ -203,6 +204,8 @@ class CoreSampling(_message.Message):
     frequency_penalty: _builtins.float
     min_tokens: _builtins.int
     min_p: _builtins.float
+    prompt_logprobs: _builtins.int
+    """Each prompt token's log-probability (after the first) with this many alternatives; absent: none."""
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -233,14 +236,20 @@ class CoreSampling(_message.Message):
         bias_values: _abc.Iterable[_builtins.float] | None = ...,
         constraint: Global___Constraint | None = ...,
         min_p: _builtins.float = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "constraint", b"constraint"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "_prompt_logprobs", b"_prompt_logprobs", "constraint", b"constraint", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "bias_ids", b"bias_ids", "bias_values", b"bias_values", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constraint", b"_constraint", "_prompt_logprobs", b"_prompt_logprobs", "bias_ids", b"bias_ids", "bias_values", b"bias_values", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constraint: _TypeAlias = _typing.Literal["constraint"]  # noqa: Y015
     _WhichOneofArgType__constraint: _TypeAlias = _typing.Literal["_constraint", b"_constraint"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__constraint) -> _WhichOneofReturnType__constraint | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___CoreSampling: _TypeAlias = CoreSampling  # noqa: Y015
 
@@ -354,6 +363,7 @@ class StepOutputs(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     CACHED_ENTRIES_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     handles: _builtins.bytes
     """u64, an entry each"""
     token_ids: _builtins.bytes
@@ -384,6 +394,10 @@ class StepOutputs(_message.Message):
 
     @_builtins.property
     def cached_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptLogprobs]:
+        """Entries carrying the first token of a request that asked for its prompt's log-probabilities."""
+
     def __init__(
         self,
         *,
@@ -398,14 +412,54 @@ class StepOutputs(_message.Message):
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         cached_entries: _abc.Iterable[_builtins.int] | None = ...,
         cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___PromptLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_entries", b"cached_entries", "cached_tokens", b"cached_tokens", "errors", b"errors", "finish_reasons", b"finish_reasons", "handles", b"handles", "logprob_entries", b"logprob_entries", "logprobs", b"logprobs", "token_ids", b"token_ids", "top_counts", b"top_counts", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_entries", b"cached_entries", "cached_tokens", b"cached_tokens", "errors", b"errors", "finish_reasons", b"finish_reasons", "handles", b"handles", "logprob_entries", b"logprob_entries", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "token_ids", b"token_ids", "top_counts", b"top_counts", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepOutputs: _TypeAlias = StepOutputs  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """A prompt's log-probabilities: for each of its tokens after the first, in order, the token's
+    log-probability given those before it, and top_n alternatives (row-major, most likely first).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_N_FIELD_NUMBER: _builtins.int
+    TOP_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    entry: _builtins.int
+    """index into StepOutputs.handles"""
+    top_n: _builtins.int
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def top_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        entry: _builtins.int = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_n: _builtins.int = ...,
+        top_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "logprobs", b"logprobs", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class RequestError(_message.Message):

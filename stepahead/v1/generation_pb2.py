@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstepahead/v1/generation.proto\x12\x0cstepahead.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.stepahead.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"]\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xe0\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.stepahead.v1.ChatMessage\x12!\n\x05tools\x18\x02 \x03(\x0b\x32\x12.stepahead.v1.Tool\x12-\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x18.stepahead.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0ftemplate_kwargs\x18\x05 \x01(\tB\x16\n\x14_parallel_tool_calls\"\xd3\x05\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.stepahead.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x10 \x01(\rH\x04\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x12 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x13 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x14 \x01(\x0b\x32\x15.stepahead.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x15 \x01(\tH\x00\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x17 \x01(\x02H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x08\n\x06_min_p\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\tinput_ids\x18\x03 \x01(\x0b\x32\x16.stepahead.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x05 \x01(\x0b\x32\x1a.stepahead.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParamsB\x07\n\x05input\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.stepahead.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.stepahead.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.stepahead.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12/\n\ntool_calls\x18\n \x03(\x0b\x32\x1b.stepahead.v1.ToolCallDelta\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"}\n\x13GenerateManyRequest\x12\x31\n\x08generate\x18\x01 \x01(\x0b\x32\x1d.stepahead.v1.GenerateRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.stepahead.v1.AbortRequestH\x00\x42\x06\n\x04kind\"r\n\x14GenerateManyResponse\x12\x31\n\tresponses\x18\x01 \x03(\x0b\x32\x1e.stepahead.v1.GenerateResponse\x12\'\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x17.stepahead.v1.ManyError\">\n\tManyError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xc8\x03\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x10\n\x08kv_slots\x18\x07 \x01(\r\x12\x15\n\rrequest_slots\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\ttokenizer\x18\n \x01(\t\x12\x15\n\rkv_slots_free\x18\x0b \x01(\r\x12\x1a\n\x12request_slots_free\x18\x0c \x01(\r\x12\x18\n\x10requests_running\x18\r \x01(\r\x12\x18\n\x10requests_waiting\x18\x0e \x01(\r\x12\x18\n\x10worker_connected\x18\x0f \x01(\x08\x12\x15\n\rchat_template\x18\x10 \x01(\x08\x12\x1a\n\x12prefix_cache_slots\x18\x11 \x01(\r\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x12 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x13 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xd0\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.stepahead.v1.GenerateRequest\x1a\x1e.stepahead.v1.GenerateResponse0\x01\x12Y\n\x0cGenerateMany\x12!.stepahead.v1.GenerateManyRequest\x1a\".stepahead.v1.GenerateManyResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.stepahead.v1.AbortRequest\x1a\x1b.stepahead.v1.AbortResponse\x12X\n\rGetServerInfo\x12\".stepahead.v1.GetServerInfoRequest\x1a#.stepahead.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstepahead/v1/generation.proto\x12\x0cstepahead.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.stepahead.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"]\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xe0\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.stepahead.v1.ChatMessage\x12!\n\x05tools\x18\x02 \x03(\x0b\x32\x12.stepahead.v1.Tool\x12-\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x18.stepahead.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0ftemplate_kwargs\x18\x05 \x01(\tB\x16\n\x14_parallel_tool_calls\"\x85\x06\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.stepahead.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x10 \x01(\rH\x04\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x12 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x13 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x14 \x01(\x0b\x32\x15.stepahead.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x15 \x01(\tH\x00\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x17 \x01(\x02H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x08\n\x06_min_pB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\tinput_ids\x18\x03 \x01(\x0b\x32\x16.stepahead.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x05 \x01(\x0b\x32\x1a.stepahead.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParamsB\x07\n\x05input\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.stepahead.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xe6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.stepahead.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.stepahead.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12/\n\ntool_calls\x18\n \x03(\x0b\x32\x1b.stepahead.v1.ToolCallDelta\x12\x33\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1a.stepahead.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"}\n\x13GenerateManyRequest\x12\x31\n\x08generate\x18\x01 \x01(\x0b\x32\x1d.stepahead.v1.GenerateRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.stepahead.v1.AbortRequestH\x00\x42\x06\n\x04kind\"r\n\x14GenerateManyResponse\x12\x31\n\tresponses\x18\x01 \x03(\x0b\x32\x1e.stepahead.v1.GenerateResponse\x12\'\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x17.stepahead.v1.ManyError\">\n\tManyError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xc8\x03\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x10\n\x08kv_slots\x18\x07 \x01(\r\x12\x15\n\rrequest_slots\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\ttokenizer\x18\n \x01(\t\x12\x15\n\rkv_slots_free\x18\x0b \x01(\r\x12\x1a\n\x12request_slots_free\x18\x0c \x01(\r\x12\x18\n\x10requests_running\x18\r \x01(\r\x12\x18\n\x10requests_waiting\x18\x0e \x01(\r\x12\x18\n\x10worker_connected\x18\x0f \x01(\x08\x12\x15\n\rchat_template\x18\x10 \x01(\x08\x12\x1a\n\x12prefix_cache_slots\x18\x11 \x01(\r\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x12 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x13 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xd0\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.stepahead.v1.GenerateRequest\x1a\x1e.stepahead.v1.GenerateResponse0\x01\x12Y\n\x0cGenerateMany\x12!.stepahead.v1.GenerateManyRequest\x1a\".stepahead.v1.GenerateManyResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.stepahead.v1.AbortRequest\x1a\x1b.stepahead.v1.AbortResponse\x12X\n\rGetServerInfo\x12\".stepahead.v1.GetServerInfoRequest\x1a#.stepahead.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2977
-  _globals['_FINISHREASON']._serialized_end=3127
+  _globals['_FINISHREASON']._serialized_start=3080
+  _globals['_FINISHREASON']._serialized_end=3230
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_CHATMESSAGE']._serialized_start=72
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=397
   _globals['_CHATMESSAGES']._serialized_end=621
   _globals['_SAMPLINGPARAMS']._serialized_start=624
-  _globals['_SAMPLINGPARAMS']._serialized_end=1347
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1203
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1251
-  _globals['_CHOICES']._serialized_start=1349
-  _globals['_CHOICES']._serialized_end=1375
-  _globals['_GENERATEREQUEST']._serialized_start=1378
-  _globals['_GENERATEREQUEST']._serialized_end=1581
-  _globals['_TOKENLOGPROB']._serialized_start=1583
-  _globals['_TOKENLOGPROB']._serialized_end=1680
-  _globals['_TOPLOGPROB']._serialized_start=1682
-  _globals['_TOPLOGPROB']._serialized_end=1729
-  _globals['_TOOLCALLDELTA']._serialized_start=1731
-  _globals['_TOOLCALLDELTA']._serialized_end=1806
-  _globals['_GENERATERESPONSE']._serialized_start=1809
-  _globals['_GENERATERESPONSE']._serialized_end=2114
-  _globals['_ABORTREQUEST']._serialized_start=2116
-  _globals['_ABORTREQUEST']._serialized_end=2150
-  _globals['_GENERATEMANYREQUEST']._serialized_start=2152
-  _globals['_GENERATEMANYREQUEST']._serialized_end=2277
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=2279
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=2393
-  _globals['_MANYERROR']._serialized_start=2395
-  _globals['_MANYERROR']._serialized_end=2457
-  _globals['_ABORTRESPONSE']._serialized_start=2459
-  _globals['_ABORTRESPONSE']._serialized_end=2491
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2493
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2515
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2518
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2974
-  _globals['_GENERATION']._serialized_start=3130
-  _globals['_GENERATION']._serialized_end=3466
+  _globals['_SAMPLINGPARAMS']._serialized_end=1397
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1233
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1281
+  _globals['_CHOICES']._serialized_start=1399
+  _globals['_CHOICES']._serialized_end=1425
+  _globals['_GENERATEREQUEST']._serialized_start=1428
+  _globals['_GENERATEREQUEST']._serialized_end=1631
+  _globals['_TOKENLOGPROB']._serialized_start=1633
+  _globals['_TOKENLOGPROB']._serialized_end=1730
+  _globals['_TOPLOGPROB']._serialized_start=1732
+  _globals['_TOPLOGPROB']._serialized_end=1779
+  _globals['_TOOLCALLDELTA']._serialized_start=1781
+  _globals['_TOOLCALLDELTA']._serialized_end=1856
+  _globals['_GENERATERESPONSE']._serialized_start=1859
+  _globals['_GENERATERESPONSE']._serialized_end=2217
+  _globals['_ABORTREQUEST']._serialized_start=2219
+  _globals['_ABORTREQUEST']._serialized_end=2253
+  _globals['_GENERATEMANYREQUEST']._serialized_start=2255
+  _globals['_GENERATEMANYREQUEST']._serialized_end=2380
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=2382
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=2496
+  _globals['_MANYERROR']._serialized_start=2498
+  _globals['_MANYERROR']._serialized_end=2560
+  _globals['_ABORTRESPONSE']._serialized_start=2562
+  _globals['_ABORTRESPONSE']._serialized_end=2594
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2596
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2618
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2621
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=3077
+  _globals['_GENERATION']._serialized_start=3233
+  _globals['_GENERATION']._serialized_end=3569
 # @@protoc_insertion_point(module_scope)

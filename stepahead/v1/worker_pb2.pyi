@@ -507,6 +507,8 @@ class Launch(_message.Message):
     ROW_SAMPLE_FIELD_NUMBER: _builtins.int
     PROMPT_IDS_FIELD_NUMBER: _builtins.int
     KV_SLOTS_FIELD_NUMBER: _builtins.int
+    ROW_SCORE_FIELD_NUMBER: _builtins.int
+    SCORE_TOP_N_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     row_req_slots: _builtins.bytes
     """u32, a row each"""
@@ -522,6 +524,13 @@ class Launch(_message.Message):
     """u32, one per token of the rows not from the FutureMap"""
     kv_slots: _builtins.bytes
     """u32, a token each"""
+    row_score: _builtins.bytes
+    """Prompt log-probabilities: empty, or i32 a row: -2 not scored; -1 each position but the
+    row's last scored against the row's next token; else the token id the last position is
+    scored against too (the next chunk's first). StepResult.prompt_logprobs has them in order.
+    """
+    score_top_n: _builtins.int
+    """alternatives per scored position"""
     @_builtins.property
     def released_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -539,10 +548,12 @@ class Launch(_message.Message):
         row_sample: _builtins.bytes = ...,
         prompt_ids: _builtins.bytes = ...,
         kv_slots: _builtins.bytes = ...,
+        row_score: _builtins.bytes = ...,
+        score_top_n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_slots", b"kv_slots", "new_requests", b"new_requests", "prompt_ids", b"prompt_ids", "released_slots", b"released_slots", "row_from_future", b"row_from_future", "row_num_tokens", b"row_num_tokens", "row_req_slots", b"row_req_slots", "row_sample", b"row_sample", "row_start_pos", b"row_start_pos", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_slots", b"kv_slots", "new_requests", b"new_requests", "prompt_ids", b"prompt_ids", "released_slots", b"released_slots", "row_from_future", b"row_from_future", "row_num_tokens", b"row_num_tokens", "row_req_slots", b"row_req_slots", "row_sample", b"row_sample", "row_score", b"row_score", "row_start_pos", b"row_start_pos", "score_top_n", b"score_top_n", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -565,6 +576,10 @@ class StepResult(_message.Message):
     GRAMMAR_FINISHED_FIELD_NUMBER: _builtins.int
     TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     DRAFTS_FOUND_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOP_N_FIELD_NUMBER: _builtins.int
+    PROMPT_TOP_IDS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     token_ids: _builtins.bytes
     """One token per sampling row, in row order: u32 elements (see Launch)."""
@@ -579,6 +594,7 @@ class StepResult(_message.Message):
     scheduler takes it from the time it waited to get the link's round trip, free of any
     clock offset (scheduler_svc/depth.py).
     """
+    prompt_top_n: _builtins.int
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """When a sampling row asked for log-probabilities: for every sampling row, in row order,
@@ -609,6 +625,16 @@ class StepResult(_message.Message):
         this step, whether the row carried them or not.
         """
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The launch's scored prompt positions (Launch.row_score), in row order: the log-probability
+        of the prompt token that follows each, and the prompt_top_n most likely ids with theirs.
+        """
+
+    @_builtins.property
+    def prompt_top_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def prompt_top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -625,10 +651,14 @@ class StepResult(_message.Message):
         grammar_finished: _abc.Iterable[_builtins.int] | None = ...,
         token_counts: _abc.Iterable[_builtins.int] | None = ...,
         drafts_found: _abc.Iterable[_builtins.bool] | None = ...,
+        prompt_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        prompt_top_n: _builtins.int = ...,
+        prompt_top_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafts_found", b"drafts_found", "epoch", b"epoch", "forward_end_unix_s", b"forward_end_unix_s", "forward_start_unix_s", b"forward_start_unix_s", "grammar_finished", b"grammar_finished", "held_s", b"held_s", "logprobs", b"logprobs", "step_id", b"step_id", "token_counts", b"token_counts", "token_ids", b"token_ids", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafts_found", b"drafts_found", "epoch", b"epoch", "forward_end_unix_s", b"forward_end_unix_s", "forward_start_unix_s", b"forward_start_unix_s", "grammar_finished", b"grammar_finished", "held_s", b"held_s", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_top_ids", b"prompt_top_ids", "prompt_top_logprobs", b"prompt_top_logprobs", "prompt_top_n", b"prompt_top_n", "step_id", b"step_id", "token_counts", b"token_counts", "token_ids", b"token_ids", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs", "top_n", b"top_n"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

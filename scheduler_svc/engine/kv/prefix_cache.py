@@ -41,9 +41,10 @@ class PrefixCache:
         (the step that computes it samples the next). None: nothing to reuse.
 
         NOTE: a penalized request computes its whole prompt, so that the worker's token history
-        (which it fills from prefill rows) holds every prompt token.
+        (which it fills from prefill rows) holds every prompt token; one that asks for its
+        prompt's log-probabilities does, so that each is scored (`SamplingParams.computes_prompt`).
         """
-        if not self.enabled or req.params.penalized:
+        if not self.enabled or req.params.computes_prompt:
             return None
         match = self.tree.match(req.known_ids(0, req.num_known - 1))
         return match if match.length else None

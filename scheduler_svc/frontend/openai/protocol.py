@@ -413,10 +413,6 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise FieldError(
-                "echo", "with logprobs is not served: the prompt's log-probabilities are not computed"
-            )
         if self.best_of not in (None, self.n or 1):
             raise FieldError("best_of", f"only n ({self.n or 1}) is supported, got {self.best_of}")
         if self.suffix:
@@ -424,6 +420,18 @@ class CompletionRequest(SamplingFields):
 
     def logprob_params(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt alone comes back (scored, with logprobs), as OpenAI's
+        legacy completions did; one token is generated and left out."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: the prompt's tokens come in `logprobs` too, each (but the first)
+        with its log-probability given those before it, as OpenAI's legacy completions did."""
+        return self.echo and self.logprobs is not None
 
     def new_logprobs(self, spell: TokenBytes) -> ChoiceLogprobs | None:
         return None if self.logprobs is None else CompletionLogprobs(spell)
@@ -438,7 +446,11 @@ class CompletionRequest(SamplingFields):
     def to_protos(self) -> list[pb.GenerateRequest]:
         """One request a prompt (a list of prompts is several), the same sampling for each."""
         self.check_supported()
-        sampling = self.sampling(self.max_tokens, "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "must be at least 1 (0 only with echo), got 0")
+        sampling = self.sampling(1 if self.prompt_only else self.max_tokens, "max_tokens")
+        if self.scores_prompt:
+            sampling.prompt_logprobs = self.logprobs or 0
         requests = []
         for prompt in self.prompts():
             request = pb.GenerateRequest(sampling=sampling)
@@ -792,9 +804,10 @@ def json_logprob(logprob: float) -> float:
 
 
 class ChoiceLogprobs(Protocol):
-    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict[str, Any]:
         """The `logprobs` of a choice (or chunk) that carries these tokens: one entry per
-        token that has its log-probabilities (a backend that computes none sends none)."""
+        token that has its log-probabilities (a backend that computes none sends none); None:
+        a token that has none (an echoed prompt's first)."""
         ...
 
 
@@ -804,8 +817,8 @@ class ChatLogprobs:
     def __init__(self, spell: TokenBytes) -> None:
         self._spell = spell
 
-    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        content = [self._entry(token, lp) for token, lp in zip(token_ids, logprobs, strict=False)]
+    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict[str, Any]:
+        content = [self._entry(token, lp) for token, lp in zip(token_ids, logprobs, strict=False) if lp]
         return {"content": content, "refusal": None}
 
     def _entry(self, token: int, lp: TokenLogprob) -> dict[str, Any]:
@@ -829,7 +842,7 @@ class CompletionLogprobs:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0  # characters the bytes so far complete
 
-    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict[str, Any]:
         lists: dict[str, list[Any]] = {
             "tokens": [],
             "token_logprobs": [],
@@ -838,10 +851,15 @@ class CompletionLogprobs:
         }
         for token, lp in zip(token_ids, logprobs, strict=False):
             raw = self._spell(token)
-            text, logprob = token_text(raw), json_logprob(lp.logprob)
+            text = token_text(raw)
             lists["tokens"].append(text)
-            lists["token_logprobs"].append(logprob)
-            lists["top_logprobs"].append(self._top(lp, text, logprob))
+            if lp is None:  # an echoed prompt's first token: nothing before it to condition on
+                lists["token_logprobs"].append(None)
+                lists["top_logprobs"].append(None)
+            else:
+                logprob = json_logprob(lp.logprob)
+                lists["token_logprobs"].append(logprob)
+                lists["top_logprobs"].append(self._top(lp, text, logprob))
             lists["text_offset"].append(self._text_offset(raw))
         return lists
 

@@ -416,11 +416,15 @@ class OpenAIApi:
 
         parts = completions.parts if isinstance(completions, PromptGroup) else [completions]
         echoes = body.echoed(decode) if isinstance(body, CompletionRequest) else ["" for _ in parts]
+        scored = isinstance(body, CompletionRequest) and body.scores_prompt
+        outputs = not (isinstance(body, CompletionRequest) and body.prompt_only)
         choices: list[Choice] = []
         for part, echo in zip(parts, echoes, strict=True):
             for _ in part.clients:  # choice i x n + j: completion j of prompt i
                 texts = [echo] if echo else []
-                choices.append(Choice(len(choices), body.new_logprobs(tokenizer.token_bytes), texts))
+                logprobs = body.new_logprobs(tokenizer.token_bytes)
+                prompt = part.prompt_ids if scored else None
+                choices.append(Choice(len(choices), logprobs, texts, prompt_ids=prompt, outputs=outputs))
         return choices
 
     async def _whole(
@@ -661,12 +665,23 @@ class Choice:
     logprobs: ChoiceLogprobs | None  # None: not asked for
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None: a prompt's first
     calls: list[CallDelta] = field(default_factory=list)  # its tool calls' pieces
     finish: FinishReason | None = None
     completion_tokens: int = 0
+    # echo with logprobs: the prompt, whose tokens (and log-probabilities: none for the first)
+    # come before the first output token's in `logprobs`.
+    prompt_ids: list[int] | None = None
+    outputs: bool = True  # False: max_tokens 0 with echo, the prompt alone (its token left out)
 
     def add(self, chunk: OutputChunk) -> None:
+        if self.prompt_ids is not None and chunk.prompt_logprobs is not None:
+            self.token_ids += self.prompt_ids
+            self.token_logprobs += [None, *chunk.prompt_logprobs][: len(self.prompt_ids)]
+        if not self.outputs:
+            if chunk.finish_reason is not None:
+                self.finish = FinishReason.LENGTH
+            return
         self.texts.append(chunk.text)
         self.token_ids += chunk.token_ids
         self.token_logprobs += chunk.logprobs
@@ -716,7 +731,7 @@ async def _logprobs_json(choice: Choice) -> str:
     lists are joined across the slices."""
     assert choice.logprobs is not None
     token_ids, token_logprobs = choice.token_ids, choice.token_logprobs
-    top = max((len(lp.top_ids) for lp in token_logprobs), default=0)
+    top = max((len(lp.top_ids) for lp in token_logprobs if lp is not None), default=0)
     width = max(1, SLICE_ENTRIES // (1 + top))
     fields: dict[str, list[str] | str] = {}
     for start in range(0, len(token_ids), width) or [0]:

@@ -37,6 +37,8 @@ def params_to_proto(p: SamplingParams) -> core_pb2.CoreSampling:
     )
     if p.constraint is not None:
         msg.constraint.CopyFrom(core_pb2.Constraint(kind=p.constraint.kind, text=p.constraint.text))
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -61,6 +63,7 @@ def params_from_proto(m: core_pb2.CoreSampling) -> SamplingParams:
         stop=(),
         logit_bias=tuple(zip(given.get("bias_ids", ()), given.get("bias_values", ()), strict=True)),
         constraint=None if constraint is None else constraint_of(constraint.kind, constraint.text),
+        prompt_logprobs=given.get("prompt_logprobs"),
     )
 
 
@@ -100,6 +103,17 @@ def outputs_to_proto(outputs: StepOutputs) -> core_pb2.StepOutputs:
             msg.top_logprobs.extend(lp.top_logprobs)
     msg.cached_entries.extend(outputs.cached_entries)
     msg.cached_tokens.extend(outputs.cached_tokens)
+    for entry, prompt in zip(outputs.prompt_entries, outputs.prompt_logprobs, strict=True):
+        top_n = len(prompt[0].top_ids) if prompt else 0
+        msg.prompt_logprobs.append(
+            core_pb2.PromptLogprobs(
+                entry=entry,
+                logprobs=[lp.logprob for lp in prompt],
+                top_n=top_n,
+                top_ids=[i for lp in prompt for i in lp.top_ids],
+                top_logprobs=[v for lp in prompt for v in lp.top_logprobs],
+            )
+        )
     return msg
 
 
@@ -116,6 +130,18 @@ def outputs_from_proto(m: core_pb2.StepOutputs) -> StepOutputs:
         _logprobs_from_proto(m),
         list(m.cached_entries),
         list(m.cached_tokens),
+        [p.entry for p in m.prompt_logprobs],
+        [_prompt_logprobs_from_proto(p) for p in m.prompt_logprobs],
+    )
+
+
+def _prompt_logprobs_from_proto(m: core_pb2.PromptLogprobs) -> tuple[TokenLogprob, ...]:
+    n, ids, values = m.top_n, m.top_ids, m.top_logprobs
+    if len(ids) != n * len(m.logprobs) or len(values) != len(ids):
+        raise ValueError(f"prompt_logprobs: {len(ids)} alternatives for {len(m.logprobs)} tokens of {n}")
+    return tuple(
+        TokenLogprob(logprob, tuple(ids[i * n : (i + 1) * n]), tuple(values[i * n : (i + 1) * n]))
+        for i, logprob in enumerate(m.logprobs)
     )
 
 
