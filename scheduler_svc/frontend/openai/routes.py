@@ -395,13 +395,18 @@ class OpenAIApi:
     def _check_whole_size(self, body: Body, valid: ValidRequest) -> None:
         """A whole response is built in the frontend's memory: its log-probabilities are bounded."""
         asked, top = body.logprob_params()
-        entries = valid.n * valid.params.max_new_tokens * (1 + top)
+        tokens = valid.params.max_new_tokens
+        counted = f"{body.max_tokens_field} ({tokens})"
+        if isinstance(body, CompletionRequest) and body.scores_prompt:  # echo: the prompt's too
+            tokens += len(valid.prompt_ids)
+            counted = f"(the prompt's {len(valid.prompt_ids)} tokens + {counted})"
+        entries = valid.n * tokens * (1 + top)
         limit = self._config.max_whole_logprobs
         if asked and entries > limit:
             field = http_field("sampling.top_logprobs", body)
             message = (
                 f"{field}: a whole response holds at most {limit} log-probabilities, and n ({valid.n}) x "
-                f"{body.max_tokens_field} ({valid.params.max_new_tokens}) x (1 + {field}) ({1 + top}) asks "
+                f"{counted} x (1 + {field}) ({1 + top}) asks "
                 f'for {entries}: stream the response ("stream": true), or ask for fewer'
             )
             raise HttpError(400, message, field)
