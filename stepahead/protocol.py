@@ -8,6 +8,7 @@ of the process boundary.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -171,15 +172,12 @@ class Launch:
     def row_scores(self) -> Iterator[tuple[int, int]]:
         """Each row's scored positions: (how many, the last one's target or IN_ROW), from its
         first position on; (0, NOT_SCORED) for a row not scored."""
-        if not self.row_score:
-            for _ in self.row_req_slots:
-                yield 0, NOT_SCORED
-            return
-        for n, score in zip(self.row_num_tokens, self.row_score, strict=True):
-            if score == NOT_SCORED:
-                yield 0, NOT_SCORED
-            else:
-                yield (n - 1 if score == IN_ROW else n), score
+        if not self.row_score:  # most launches: no per-row work
+            return itertools.repeat((0, NOT_SCORED), self.num_rows)
+        return (
+            (0, NOT_SCORED) if score == NOT_SCORED else ((n - 1 if score == IN_ROW else n), score)
+            for n, score in zip(self.row_num_tokens, self.row_score, strict=True)
+        )
 
     @property
     def num_scored(self) -> int:
