@@ -37,6 +37,7 @@ from stepahead_cli.serve import free_port
 from tests.live import CALL_TIMEOUT_S
 from tests.test_architectures import VOCAB, hf_checkpoint, prompt, write_char_tokenizer
 from tests.test_worker_processing import engine_of
+from worker_svc import backends
 from worker_svc.backends import SIM_UNLIKELY_LOGPROB, load_backend, sim_next_token
 from worker_svc.engine import WorkerEngine
 from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
@@ -77,12 +78,15 @@ def submit(engine: WorkerEngine, launch: Launch) -> StepResult:
 # ---- the worker ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("score_slice", [backends.SCORE_SLICE, 3])
 def test_a_prompt_scored_in_two_chunks_equals_transformers_whole_prompt(
-    checkpoint: tuple[Any, pathlib.Path],
+    checkpoint: tuple[Any, pathlib.Path], score_slice: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first chunk's last position is scored against the second chunk's first token (its
     launch names it); the second chunk's last position samples and is not scored. Another
-    request's rows in the same launches are not scored."""
+    request's rows in the same launches are not scored. The scores' logits are made a slice of
+    positions at a time (`SCORE_SLICE`): the same, whatever the slice."""
+    monkeypatch.setattr(backends, "SCORE_SLICE", score_slice)
     model, directory = checkpoint
     engine = engine_of(load_backend(str(directory), CPU, torch.float32, 1.0, 0.0))
     try:

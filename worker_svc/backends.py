@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -111,15 +111,23 @@ def draw(logits: torch.Tensor, sampling: RowSampling) -> Sampled:
     return Sampled(ids, rows.logprobs(ids))
 
 
+SCORE_SLICE = 256  # scored prompt positions whose logits are made at once (`LogitsDraw.scores`)
+
+
 class LogitsDraw:
     """Draws from the processed logits [R, V] (penalties and logit_bias applied, then a row's
     grammar mask, then temperature and top-k/top-p); log-probabilities from the raw ones."""
 
-    def __init__(self, logits: torch.Tensor, sampling: RowSampling) -> None:
-        """`logits`: the sampling rows' [R, V], then the scored prompt positions' [S, V]."""
-        rows = sampling.positions.shape[0]
-        self._scored = logits[rows:]
-        logits = logits[:rows]
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        sampling: RowSampling,
+        scored: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`logits`: the sampling rows' [R, V]; `scored`: the scored prompt positions' final
+        hidden states [S, hidden], and `head` their logits' projection (the model's lm_head)."""
+        self._scored, self._head = scored, head
         self._logits = logits
         self._sampling = sampling
         self._processed = (
@@ -148,7 +156,18 @@ class LogitsDraw:
         return None if top is None else token_logprobs(self._logits, ids, top)
 
     def scores(self, targets: torch.Tensor, top_n: int) -> TokenLogprobs:
-        return token_logprobs(self._scored, targets, top_n)
+        """SCORE_SLICE positions' logits at a time: a step's memory for them stays bounded."""
+        assert self._scored is not None and self._head is not None, "no scored positions"
+        head, hidden = self._head, self._scored
+        parts = [
+            token_logprobs(head(hidden[i : i + SCORE_SLICE]).float(), targets[i : i + SCORE_SLICE], top_n)
+            for i in range(0, hidden.shape[0], SCORE_SLICE)
+        ]
+        return TokenLogprobs(
+            torch.cat([p.chosen for p in parts]),
+            torch.cat([p.top_ids for p in parts]),
+            torch.cat([p.top_logprobs for p in parts]),
+        )
 
 
 def _sample(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
@@ -194,7 +213,10 @@ class LlamaBackend:
 
     def compute(self, batch: ForwardBatch, sampling: RowSampling) -> Draw:
         assert self._kv is not None, "allocate_kv() first"
-        return LogitsDraw(self.model(batch, self._kv), sampling)
+        if batch.score_token_index is None:
+            return LogitsDraw(self.model(batch, self._kv), sampling)
+        logits, scored = self.model.logits_and_scored(batch, self._kv)
+        return LogitsDraw(logits, sampling, scored, self.model.lm_head)
 
 
 SIM_EOS_EVERY = 61  # the sim emits EOS for about one token in 61

@@ -156,6 +156,15 @@ class LlamaForCausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(self.model(batch, kv))
         return logits.float()
 
+    def logits_and_scored(self, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling rows' float32 logits [R, vocab], and the scored prompt positions' final
+        hidden states [S, hidden], whose logits `LogitsDraw.scores` makes a slice at a time (all
+        of a long chunk's at once would take S x vocab floats, twice)."""
+        hidden = self.model(batch, kv)
+        rows = batch.sample_token_index.shape[0]
+        logits: torch.Tensor = self.lm_head(hidden[:rows])
+        return logits.float(), hidden[rows:]
+
     def weight_names(self) -> list[str]:
         """Names a checkpoint must provide (lm_head.weight is optional when tied)."""
         names = list(self.state_dict().keys())
