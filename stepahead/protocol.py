@@ -9,7 +9,7 @@ of the process boundary.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -426,33 +426,37 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         token_counts=result.token_counts,
         drafts_found=result.drafts_found,
     )
-    lp = result.logprobs
-    if lp is not None:
-        msg.logprobs.extend(lp.chosen)
-        msg.top_n = lp.top_n
-        msg.top_ids.extend(lp.top_ids)
-        msg.top_logprobs.extend(lp.top_logprobs)
-    scores = result.prompt_logprobs
-    if scores is not None:
-        msg.prompt_logprobs.extend(scores.chosen)
-        msg.prompt_top_n = scores.top_n
-        msg.prompt_top_ids.extend(scores.top_ids)
-        msg.prompt_top_logprobs.extend(scores.top_logprobs)
+    if result.logprobs is not None:
+        msg.top_n = _put_logprobs(result.logprobs, msg.logprobs, msg.top_ids, msg.top_logprobs)
+    if (scores := result.prompt_logprobs) is not None:
+        msg.prompt_top_n = _put_logprobs(
+            scores, msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs
+        )
     return msg
 
 
+def _put_logprobs(
+    lp: StepLogprobs,
+    chosen: MutableSequence[float],
+    top_ids: MutableSequence[int],
+    top: MutableSequence[float],
+) -> int:
+    """`lp` into a result's three repeated fields (sampled rows' or scored positions'); its top_n."""
+    chosen.extend(lp.chosen)
+    top_ids.extend(lp.top_ids)
+    top.extend(lp.top_logprobs)
+    return lp.top_n
+
+
+def _logprobs_of(
+    chosen: Sequence[float], top_n: int, top_ids: Sequence[int], top: Sequence[float]
+) -> StepLogprobs | None:
+    return StepLogprobs(list(chosen), top_n, list(top_ids), list(top)) if chosen else None
+
+
 def result_from_proto(msg: worker_pb2.StepResult, link_rtt_s: float | None = None) -> StepResult:
-    logprobs = None
-    if msg.logprobs:
-        logprobs = StepLogprobs(list(msg.logprobs), msg.top_n, list(msg.top_ids), list(msg.top_logprobs))
-    scores = None
-    if msg.prompt_logprobs:
-        scores = StepLogprobs(
-            list(msg.prompt_logprobs),
-            msg.prompt_top_n,
-            list(msg.prompt_top_ids),
-            list(msg.prompt_top_logprobs),
-        )
+    logprobs = _logprobs_of(msg.logprobs, msg.top_n, msg.top_ids, msg.top_logprobs)
+    scores = _logprobs_of(msg.prompt_logprobs, msg.prompt_top_n, msg.prompt_top_ids, msg.prompt_top_logprobs)
     ids = unpack(U32, msg.token_ids, "token_ids")
     start, end = msg.forward_start_unix_s, msg.forward_end_unix_s
     finished = tuple(msg.grammar_finished)

@@ -103,14 +103,10 @@ class ResultProcessor:
         for slot, tag, count in batch.scored:
             if rows.tag[slot] == tag:
                 req = self._request(slot)
-                n = scores.top_n
+                asked = req.params.prompt_logprobs or 0  # of the launch's widest score_top_n
                 req.prompt_scores.extend(
-                    TokenLogprob(
-                        scores.chosen[i],
-                        tuple(scores.top_ids[i * n : (i + 1) * n]),
-                        tuple(scores.top_logprobs[i * n : (i + 1) * n]),
-                    )
-                    for i in range(at, at + count)
+                    TokenLogprob(chosen, tuple(top_ids), tuple(top_logprobs))
+                    for chosen, top_ids, top_logprobs in (scores.row(i, asked) for i in range(at, at + count))
                 )
             at += count
 
@@ -296,13 +292,14 @@ class ResultProcessor:
     @staticmethod
     def _prompt_scores(req: Request) -> tuple[TokenLogprob, ...] | None:
         """A request's prompt log-probabilities, with the first token of the attempt that
-        computed them all, cut to the alternatives it asked for; then never again."""
-        asked = req.params.prompt_logprobs
-        if asked is None or req.prompt_scores_sent or len(req.prompt_scores) < len(req.prompt_ids) - 1:
+        computed them all; then never again."""
+        if req.params.prompt_logprobs is None or req.prompt_scores_sent:
+            return None
+        if len(req.prompt_scores) < len(req.prompt_ids) - 1:
             return None
         req.prompt_scores_sent = True
         scores, req.prompt_scores = req.prompt_scores, []
-        return tuple(TokenLogprob(s.logprob, s.top_ids[:asked], s.top_logprobs[:asked]) for s in scores)
+        return tuple(scores)
 
     def _request(self, slot: int) -> Request:
         """The request in `slot`'s row (a row whose tag matched its batch's)."""
