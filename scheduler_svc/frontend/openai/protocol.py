@@ -667,6 +667,22 @@ def _token_ids(ids: list[int]) -> list[int]:
     return ids
 
 
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error's location as the field's path (`messages[0].content`)."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not _is_union_branch(part):
+            name += f".{part}" if name else part
+    return name
+
+
+def _is_union_branch(part: str) -> bool:
+    """pydantic names the union member it tried (`str`, `list[int]`) in an error's location."""
+    return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")
+
+
 def http_field(field: str, body: SamplingFields) -> str:
     """The HTTP API's name of a GenerateRequest field path (`sampling.temperature` -> temperature)."""
     if field.startswith(STRUCTURED_FIELD + ".") and (constraint := body.constraint()) is not None:

@@ -45,15 +45,17 @@ from scheduler_svc.frontend.openai.protocol import (
     FieldError,
     ResponseIds,
     error_body,
+    field_path,
     http_field,
     http_message,
     usage,
 )
+from scheduler_svc.frontend.openai.responses import ChatFieldNames, ResponseShape, ResponsesRequest
 from scheduler_svc.frontend.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from scheduler_svc.frontend.openai.tokenize import http_field as tokenize_field
 from scheduler_svc.frontend.streams import Completions, OutputChunk, PromptGroup
 from scheduler_svc.frontend.telemetry import Counting
-from scheduler_svc.frontend.tools import CallDelta
+from scheduler_svc.frontend.tools import CallDelta, merge_deltas
 from scheduler_svc.frontend.validation import ValidRequest
 
 log = logging.getLogger("stepahead.http")
@@ -123,6 +125,8 @@ def build_app(frontend: Frontend, config: ClientApiConfig = DEFAULT_API) -> Fast
     app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", api.stored_response, methods=["GET", "DELETE"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/version", api.version, methods=["GET"])
@@ -323,6 +327,53 @@ class OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, "chat")
 
+    async def responses(self, request: Request) -> Response:
+        """The Responses API over the chat path (scheduler_svc/frontend/openai/responses.py)."""
+        self._authorize(request)
+        body = await self._parse_as(request, ResponsesRequest)
+        served = self._check_model(body.model)
+        given = request.headers.get(REQUEST_ID_HEADER)
+        rid = f"resp_{given or uuid.uuid4().hex}"
+        names = ChatFieldNames()
+        try:
+            chat, names = body.to_chat()
+            if unknown := body.unknown_fields():
+                log.warning("request %s: ignoring fields no API documents: %s", rid, _names(unknown))
+            completions = await self._admit(chat, rid)
+        except FieldError as exc:
+            raise HttpError(400, str(exc), exc.field) from exc
+        except HttpError as exc:  # the chat body's field, as this body names it
+            param = None if exc.param is None else names.rename(exc.param)
+            raise HttpError(
+                exc.status, names.message(str(exc), exc.param), param, exc.code, exc.close
+            ) from exc
+        shape = ResponseShape(rid, served, body)
+        try:
+            (choice,) = self._choices(chat, completions)
+            if body.stream:
+                events = _response_events(completions, choice, shape, self._frontend.telemetry.messages)
+                return await self._stream(request, completions, events)
+            await _unless_disconnected(request, _collect(completions, [choice]))
+            if completions.error is not None:
+                raise _stream_error(completions)
+            text, token_ids, token_logprobs, calls = choice.pending()
+            logprobs = _text_logprobs(choice, token_ids, token_logprobs)
+            made = [(c.id, c.name, c.arguments) for c in merge_deltas(calls)]
+            counts = _counts(completions, [choice])
+            return JSONResponse(shape.whole(text, logprobs, made, choice.finish, counts))
+        except ClientGone:
+            self._cancel(completions)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except BaseException:
+            self._cancel(completions)
+            raise
+
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """Retrieving or deleting a response: none is kept (`store` is answered false)."""
+        self._authorize(request)
+        message = f"response {response_id[:64]!r} not found: this server keeps no responses"
+        raise HttpError(404, message, "response_id", "not_found")
+
     # ---- one request ---------------------------------------------------------------------
 
     async def _serve(self, request: Request, model: type[Body], endpoint: Endpoint) -> Response:
@@ -336,8 +387,10 @@ class OpenAIApi:
         try:
             choices = self._choices(body, completions)
             if body.stream:
+                usage_asked = (body.include_usage, body.continuous_usage)
+                messages = self._frontend.telemetry.messages
                 return await self._stream(
-                    request, completions, choices, ids, body.include_usage, body.continuous_usage
+                    request, completions, _sse(completions, choices, ids, usage_asked, messages)
                 )
             return await self._whole(request, completions, choices, ids)
         except ClientGone:  # a quiet abort: the client is not there to read any response
@@ -350,11 +403,7 @@ class OpenAIApi:
     async def _admit(self, body: Body, rid: str) -> Read:
         try:
             if unknown := body.check_fields():
-                names = ", ".join(repr(name[:64]) for name in unknown[:MAX_NAMES_LOGGED])
-                more = (
-                    f" and {len(unknown) - MAX_NAMES_LOGGED} more" if len(unknown) > MAX_NAMES_LOGGED else ""
-                )
-                log.warning("request %s: ignoring fields no API documents: %s%s", rid, names, more)
+                log.warning("request %s: ignoring fields no API documents: %s", rid, _names(unknown))
             generates = body.to_protos() if isinstance(body, CompletionRequest) else [body.to_proto()]
         except FieldError as exc:
             raise HttpError(400, str(exc), exc.field) from exc
@@ -441,17 +490,10 @@ class OpenAIApi:
         body = await _whole_body(ids, choices, _counts(completions, choices))
         return Response(body, media_type="application/json")
 
-    async def _stream(
-        self,
-        request: Request,
-        completions: Read,
-        choices: list[Choice],
-        ids: ResponseIds,
-        include_usage: bool,
-        continuous_usage: bool,
-    ) -> Response:
-        """A watcher of the connection cancels the request when the client leaves: the server
-        may notice only at its next write, or never (writes to a closed connection are dropped)."""
+    async def _stream(self, request: Request, completions: Read, events: AsyncIterator[str]) -> Response:
+        """`events` once the request has its first output. A watcher of the connection cancels
+        the request when the client leaves: the server may notice only at its next write, or
+        never (writes to a closed connection are dropped)."""
         await _unless_disconnected(request, completions.ready.wait())
         if completions.error is not None:
             raise _stream_error(completions)
@@ -459,13 +501,7 @@ class OpenAIApi:
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return StreamingResponse(
-            _sse(
-                completions,
-                choices,
-                ids,
-                (include_usage, continuous_usage),
-                self._frontend.telemetry.messages,
-            ),
+            events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(self._stream_ended, completions, watcher),
@@ -561,6 +597,13 @@ class OpenAIApi:
         return b"".join(chunks)
 
 
+def _names(fields: list[str]) -> str:
+    """Field names for the log, the first few of them."""
+    shown = ", ".join(repr(name[:64]) for name in fields[:MAX_NAMES_LOGGED])
+    more = len(fields) - MAX_NAMES_LOGGED
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
 def _check_content_type(request: Request) -> None:
     """JSON bodies only: a web page can POST text/plain or a form to this port without asking
     first (no CORS preflight), never application/json."""
@@ -600,23 +643,8 @@ def _has_surrogate(text: str) -> bool:
 
 def _validation_error(exc: pydantic.ValidationError) -> HttpError:
     first = exc.errors()[0]
-    param = _loc_name(first["loc"])
+    param = field_path(first["loc"])
     return HttpError(400, f"{param}: {first['msg']}" if param else first["msg"], param or None)
-
-
-def _loc_name(loc: tuple[int | str, ...]) -> str:
-    name = ""
-    for part in loc:
-        if isinstance(part, int):
-            name += f"[{part}]"
-        elif not _is_union_branch(part):
-            name += f".{part}" if name else part
-    return name
-
-
-def _is_union_branch(part: str) -> bool:
-    """pydantic names the union member it tried (`str`, `list[int]`) in an error's location."""
-    return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")
 
 
 def _api_error(exc: ApiError, body: Body | None = None) -> HttpError:
@@ -698,14 +726,16 @@ class Choice:
     def sendable(self) -> bool:
         return any(self.texts) or bool(self.calls) or self.finish is not None
 
+    def pending(self) -> tuple[str, list[int], list[TokenLogprob | None], list[CallDelta]]:
+        """What is pending (text, its tokens and their log-probabilities, call deltas), taken."""
+        pending = ("".join(self.texts), self.token_ids, self.token_logprobs, self.calls)
+        self.texts, self.token_ids, self.token_logprobs, self.calls = [], [], [], []
+        return pending
+
     def take(self, ids: ResponseIds, chunk: bool) -> dict[str, Any]:
         """What is pending, as the choice of a body or of a chunk."""
-        text = "".join(self.texts)
-        logprobs = (
-            None if self.logprobs is None else self.logprobs.format(self.token_ids, self.token_logprobs)
-        )
-        calls = self.calls
-        self.texts, self.token_ids, self.token_logprobs, self.calls = [], [], [], []
+        text, token_ids, token_logprobs, calls = self.pending()
+        logprobs = None if self.logprobs is None else self.logprobs.format(token_ids, token_logprobs)
         return ids.choice(self.index, text, self.finish, chunk, logprobs, calls)
 
 
@@ -820,3 +850,43 @@ async def _chunks(
 
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _response_events(
+    completions: Completions | PromptGroup, choice: Choice, shape: ResponseShape, messages: Counting
+) -> AsyncIterator[str]:
+    """A response's stream: the Responses API's typed events, each named by its `event:` line."""
+    for event in shape.started():
+        yield _typed_event(event)
+    while not completions.done:
+        await completions.ready.wait()
+        if completions.error is not None:
+            for event in shape.failed(str(_stream_error(completions))):
+                yield _typed_event(event)
+            return
+        for _, chunk in completions.take():
+            choice.add(chunk)
+            if not choice.sendable:
+                continue
+            messages.inc()
+            text, token_ids, token_logprobs, calls = choice.pending()
+            events = shape.text(text, _text_logprobs(choice, token_ids, token_logprobs))
+            events += shape.calls(calls)
+            if choice.finish is not None:
+                events += shape.finished(choice.finish, _counts(completions, [choice]))
+            for event in events:
+                yield _typed_event(event)
+
+
+def _text_logprobs(
+    choice: Choice, token_ids: list[int], token_logprobs: list[TokenLogprob | None]
+) -> list[dict[str, Any]]:
+    """An `output_text`'s `logprobs`: chat's entries (empty unless asked for)."""
+    if choice.logprobs is None:
+        return []
+    entries: list[dict[str, Any]] = choice.logprobs.format(token_ids, token_logprobs)["content"]
+    return entries
+
+
+def _typed_event(data: dict[str, Any]) -> str:
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
