@@ -83,9 +83,9 @@ def test_pip_install_of_a_clone_then_stepahead_serve_smollm2(tmp_path: Path) -> 
 
     http_port, grpc_port = unused_port(), unused_port()
     serve = [str(venv / "bin" / "stepahead"), "serve", "smollm2", "--port", str(http_port)]
-    proc = subprocess.Popen(
-        [*serve, "--grpc-port", str(grpc_port)], cwd=tmp_path
-    )  # not the clone: site-packages
+    # Every port given: another server on the machine may hold a default one (9400, /metrics).
+    ports = ["--grpc-port", str(grpc_port), "--metrics-port", str(unused_port())]
+    proc = subprocess.Popen([*serve, *ports], cwd=tmp_path)  # not the clone: site-packages
     try:
 
         def up() -> bool:

@@ -150,8 +150,10 @@ def http_json(url: str) -> object:
 @contextmanager
 def served(model: str, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int, int]]:
     http_port, grpc_port = unused_port(), unused_port()
+    # Every port given: another server on the machine may hold a default one (9400, /metrics).
+    ports = ["--port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(unused_port())]
     proc = subprocess.Popen(
-        [*command(), "serve", model, "--port", str(http_port), "--grpc-port", str(grpc_port), *flags],
+        [*command(), "serve", model, *ports, *flags],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
