@@ -184,19 +184,35 @@ async def test_log_probabilities_are_chat_s_entries(s: Scripted) -> None:
 # ---- function calls --------------------------------------------------------------------------------------
 
 
-async def test_a_required_call_is_a_function_call_item_under_the_chat_grammar(s: Scripted) -> None:
-    done = await played(
-        s,
-        s.client.responses.create(**respond(tools=FLAT_TOOLS, tool_choice="required")),
-        tokens(calls_text(PARIS)),
+@pytest.mark.parametrize(
+    ("choice", "parallel", "chat_choice"),
+    [
+        ("required", None, "required"),
+        (
+            {"type": "function", "name": "get_weather"},
+            False,
+            {"type": "function", "function": {"name": "get_weather"}},
+        ),
+    ],
+    ids=["required", "named-one-call"],
+)
+async def test_a_call_is_a_function_call_item_under_the_chat_grammar(
+    s: Scripted, choice: Any, parallel: bool | None, chat_choice: Any
+) -> None:
+    more: dict[str, Any] = {} if parallel is None else {"parallel_tool_calls": parallel}
+    create = s.client.responses.create(**respond(tools=FLAT_TOOLS, tool_choice=choice, **more))
+    done = await played(s, create, tokens(calls_text(PARIS)))
+    await served_call(
+        s, s.client.chat.completions.create(**chat(tools=TOOLS, tool_choice=chat_choice, **more)), ""
     )
-    await served_call(s, s.client.chat.completions.create(**chat(tools=TOOLS, tool_choice="required")), "")
     assert s.core.specs[-2].params.constraint == s.core.specs[-1].params.constraint is not None
     assert s.core.specs[-2].prompt_ids == s.core.specs[-1].prompt_ids
     (call,) = done.output
     assert call.type == "function_call" and call.status == "completed" and call.id.startswith("fc_")
     assert call.call_id.startswith("call_") and (call.name, call.arguments) == (PARIS.name, PARIS.arguments)
     assert done.output_text == "" and done.status == "completed"
+    assert (done.tool_choice if isinstance(choice, str) else done.tool_choice.model_dump()) == choice
+    assert done.parallel_tool_calls is (parallel is not False)
 
 
 @pytest.mark.parametrize("content", ["", "Checking. "])
