@@ -17,10 +17,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler_svc.process.cli import parse_args as scheduler_config
 from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from stepahead_cli.serve import FlagError, plan, split
 from tests.live import CALL_TIMEOUT_S, SETTLE_TIMEOUT_S, unused_port, wait_until
+from worker_svc.cli import build_parser as worker_parser
 
 START_TIMEOUT_S = 300.0  # hang guard: the model loads in seconds
 STOP_TIMEOUT_S = 120.0  # hang guard: both drain in well under a second when idle
@@ -43,6 +45,21 @@ def test_flags_go_to_the_service_that_has_them() -> None:
     assert own == ["smollm2", "--port", "9000"]
     assert worker == ["--tp", "2", "--check-invariants", "--log-level", "debug", "--dtype", "float32"]
     assert scheduler == ["--frontends=2", "--log-level", "debug", "--tls-cert", "c.pem", "--tls-key", "k.pem"]
+
+
+def test_a_vllm_command_line_serves_as_it_is() -> None:
+    """vLLM's spellings of the flags both have: each reaches its service and means the same."""
+    argv = ["tiny", "--tensor-parallel-size", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+    argv += ["--no-enable-prefix-caching", "--dtype", "half"]
+    _, worker, scheduler = split(argv)
+    assert worker == ["--tensor-parallel-size", "2", "--dtype", "half"]
+    policy = scheduler_config(["--worker", "127.0.0.1:1", *scheduler]).core.policy
+    assert (policy.max_running, policy.max_batch_tokens, policy.prefix_cache) == (8, 512, False)
+    parsed = worker_parser().parse_args(["--model", "tiny", *worker])
+    assert (parsed.tp, parsed.dtype) == (2, "float16")
+    assert worker_parser().parse_args(["--model", "tiny", "-tp", "3", "--dtype", "auto"]).tp == 3
+    assert worker_parser().parse_args(["--model", "tiny", "--dtype", "auto"]).dtype is None  # the default's
+    assert scheduler_config(["--worker", "127.0.0.1:1", "--enable-prefix-caching"]).core.policy.prefix_cache
 
 
 def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from stepahead.serving import (
 )
 from worker_svc.app import rank_place, run_rank, serve
 from worker_svc.config import DEFAULT_METRICS_PORT, ModelPlacement, WorkerConfig
-from worker_svc.dtypes import DTYPES, quantized_dtype_refusal
+from worker_svc.dtypes import dtype_name, quantized_dtype_refusal
 from worker_svc.launcher import Launcher
 from worker_svc.loading import check_shardable
 from worker_svc.quantization import QUANTIZATIONS
@@ -113,9 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     p.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        type=_dtype,
         default=None,
-        help="default: float32 on cpu (exact), bfloat16 on cuda; the start-up log says which and why",
+        metavar="{float32,float64,bfloat16,float16,auto}",
+        help="default (auto): float32 on cpu (exact), bfloat16 on cuda; the start-up log says which and "
+        "why (vLLM's half and float are float16 and float32)",
     )
     p.add_argument(
         "--quantization",
@@ -136,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tp",
+        "--tensor-parallel-size",  # vLLM's spelling
+        "-tp",
         type=int,
         default=None,
         help="tensor-parallel ranks: start N processes, one GPU each on cuda, gloo on the CPU "
@@ -202,3 +206,10 @@ def main(argv: list[str] | None = None) -> None:
             run_loop(serve(config))
     except (ValueError, OSError, PortInUse) as exc:  # a bad model, flag or port: say why, no traceback
         sys.exit(f"worker: {exc}")
+
+
+def _dtype(value: str) -> str | None:
+    try:
+        return dtype_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

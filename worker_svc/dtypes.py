@@ -22,6 +22,17 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# vLLM's other spellings of --dtype: `auto` is the default choice (None), the others names above.
+DTYPE_SPELLINGS: dict[str, str | None] = {"auto": None, "half": "float16", "float": "float32"}
+
+
+def dtype_name(value: str) -> str | None:
+    """--dtype's value as a name of DTYPES (None: the default for the device); ValueError else."""
+    if value in DTYPES:
+        return value
+    if value in DTYPE_SPELLINGS:
+        return DTYPE_SPELLINGS[value]
+    raise ValueError(f"choose from {', '.join([*DTYPES, *DTYPE_SPELLINGS])}, got {value!r}")
 
 
 def cpu_bf16_units() -> list[str]:

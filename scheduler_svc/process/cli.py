@@ -149,14 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=FrontendConfig.stream_interval,
         help="send a client its tokens every N tokens (and at the finish): coarser streaming, less CPU",
     )
+    # The second spelling of a flag is vLLM's: a vLLM command line serves as it is.
     p.add_argument(
         "--max-batch-tokens",
+        "--max-num-batched-tokens",
         type=_at_least(1),
         default=PolicyConfig.max_batch_tokens,
         help="token budget of one step; longer prompts are prefilled in chunks",
     )
     p.add_argument(
         "--max-running",
+        "--max-num-seqs",
         type=_at_least(0),
         default=PolicyConfig.max_running,
         help="concurrent requests at most (0: the worker's request slots)",
@@ -170,9 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-prefix-cache",
+        "--no-enable-prefix-caching",
         dest="prefix_cache",
         action="store_false",
         help="compute every prompt in full: no reuse of the KV of cached prefixes",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        dest="prefix_cache",
+        action="store_true",
+        help="reuse the KV of cached prefixes (the default)",
     )
     p.add_argument(
         "--worker-retry-timeout",
