@@ -50,9 +50,11 @@ def test_flags_go_to_the_service_that_has_them() -> None:
 def test_a_vllm_command_line_serves_as_it_is() -> None:
     """vLLM's spellings of the flags both have: each reaches its service and means the same."""
     argv = ["tiny", "--tensor-parallel-size", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
-    argv += ["--no-enable-prefix-caching", "--dtype", "half"]
+    argv += ["--no-enable-prefix-caching", "--dtype", "half", "--trust-remote-code"]
+    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     _, worker, scheduler = split(argv)
-    assert worker == ["--tensor-parallel-size", "2", "--dtype", "half"]
+    assert worker == ["--tensor-parallel-size", "2", "--dtype", "half", "--trust-remote-code"]
+    assert scheduler[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     policy = scheduler_config(["--worker", "127.0.0.1:1", *scheduler]).core.policy
     assert (policy.max_running, policy.max_batch_tokens, policy.prefix_cache) == (8, 512, False)
     parsed = worker_parser().parse_args(["--model", "tiny", *worker])
@@ -60,6 +62,8 @@ def test_a_vllm_command_line_serves_as_it_is() -> None:
     assert worker_parser().parse_args(["--model", "tiny", "-tp", "3", "--dtype", "auto"]).tp == 3
     assert worker_parser().parse_args(["--model", "tiny", "--dtype", "auto"]).dtype is None  # the default's
     assert scheduler_config(["--worker", "127.0.0.1:1", "--enable-prefix-caching"]).core.policy.prefix_cache
+    with pytest.raises(SystemExit):  # a format it does not write: refused by argparse, naming the flag
+        scheduler_config(["--worker", "127.0.0.1:1", "--tool-call-parser", "mistral"])
 
 
 def test_the_plan_wires_the_worker_to_the_scheduler_on_loopback(tmp_path: Path) -> None:

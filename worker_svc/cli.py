@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny, sim, smollm2, a Llama .gguf file or checkpoint dir",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="vLLM's: accepted; a checkpoint's own code is never run (the architectures served are built in)",
+    )
+    p.add_argument(
         "--tokenizer",
         type=Path,
         default=None,

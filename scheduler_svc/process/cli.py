@@ -296,6 +296,18 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="Jinja chat template used in place of the model's own (for models without one)",
     )
+    # vLLM's tool-calling flags, so that its command lines serve: here tools are always served
+    # (`tool_choice` auto among them), their calls written as hermes's (scheduler_svc/frontend/tools.py).
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's: accepted; tool_choice auto is always served",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes",),
+        help="vLLM's: accepted for the one format served, hermes's <tool_call> JSON </tool_call>",
+    )
     p.add_argument(
         "--max-request-bytes",
         type=_at_least(1),
