@@ -215,6 +215,18 @@ async def test_a_call_is_a_function_call_item_under_the_chat_grammar(
     assert done.parallel_tool_calls is (parallel is not False)
 
 
+async def test_a_call_cut_by_the_length_limit_is_incomplete_with_its_arguments_so_far(s: Scripted) -> None:
+    cut = tokens(calls_text(PARIS))[:-20]
+    body = respond(tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=len(cut))
+    whole = await played(s, s.client.responses.create(**body), cut, FinishReason.LENGTH)
+    events, streamed_end = await streamed(s, cut, FinishReason.LENGTH, **body)
+    assert events[-1].type == "response.incomplete"
+    for response in (whole, streamed_end):
+        (call,) = response.output
+        assert response.status == call.status == "incomplete" and call.name == PARIS.name
+        assert PARIS.arguments.startswith(call.arguments) and call.arguments != PARIS.arguments
+
+
 @pytest.mark.parametrize("content", ["", "Checking. "])
 async def test_text_then_parallel_calls_stream_as_items_in_order(s: Scripted, content: str) -> None:
     reply = tokens(content + calls_text(PARIS, SUM_CALL))

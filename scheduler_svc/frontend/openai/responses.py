@@ -422,8 +422,10 @@ class ResponseShape:
         status, incomplete = _status(finish)
         if text or not calls:
             self._output.append(_message(f"msg_{_hex()}", status, text, logprobs))
-        for call_id, name, arguments in calls:
-            self._output.append(_function_call(call_id, name, arguments, "completed"))
+        for i, (call_id, name, arguments) in enumerate(calls):  # the last may be cut by the length
+            self._output.append(
+                _function_call(call_id, name, arguments, status if i == len(calls) - 1 else "completed")
+            )
         return self.response(status, responses_usage(*counts), incomplete)
 
     # ---- streamed ----
@@ -518,13 +520,14 @@ class ResponseShape:
         return {"item_id": self._open.item["id"], "output_index": self._open.index, "content_index": 0}
 
     def _close(self, status: str = "completed") -> list[dict[str, Any]]:
-        """The open item's closing events; it gets its whole text or arguments."""
+        """The open item's closing events; it gets its whole text or arguments, and `status`
+        (the response's, for the item the answer ends in)."""
         item, self._open = self._open, None
         if item is None:
             return []
         text = "".join(item.text)
         if item.item["type"] == "function_call":
-            done = _function_call(item.item["call_id"], item.item["name"], text, "completed")
+            done = _function_call(item.item["call_id"], item.item["name"], text, status)
             done["id"] = item.item["id"]
             self._output[item.index] = done
             where = {"item_id": done["id"], "output_index": item.index}
