@@ -69,6 +69,39 @@ def test_smollm2_template_renders_and_encodes_as_transformers(
     assert HFTokenizer(smollm2.tokenizer_json).encode(rendered) == encoded["input_ids"]
 
 
+@pytest.mark.parametrize(
+    "final",
+    ["Sure, the capital is", '{"city": "', "Paris is ", "  indented, and trailing  "],
+)
+def test_a_continued_final_message_renders_and_encodes_as_transformers(
+    smollm2: GGUFModel, smollm2_tokenizer: Any, final: str
+) -> None:
+    """vLLM's assistant prefill: the prompt ends with the last message's content, its turn open."""
+    messages = [SYSTEM, USER, ChatMessage("assistant", final)]
+    rendered = smollm2_template(smollm2, smollm2_tokenizer).render(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    assert rendered == smollm2_tokenizer.apply_chat_template(to_dicts(messages), tokenize=False, **options)
+    assert rendered.endswith(final) and not rendered.endswith("<|im_end|>\n")
+    encoded = smollm2_tokenizer.apply_chat_template(to_dicts(messages), tokenize=True, **options)
+    assert HFTokenizer(smollm2.tokenizer_json).encode(rendered) == encoded["input_ids"]
+
+
+def test_a_stripping_template_s_final_message_is_found_stripped() -> None:
+    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}", {})
+    messages = [USER, ChatMessage("assistant", " Paris is  ")]
+    assert (
+        template.render(messages, False, continue_final_message=True)
+        == f"<user>{USER.content}</s><assistant>Paris is"
+    )
+    with pytest.raises(ValueError, match="one or the other"):
+        template.render(messages, True, continue_final_message=True)
+    hidden = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", {})
+    with pytest.raises(ChatTemplateError, match="does not write the last message's content"):
+        hidden.render(messages, False, continue_final_message=True)
+
+
 def test_smollm2_template_injects_its_default_system_prompt(
     smollm2: GGUFModel, smollm2_tokenizer: Any
 ) -> None:

@@ -70,11 +70,17 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Sequence[Tool] = (),
         extra: Mapping[str, object] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """As transformers' `apply_chat_template(messages, tools=..., **extra)`: a tool's
         `parameters` and a call's `arguments` as objects; `extra` are more variables (the
         request's chat_template_kwargs), under the ones named here. A template that knows no
-        tools renders `tools_fallback(messages, tools)` instead."""
+        tools renders `tools_fallback(messages, tools)` instead. `continue_final_message`: the
+        text ends where the last message's content does (its turn left open for the reply to
+        continue), found as transformers finds it: its last occurrence, else stripped (templates
+        that strip contents)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt: one or the other")
         if not self.knows_tools and (tools or any(m.tool_calls for m in messages)):
             messages = tools_fallback(messages, tools)
         # NOTE: transformers defines `tools` and `documents` (as None) for every template.
@@ -87,11 +93,21 @@ class ChatTemplate:
             "documents": None,
         }
         try:
-            return self._template.render(variables)
+            text = self._template.render(variables)
         except ChatTemplateError:
             raise
         except _RENDER_ERRORS as error:
             raise ChatTemplateError(f"chat template failed: {error}") from error
+        return _open_final_turn(text, messages[-1].content) if continue_final_message else text
+
+
+def _open_final_turn(text: str, final: str) -> str:
+    """`text` cut after the last occurrence of the final message's content (or of it stripped)."""
+    for content in (final, final.strip()):
+        end = text.rfind(content)
+        if end >= 0:
+            return text[: end + len(content)]
+    raise ChatTemplateError("continue_final_message: the template does not write the last message's content")
 
 
 RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})

@@ -183,10 +183,7 @@ def _prompt_ids(
     if which == "text":
         return _text_ids(request.text, source)
     if which == "messages":
-        chat = request.messages
-        return _chat_ids(
-            list(chat.messages), source, () if tools is None else tools.tools, chat.template_kwargs
-        )
+        return _chat_ids(request.messages, source, () if tools is None else tools.tools)
     if not request.input_ids.ids:
         raise InvalidRequest("input.input_ids.ids: must not be empty")
     _check_prompt_length(len(request.input_ids.ids), "input.input_ids.ids", source.max_prompt_tokens)
@@ -226,20 +223,29 @@ def _template_kwargs(text: str, max_bytes: int) -> dict[str, object]:
 
 
 def _chat_ids(
-    messages: list[generation_pb2.ChatMessage],
-    source: PromptSource,
-    tools: tuple[Tool, ...] = (),
-    kwargs: str = "",
+    chat: generation_pb2.ChatMessages, source: PromptSource, tools: tuple[Tool, ...] = ()
 ) -> list[int]:
     """Checked before rendering: the sizes bound what the template is given."""
     if source.chat is None:
         raise NoChatTemplate("input.messages: the model has no chat template; send text or input_ids")
-    checked = _check_chat_messages(messages, source.max_text_bytes)
+    checked = _check_chat_messages(list(chat.messages), source.max_text_bytes)
+    opens_reply = not chat.HasField("add_generation_prompt") or chat.add_generation_prompt
+    if chat.continue_final_message and opens_reply:
+        raise InvalidRequest(
+            "input.messages.continue_final_message: the last message is continued only with "
+            "add_generation_prompt false (the reply is its turn's rest, not a turn of its own)"
+        )
     tools_size = sum(len(t.name) + len(t.description.encode()) + len(t.parameters.encode()) for t in tools)
     # Their schemas become the grammar's text, bounded as a constraint's is.
     _check_text_size(tools_size, f"{TOOLS_PREFIX}tools", MAX_CONSTRAINT_BYTES)
     try:
-        text = source.chat.render(checked, tools=tools, extra=_template_kwargs(kwargs, source.max_text_bytes))
+        text = source.chat.render(
+            checked,
+            opens_reply,
+            tools,
+            _template_kwargs(chat.template_kwargs, source.max_text_bytes),
+            chat.continue_final_message,
+        )
     except ChatTemplateError as exc:
         raise InvalidRequest(f"input.messages: the chat template refused them: {exc}") from exc
     ids = source.tokenizer.encode(text, add_special_tokens=False)

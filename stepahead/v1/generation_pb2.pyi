@@ -196,11 +196,19 @@ class ChatMessages(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
     parallel_tool_calls: _builtins.bool
     """Unset: true. False: one call at most."""
     template_kwargs: _builtins.str
     """Extra variables for the chat template, as a JSON object (e.g. {"enable_thinking": false});
     they cannot replace messages, tools, documents or add_generation_prompt.
+    """
+    add_generation_prompt: _builtins.bool
+    """Unset: true, the prompt ends with the template's opening of the assistant's turn."""
+    continue_final_message: _builtins.bool
+    """True (with add_generation_prompt false): the prompt ends with the last message's content,
+    its turn left open, so the reply continues it (an assistant turn prefilled by the client).
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
@@ -223,13 +231,20 @@ class ChatMessages(_message.Message):
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
         template_kwargs: _builtins.str = ...,
+        add_generation_prompt: _builtins.bool | None = ...,
+        continue_final_message: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_parallel_tool_calls", b"_parallel_tool_calls", "add_generation_prompt", b"add_generation_prompt", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "template_kwargs", b"template_kwargs", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_parallel_tool_calls", b"_parallel_tool_calls", "add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "template_kwargs", b"template_kwargs", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
+    _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_generation_prompt) -> _WhichOneofReturnType__add_generation_prompt | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015

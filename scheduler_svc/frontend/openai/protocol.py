@@ -73,7 +73,12 @@ TOOL_FIELDS = [
     (re.compile(r"input\.messages\.tools\[(\d+)\]\.(\w+)"), r"tools[\1].function.\2"),
     (re.compile(r"input\.messages\.tool_choice\.function"), "tool_choice.function.name"),
     (re.compile(r"input\.messages\.tool_choice(\.mode)?"), "tool_choice"),
-    (re.compile(r"input\.messages\.(tools|parallel_tool_calls)"), r"\1"),
+    (
+        re.compile(
+            r"input\.messages\.(tools|parallel_tool_calls|add_generation_prompt|continue_final_message)"
+        ),
+        r"\1",
+    ),
     (re.compile(r"input\.messages\.template_kwargs"), "chat_template_kwargs"),
     (
         re.compile(r"input\.messages\.messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(name|arguments)"),
@@ -229,8 +234,6 @@ UNSERVED: dict[str, object] = {
     "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
-    "add_generation_prompt": True,
-    "continue_final_message": False,
     "add_special_tokens": False,
     "documents": None,
     "chat_template": None,
@@ -549,6 +552,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
+    # vLLM's: false and true, the last (assistant) message is continued, its turn left open
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     functions: list[Any] | None = None  # OpenAI's deprecated forms of tools: refused
     function_call: Any = None
 
@@ -577,6 +583,7 @@ class ChatCompletionRequest(SamplingFields):
         request = pb.GenerateRequest(sampling=sampling)
         chat = request.messages
         chat_input(chat, self.messages, self.tools, self.chat_template_kwargs)
+        prefill(chat, self.add_generation_prompt, self.continue_final_message)
         if isinstance(self.tool_choice, NamedToolChoice):
             chat.tool_choice.function = self.tool_choice.function.name
         elif self.tool_choice is not None:
@@ -597,6 +604,13 @@ def chat_input(
     chat.tools.extend(_tool(t) for t in tools or [])
     if template_kwargs:
         chat.template_kwargs = json.dumps(template_kwargs)
+
+
+def prefill(chat: pb.ChatMessages, add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's two fields on a request's messages, where they are not the defaults."""
+    if not add_generation_prompt:
+        chat.add_generation_prompt = False
+    chat.continue_final_message = continue_final_message
 
 
 def _message(m: ChatMessageIn, index: int) -> pb.ChatMessage:

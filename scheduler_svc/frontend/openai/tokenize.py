@@ -20,6 +20,7 @@ from scheduler_svc.frontend.openai.protocol import (
     TokenId,
     ToolDef,
     chat_input,
+    prefill,
 )
 from stepahead.v1 import generation_pb2 as pb
 
@@ -31,6 +32,7 @@ FIELDS = (
     (re.compile(r"^input\.messages\.messages"), "messages"),
     (re.compile(r"^input\.messages\.tools"), "tools"),
     (re.compile(r"^input\.messages\.template_kwargs"), "chat_template_kwargs"),
+    (re.compile(r"^input\.messages\.(add_generation_prompt|continue_final_message)"), r"\1"),
     (re.compile(r"^input\.messages"), "messages"),
     (re.compile(r"^input"), "prompt"),
 )
@@ -59,14 +61,11 @@ class TokenizeRequest(BaseModel):
         if self.messages is None:
             assert self.prompt is not None
             return pb.GenerateRequest(text=self.prompt)
-        if not self.add_generation_prompt:
-            raise FieldError("add_generation_prompt", "false is not served: the prompt always ends with it")
-        if self.continue_final_message:
-            raise FieldError("continue_final_message", "true is not served")
         if self.add_special_tokens:
             raise FieldError("add_special_tokens", "true is not served with messages: the template adds them")
         request = pb.GenerateRequest()
         chat_input(request.messages, self.messages, self.tools, self.chat_template_kwargs)
+        prefill(request.messages, self.add_generation_prompt, self.continue_final_message)
         return request
 
 
