@@ -60,6 +60,7 @@ class SamplingParams:
     # it, and the core ends the request (STOP) once it is finished.
     constraint: Constraint | None = None
     skip_special_tokens: bool = True  # the frontend's: special tokens left out of the text
+    include_stop_str: bool = False  # the frontend's: a stop string that ends the text is in it
     min_p: float = 0.0  # 0: off
     # Each prompt token's log-probability (after the first), with this many alternatives: the
     # worker scores the prompt as it computes it (no prefix-cache reuse). None: not asked.

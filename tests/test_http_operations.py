@@ -140,7 +140,7 @@ def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny
     c = client(tiny)
     refused_extras: list[dict[str, object]] = [
         {"truncate_prompt_tokens": 5},
-        {"include_stop_str_in_output": True},
+        {"length_penalty": 0.5},
         {"use_beam_search": True},
     ]
     for extra in refused_extras:

@@ -231,6 +231,20 @@ def completion_args(**more: Any) -> dict[str, Any]:
     return {"model": "scripted", "prompt": "hi", "max_tokens": len(OFFSETS), **more}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("include", [False, True], ids=["cut-before", "included"])
+async def test_a_stop_string_is_left_out_or_included(scripted: Scripted, stream: bool, include: bool) -> None:
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before."""
+    extra = {"include_stop_str_in_output": True} if include else {}
+    create = scripted.client.completions.create(
+        **completion_args(stop=["xy"], stream=stream, max_tokens=16, extra_body=extra)
+    )
+    done = await scripted_call(scripted, create, 1, steps_of(list(b"abxy")))
+    chunks = [chunk async for chunk in done] if stream else [done]
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text == ("abxy" if include else "ab") and chunks[-1].choices[0].finish_reason == "stop"
+
+
 async def test_completion_logprobs_are_openai_s_legacy_lists(scripted: Scripted) -> None:
     create = scripted.client.completions.create(**completion_args(logprobs=TOP))
     done = await scripted_call(scripted, create, 1, steps_of(OFFSETS, FinishReason.LENGTH))

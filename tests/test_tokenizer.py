@@ -476,6 +476,20 @@ def test_shared_prefix_that_completes_no_stop_is_emitted() -> None:
     assert matcher.push("e") == ("abe", False)
 
 
+def test_an_included_stop_string_ends_the_text() -> None:
+    """vLLM's include_stop_str_in_output: the text up to the end of the stop string, whether it
+    comes in one piece or a character at a time; of two starting together, the shorter."""
+    assert StopStringMatcher(["STOP"], include=True).push("hello STOP world") == ("hello STOP", True)
+    matcher = StopStringMatcher(["STOP"], include=True)
+    pieces = [matcher.push(char) for char in "hi STOP!"]
+    assert "".join(text for text, _ in pieces) == "hi STOP" and pieces[-2] == ("STOP", True)
+    for text in ("xabc", "xab"):
+        assert StopStringMatcher(["abc", "ab"], include=True).push(text) == ("xab", True)
+    matcher = StopStringMatcher(["abc", "ab"], include=True)
+    assert [matcher.push(char) for char in "xabc"] == [("x", False), ("", False), ("ab", True), ("", True)]
+    assert StopStringMatcher(["world", "lo"], include=True).push("hello world") == ("hello", True)
+
+
 def test_earliest_of_several_stops_wins() -> None:
     assert StopStringMatcher(["world", "lo"]).push("hello world") == ("hel", True)
     assert StopStringMatcher(["lo", "world"]).push("hello world") == ("hel", True)

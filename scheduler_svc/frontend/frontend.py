@@ -210,7 +210,7 @@ class Frontend:
         assert self.core is not None and self.tokenizer is not None
         rid, prompt_ids = completions.rid, completions.prompt_ids
         stream = OutputStream(self.config.stream_interval, completions.ready)
-        text = RequestText(self.tokenizer, params.stop, params.skip_special_tokens)
+        text = RequestText(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str)
         client = ClientRequest(next(self._handles), rid, prompt_ids, params, text, stream, index)
         client.calls = None if calls is None else CallStream(calls)
         if client.calls is None and not text.has_stops:

@@ -7,13 +7,17 @@ from scheduler_svc.frontend.tokenizer import StopStringMatcher, Tokenizer
 
 class RequestText:
     """Text the client may see: whole characters only, never any part of a
-    stop string, nothing after one."""
+    stop string (unless `include_stop`: the one that ends the text), nothing after one."""
 
     def __init__(
-        self, tokenizer: Tokenizer, stops: tuple[str, ...], skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        stops: tuple[str, ...],
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._decoder = tokenizer.new_decoder(skip_special_tokens)
-        self._stops = StopStringMatcher(stops)
+        self._stops = StopStringMatcher(stops, include_stop)
 
     @property
     def stopped(self) -> bool:

@@ -368,7 +368,10 @@ def load_tokenizer(
 
 
 class StopStringMatcher:
-    """Cuts a text stream before the first stop string, never emitting part of one.
+    """Cuts a text stream before the first stop string, never emitting part of one (with
+    `include`, after it: the stop string that ends the text is its last part, as vLLM's
+    include_stop_str_in_output; of two starting at one place, the shorter, which is whole first
+    however the text comes in pieces).
 
     Invariant: the held-back text is the longest tail of the text seen so far
     that is a proper prefix of some stop string, and it contains no full stop
@@ -376,9 +379,10 @@ class StopStringMatcher:
     the held-back text plus the new text.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         # An empty stop string would match before any text; it is ignored.
         self._stops = tuple(dict.fromkeys(stop for stop in stops if stop))
+        self._include = include
         self._stop_prefixes = frozenset(
             stop[:length] for stop in self._stops for length in range(1, len(stop))
         )
@@ -401,11 +405,12 @@ class StopStringMatcher:
         if self._stopped:
             return "", True
         pending = self._held + text
-        match_start = self._earliest_match_start(pending)
-        if match_start is not None:
+        match = self._earliest_match(pending)
+        if match is not None:
             self._held = ""
             self._stopped = True
-            return pending[:match_start], True
+            start, stop = match
+            return pending[: start + len(stop) if self._include else start], True
         safe_len = len(pending) - self._held_back_len(pending)
         self._held = pending[safe_len:]
         return pending[:safe_len], False
@@ -415,9 +420,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _earliest_match_start(self, pending: str) -> int | None:
-        starts = (pending.find(stop) for stop in self._stops)
-        return min((start for start in starts if start >= 0), default=None)
+    def _earliest_match(self, pending: str) -> tuple[int, str] | None:
+        """(where the first stop string in `pending` starts, which one it is: the shorter of
+        two that start there)."""
+        found = [(pending.find(stop), len(stop), stop) for stop in self._stops]
+        start, _, stop = min((f for f in found if f[0] >= 0), default=(-1, 0, ""))
+        return None if start < 0 else (start, stop)
 
     def _held_back_len(self, pending: str) -> int:
         for length in range(min(len(pending), self._max_held_len), 0, -1):

@@ -340,6 +340,7 @@ def _sampling_params(
         logit_bias=_logit_bias(dict(p.logit_bias), vocab),
         constraint=None if requested is None else _bounded_constraint(requested, p),
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        include_stop_str=p.include_stop_str_in_output,
         min_p=min_p,
         prompt_logprobs=_prompt_logprobs(p),
     )

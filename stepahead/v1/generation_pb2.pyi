@@ -297,6 +297,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Tokens to generate at most; must be >= 1."""
     temperature: _builtins.float
@@ -344,6 +345,8 @@ class SamplingParams(_message.Message):
     """The prompt's log-probabilities, with this many alternatives each (0-20): on the completion's
     first message, GenerateResponse.prompt_logprobs. Absent: none.
     """
+    include_stop_str_in_output: _builtins.bool
+    """True: a stop string that ends the text is part of it (default: cut before it)."""
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Extra token ids that end the request like EOS (kept in token_ids)."""
@@ -387,10 +390,11 @@ class SamplingParams(_message.Message):
         skip_special_tokens: _builtins.bool | None = ...,
         min_p: _builtins.float | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_n", b"_n", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_top_p", b"_top_p", "choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "min_p", b"min_p", "n", b"n", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structured", b"structured", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_n", b"_n", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_top_p", b"_top_p", "choice", b"choice", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_n", b"_n", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_top_p", b"_top_p", "choice", b"choice", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015

@@ -228,7 +228,6 @@ UNSERVED: dict[str, object] = {
     "best_of": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "include_stop_str_in_output": False,
     "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
@@ -286,6 +285,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0, lt=UINT32)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends the text is in it
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: JsonSchema | None = None  # vLLM's older names of structured_outputs' members
@@ -362,6 +362,7 @@ class SamplingFields(BaseModel):
         sampling.stop_token_ids.extend(self.stop_token_ids)
         if not self.skip_special_tokens:
             sampling.skip_special_tokens = False
+        sampling.include_stop_str_in_output = self.include_stop_str_in_output
         if self.top_p is not None:
             sampling.top_p = self.top_p
         if self.min_p is not None:

@@ -48,6 +48,7 @@ CHAT_EXTRAS = (
     "repetition_penalty",
     "logit_bias",
     "skip_special_tokens",
+    "include_stop_str_in_output",
     "chat_template_kwargs",
 )
 # Responses fields that only a stateful or hosted server serves: refused unless absent (or the value).
