@@ -243,6 +243,32 @@ async def test_a_stop_string_is_left_out_or_included(scripted: Scripted, stream:
     chunks = [chunk async for chunk in done] if stream else [done]
     text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     assert text == ("abxy" if include else "ab") and chunks[-1].choices[0].finish_reason == "stop"
+    last = chunks[-1].choices[0].model_dump()
+    assert last["stop_reason"] == "xy"  # vLLM's: what ended it
+    assert all(chunk.choices[0].model_dump()["stop_reason"] is None for chunk in chunks[:-1])
+
+
+@pytest.mark.parametrize(
+    ("ending", "finish", "stop_reason"),
+    [
+        ([ord("q")], FinishReason.STOP, ord("q")),  # a stop token of the request's
+        ([EOS], FinishReason.STOP, None),  # the end of sequence is no stop reason
+        ([ord("c")], FinishReason.LENGTH, None),
+    ],
+    ids=["stop-token", "eos", "length"],
+)
+async def test_stop_reason_names_the_stop_token_and_only_that(
+    scripted: Scripted, ending: list[int], finish: FinishReason, stop_reason: int | None
+) -> None:
+    extra = {"stop_token_ids": [ord("q")]}
+    for create in (scripted.client.completions.create, scripted.client.chat.completions.create):
+        args = completion_args(max_tokens=3, extra_body=extra)
+        if create == scripted.client.chat.completions.create:
+            args = {**chat_args(max_tokens=3), "extra_body": extra}
+        done = await scripted_call(
+            scripted, create(**args), 1, steps_of([ord("a"), ord("b"), *ending], finish)
+        )
+        assert done.choices[0].model_dump()["stop_reason"] == stop_reason
 
 
 async def test_completion_logprobs_are_openai_s_legacy_lists(scripted: Scripted) -> None:
@@ -468,6 +494,31 @@ async def test_min_tokens_holds_back_a_stop_token(tiny: Service, client: openai.
     held = await client.completions.create(**settings, extra_body={**stops, "min_tokens": 3})
     assert (free.choices[0].finish_reason, free.usage.completion_tokens) == ("stop", 1)
     assert held.usage.completion_tokens >= 3
+
+
+async def test_grpc_names_the_stop_string_or_stop_token_that_ended_it(tiny: Service) -> None:
+    async def responses(**stops: Any) -> list[pb.GenerateResponse]:
+        sampling = pb.SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True, **stops)
+        async with grpc.aio.insecure_channel(tiny.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sampling), timeout=CALL_TIMEOUT_S)
+            return [response async for response in call]
+
+    async def last(**stops: Any) -> pb.GenerateResponse:
+        return (await responses(**stops))[-1]
+
+    whole = await responses()
+    free = [token for response in whole for token in response.token_ids]
+    text = "".join(response.text for response in whole)
+    # A piece of the text, not at its start, whose first occurrence is where it is taken from.
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text.find(text[i : i + 2]) == i)
+    by_string = await last(stop=[stop])
+    assert (by_string.WhichOneof("stop_reason"), by_string.stop_string) == ("stop_string", stop)
+    by_token = await last(stop_token_ids=[free[1]])
+    assert (by_token.WhichOneof("stop_reason"), by_token.stop_token_id) == ("stop_token_id", free[1])
+    assert by_token.finish_reason == pb.FINISH_REASON_STOP
+    unstopped = await last()
+    assert unstopped.finish_reason == pb.FINISH_REASON_LENGTH and unstopped.WhichOneof("stop_reason") is None
 
 
 # ---- log-probabilities ---------------------------------------------------------------------------

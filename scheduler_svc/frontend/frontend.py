@@ -358,7 +358,7 @@ class Frontend:
             # EOS or a stop token: kept in token_ids, not in text. (A grammar's last token,
             # which also ends its request with STOP, is text.)
             client.stream.put(token, "", logprob)
-            self._end(client, finish)
+            self._end(client, finish, None if self._eos(client, token) else token)
             return
         match_stops = client.params.stop_finishes(client.num_generated - 1)
         text, stopped = client.text.push(token, match_stops)
@@ -368,16 +368,19 @@ class Frontend:
             else:
                 self._due.append(client.stream)
         if stopped:
-            self._end(client, FinishReason.STOP)
+            self._end(client, FinishReason.STOP, client.text.stop_string)
             if finish is None:
                 self._abort_in_core(client)
         elif finish is not None:
             self._end(client, finish)
 
     def _stop_token(self, client: ClientRequest, token: int) -> bool:
-        p = client.params
+        return token in client.params.stop_token_ids or self._eos(client, token)
+
+    def _eos(self, client: ClientRequest, token: int) -> bool:
+        """Whether `token` ends `client`'s text as an end of sequence (not with ignore_eos)."""
         eos = self.info.eos_token_ids if self.info is not None else ()
-        return token in p.stop_token_ids or (not p.ignore_eos and token in eos)
+        return not client.params.ignore_eos and token in eos
 
     def _note_token_time(self, client: ClientRequest, now: float) -> None:
         t = self.telemetry
@@ -397,7 +400,7 @@ class Frontend:
         client.stream.put_calls(deltas)
         return content
 
-    def _end(self, client: ClientRequest, reason: FinishReason) -> None:
+    def _end(self, client: ClientRequest, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         client.stream.catch_up()  # the text of tokens put before, ahead of what the finish flushes
         if not (reason == FinishReason.STOP and client.text.stopped):
             client.stream.put_text(self._content(client, client.text.finish()))
@@ -407,7 +410,7 @@ class Frontend:
                 reason = FinishReason.TOOL_CALLS  # its calls are whole: the reply ended after them
         client.finish_reason = reason
         self._forget(client)
-        client.stream.close(reason)
+        client.stream.close(reason, stop_reason if reason == FinishReason.STOP else None)
         self.telemetry.finished[reason.name.lower()].inc()
         self.telemetry.e2e.observe(time.time() - client.arrival_time)
 

@@ -144,6 +144,10 @@ def _fill(
     response.completion_tokens = chunk.completion_tokens
     if chunk.finish_reason is not None:
         response.finish_reason = int(chunk.finish_reason)  # type: ignore[assignment]
+    if isinstance(chunk.stop_reason, str):
+        response.stop_string = chunk.stop_reason
+    elif chunk.stop_reason is not None:
+        response.stop_token_id = chunk.stop_reason
     if index:
         response.index = index
     if cached := completions.clients[index].cached_tokens:

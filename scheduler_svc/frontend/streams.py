@@ -27,6 +27,9 @@ class OutputChunk:
     # With sampling.prompt_logprobs, in the chunk of the first token: one per prompt token
     # after the first.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # With a STOP finish: the stop string or stop token id that ended the text (vLLM's
+    # stop_reason); None for an EOS token, a grammar's end and every other finish.
+    stop_reason: str | int | None = None
 
 
 class OutputStream:
@@ -44,6 +47,7 @@ class OutputStream:
         self._calls: list[CallDelta] = []
         self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
         self._finish: FinishReason | None = None
+        self._stop_reason: str | int | None = None
         self._decoded = 0  # of _ids, those with their text made: the rest get it at the next take
         self._decode: Callable[[list[int]], str] | None = None
         self._sent = 0
@@ -109,8 +113,8 @@ class OutputStream:
         """The prompt's log-probabilities: they go with the next message (the first token's)."""
         self._prompt_logprobs = prompt
 
-    def close(self, reason: FinishReason) -> None:
-        self._finish = reason
+    def close(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self._finish, self._stop_reason = reason, stop_reason
         self.ready.set()
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
@@ -124,7 +128,14 @@ class OutputStream:
         self._sent += len(self._ids)
         text = "".join(self._text)
         chunk = OutputChunk(
-            self._ids, text, self._finish, self._sent, self._logprobs, self._calls, self._prompt_logprobs
+            self._ids,
+            text,
+            self._finish,
+            self._sent,
+            self._logprobs,
+            self._calls,
+            self._prompt_logprobs,
+            self._stop_reason if self._finish is not None else None,
         )
         self._ids, self._text, self._logprobs, self._calls = [], [], [], []
         self._prompt_logprobs = None

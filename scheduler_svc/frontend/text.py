@@ -23,6 +23,11 @@ class RequestText:
     def stopped(self) -> bool:
         return self._stops.stopped
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text; None while none has."""
+        return self._stops.matched
+
     def push(self, token_id: int, match_stops: bool = True) -> tuple[str, bool]:
         """(text now safe to send, whether a stop string ended the output). Without
         `match_stops` (the request's first min_tokens tokens) the text is not searched: stop

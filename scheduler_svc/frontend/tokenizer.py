@@ -389,6 +389,7 @@ class StopStringMatcher:
         self._max_held_len = max((len(stop) for stop in self._stops), default=1) - 1
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string found
 
     @property
     def stopped(self) -> bool:
@@ -409,8 +410,8 @@ class StopStringMatcher:
         if match is not None:
             self._held = ""
             self._stopped = True
-            start, stop = match
-            return pending[: start + len(stop) if self._include else start], True
+            start, self.matched = match
+            return pending[: start + len(self.matched) if self._include else start], True
         safe_len = len(pending) - self._held_back_len(pending)
         self._held = pending[safe_len:]
         return pending[:safe_len], False

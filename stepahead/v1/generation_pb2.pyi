@@ -590,6 +590,8 @@ class GenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STOP_STRING_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """Their decoded text; never half a UTF-8 character, never part of a stop string."""
@@ -604,6 +606,8 @@ class GenerateResponse(_message.Message):
     """
     cached_tokens: _builtins.int
     """Of prompt_tokens, those found in the prefix cache (their KV was reused, not computed)."""
+    stop_string: _builtins.str
+    stop_token_id: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens new since the previous message (several when the client lagged)."""
@@ -636,12 +640,16 @@ class GenerateResponse(_message.Message):
         cached_tokens: _builtins.int = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
         prompt_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        stop_string: _builtins.str = ...,
+        stop_token_id: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_string", "stop_token_id"]  # noqa: Y015
+    _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_stop_reason) -> _WhichOneofReturnType_stop_reason | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 

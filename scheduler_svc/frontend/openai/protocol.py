@@ -768,9 +768,16 @@ class ResponseIds:
         chunk: bool,
         logprobs: dict[str, Any] | None = None,
         calls: Sequence[CallDelta] = (),
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
-        """A choice of a body (`calls`: all its calls' deltas) or of a chunk (those new)."""
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_name(finish)}
+        """A choice of a body (`calls`: all its calls' deltas) or of a chunk (those new);
+        `stop_reason` (vLLM's): the stop string or stop token id that ended it, else null."""
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": finish_name(finish),
+            "stop_reason": stop_reason,
+        }
         if not self.chat:
             choice["text"] = text
         elif chunk:
@@ -795,7 +802,7 @@ class ResponseIds:
     def role_chunk(self, index: int) -> dict[str, Any]:
         """A chat stream's first chunk of each choice: the assistant's role."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        return {**self.head(True), "choices": [{**choice, "finish_reason": None}]}
+        return {**self.head(True), "choices": [{**choice, "finish_reason": None, "stop_reason": None}]}
 
     def usage_chunk(self, counts: tuple[int, int, int]) -> dict[str, Any]:
         return {**self.head(True), "choices": [], "usage": usage(*counts)}

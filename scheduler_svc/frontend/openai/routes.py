@@ -701,6 +701,7 @@ class Choice:
     token_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None: a prompt's first
     calls: list[CallDelta] = field(default_factory=list)  # its tool calls' pieces
     finish: FinishReason | None = None
+    stop_reason: str | int | None = None  # what ended it, with a STOP finish (vLLM's)
     completion_tokens: int = 0
     # echo with logprobs: the prompt, whose tokens (and log-probabilities: none for the first)
     # come before the first output token's in `logprobs`.
@@ -719,7 +720,7 @@ class Choice:
         self.token_ids += chunk.token_ids
         self.token_logprobs += chunk.logprobs
         self.calls += chunk.tool_calls
-        self.finish = chunk.finish_reason
+        self.finish, self.stop_reason = chunk.finish_reason, chunk.stop_reason
         self.completion_tokens = chunk.completion_tokens
 
     @property
@@ -736,7 +737,7 @@ class Choice:
         """What is pending, as the choice of a body or of a chunk."""
         text, token_ids, token_logprobs, calls = self.pending()
         logprobs = None if self.logprobs is None else self.logprobs.format(token_ids, token_logprobs)
-        return ids.choice(self.index, text, self.finish, chunk, logprobs, calls)
+        return ids.choice(self.index, text, self.finish, chunk, logprobs, calls, self.stop_reason)
 
 
 SLICE_ENTRIES = 4096  # log-probabilities formatted between turns of the event loop (~25 ms)
@@ -751,7 +752,9 @@ async def _whole_body(ids: ResponseIds, choices: list[Choice], counts: tuple[int
     for choice in choices:
         marker = f"{nonce}-{choice.index}"
         text = "".join(choice.texts)
-        bodies.append(ids.choice(choice.index, text, choice.finish, False, None, choice.calls))
+        bodies.append(
+            ids.choice(choice.index, text, choice.finish, False, None, choice.calls, choice.stop_reason)
+        )
         if choice.logprobs is not None:
             bodies[-1]["logprobs"] = marker
             logprobs[_dumps(marker)] = await _logprobs_json(choice)
