@@ -594,7 +594,9 @@ class GenerateResponse(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
-    """Their decoded text; never half a UTF-8 character, never part of a stop string."""
+    """Their decoded text; never half a UTF-8 character, never part of a stop string (but the
+    one that ended it, with sampling.include_stop_str_in_output).
+    """
     finish_reason: Global___FinishReason.ValueType
     """FINISH_REASON_UNSPECIFIED while the request runs; set on its last message."""
     prompt_tokens: _builtins.int
