@@ -251,6 +251,9 @@ async def stream_reply(args: argparse.Namespace) -> int:
         print(("\n" if index == 0 else "") + json.dumps(calls[index], ensure_ascii=False))
     if last is not None:
         reason = generation_pb2.FinishReason.Name(last.finish_reason)
+        which = last.WhichOneof("stop_reason")
+        if which is not None:  # the stop string or stop token that ended it
+            reason += f" at {json.dumps(getattr(last, which), ensure_ascii=False)}"
         print(
             f"\n[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
             file=sys.stderr,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -131,6 +132,17 @@ def test_the_cli_client_chats(chat_pair: Service) -> None:
     expected = bytes(t for t in sim_continuation(prompt, 6) if t < 256).decode(errors="replace")
     assert out.stdout.strip() == expected.strip()
     assert f"{len(prompt)} prompt + " in out.stderr
+
+
+def test_the_cli_client_names_the_stop_string_that_ended_the_text(chat_pair: Service) -> None:
+    free = run_client(chat_pair.address, "--chat", "Hi", "--max-new-tokens", "64")
+    text = free.stdout.strip()
+    # A character of the text, not at its start, first seen there (the sim's bytes: not all text).
+    stop = next(c for i, c in enumerate(text) if i and text.find(c) == i and c.isalnum() and c.isascii())
+    out = run_client(chat_pair.address, "--chat", "Hi", "--max-new-tokens", "64", "--stop", stop)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == text[: text.index(stop)].strip()
+    assert f"[FINISH_REASON_STOP at {json.dumps(stop, ensure_ascii=False)};" in out.stderr, out.stderr
 
 
 def test_the_cli_client_reports_a_model_without_a_template(plain_pair: Service) -> None:
