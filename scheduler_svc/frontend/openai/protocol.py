@@ -2,8 +2,10 @@
 GenerateRequest so that one set of checks serves both APIs; responses and errors as dicts.
 
 Fields OpenAI defines and Stepahead does not implement are refused with 400 naming them,
-never silently ignored. `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
-`min_tokens` are accepted as the extra fields vLLM takes.
+never silently ignored. `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`,
+`min_tokens`, `include_stop_str_in_output` and (chat) `add_generation_prompt` with
+`continue_final_message` are accepted as the extra fields vLLM takes; every choice carries vLLM's
+`stop_reason`.
 
 Structured output, on both endpoints: OpenAI's `response_format` (`json_object`, or `json_schema`,
 whose output is held to the schema whatever `strict` says), vLLM's `structured_outputs` (`json`,
