@@ -117,6 +117,7 @@ async def test_the_template_message_reaches_the_client(chat_pair: Service) -> No
 async def test_a_model_without_a_chat_template_answers_failed_precondition(plain_pair: Service) -> None:
     code, details = await status_of(plain_pair.address, chat([("user", "hi")]))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("input.messages:"), details
+    assert "--chat-template FILE" in details  # what to do about it
     assert not (await server_info(plain_pair.address)).chat_template
 
 

@@ -227,7 +227,10 @@ def _chat_ids(
 ) -> list[int]:
     """Checked before rendering: the sizes bound what the template is given."""
     if source.chat is None:
-        raise NoChatTemplate("input.messages: the model has no chat template; send text or input_ids")
+        raise NoChatTemplate(
+            "input.messages: the model has no chat template: send a prompt (gRPC text or input_ids; "
+            "HTTP /v1/completions), or serve it with --chat-template FILE"
+        )
     checked = _check_chat_messages(list(chat.messages), source.max_text_bytes)
     opens_reply = not chat.HasField("add_generation_prompt") or chat.add_generation_prompt
     if chat.continue_final_message and opens_reply:
