@@ -29,7 +29,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler_svc.contract import FinishReason
-from scheduler_svc.frontend.openai.protocol import STRICT, ChatCompletionRequest, FieldError, field_path
+from scheduler_svc.frontend.openai.protocol import (
+    STRICT,
+    ChatCompletionRequest,
+    FieldError,
+    FunctionDef,
+    field_path,
+)
 from scheduler_svc.frontend.tools import CallDelta
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served
@@ -62,14 +68,10 @@ NOT_SERVED: dict[str, tuple[object, str]] = {
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
-class FunctionTool(BaseModel):
-    model_config = STRICT
+class FunctionTool(FunctionDef):
+    """A function tool as Responses defines it: chat's function definition, flat, typed."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(BaseModel):
@@ -517,8 +519,9 @@ class ResponseShape:
         return [self.event("response.failed", response=self.response("failed", error=error))]
 
     def _where(self) -> dict[str, Any]:
+        """Where the open message's text goes."""
         assert self._open is not None
-        return {"item_id": self._open.item["id"], "output_index": self._open.index, "content_index": 0}
+        return {**self._where_of(self._open), "content_index": 0}
 
     def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         """The open item's closing events; it gets its whole text or arguments, and `status`
