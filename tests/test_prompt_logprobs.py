@@ -45,6 +45,7 @@ from worker_svc.launch_check import LaunchError, LaunchLimits, check_launch
 CPU = torch.device("cpu")
 ATOL = 1e-4  # float32 against float32, the same weights (tests/test_architectures.py)
 TOP = 3
+NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +279,9 @@ def test_served_echo_with_logprobs_scores_the_prompt_as_transformers_does(
         assert alone_lp.token_logprobs is not None
         assert alone_lp.token_logprobs[1:] == pytest.approx(chosen, abs=ATOL)
 
+        # Sampled at temperature 1: without ignore_eos a sampled EOS would end it short of 3 tokens.
         stream = client.completions.create(
-            model=name, prompt=text, echo=True, logprobs=1, max_tokens=3, stream=True
+            model=name, prompt=text, echo=True, logprobs=1, max_tokens=3, stream=True, extra_body=NO_EOS
         )
         chunks = [c for c in stream if c.choices]
         first = chunks[0].choices[0]
