@@ -1,6 +1,10 @@
-"""The Llama family against transformers: Llama (llama3 rope scaling, tied embeddings, attention
-bias), Mistral (sliding window), Qwen2 (q/k/v bias) and Qwen3 (q/k norms), each a tiny random
-checkpoint written by transformers itself.
+"""The Llama family against transformers: Llama (llama3 and yarn rope scaling, tied embeddings,
+attention bias), Mistral (sliding window), Qwen2 (q/k/v bias; sliding layers), Qwen3 (q/k norms),
+Gemma (scaled embeddings, 1 + w norms, tanh GELU), Gemma 2 (norms around each block, capped
+scores and logits, alternating sliding layers), Gemma 3 (q/k norms, local layers with their own
+rotary base, linear scaling on the global ones), Phi-3 (fused checkpoint projections, a partial
+rotation, longrope), SmolLM3 (layers without a rotation) and Granite (its four multipliers), each a
+tiny random checkpoint written by transformers itself.
 
 Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
 chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +32,9 @@ from stepahead.v1 import generation_pb2 as pb
 from stepahead.v1 import generation_pb2_grpc
 from tests.live import CALL_TIMEOUT_S
 from worker_svc.forward_batch import ForwardBatch
-from worker_svc.layers import KVCache
-from worker_svc.loading import config_from_hf_dict, load_hf_checkpoint
+from worker_svc.hf_config import config_from_hf_dict
+from worker_svc.layers import KVCache, RotaryEmbedding
+from worker_svc.loading import checkpoint_chat_template, load_hf_checkpoint
 from worker_svc.model import LlamaForCausalLM
 
 transformers: Any = importlib.import_module("transformers")  # dev dependency: the reference
@@ -49,6 +55,7 @@ COMMON: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "bos_token_id": 1,
     "eos_token_id": 2,
+    "pad_token_id": 0,  # in the vocabulary (some config classes default to a large id)
 }
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -58,14 +65,63 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 16,
 }
 
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+# Phi-3's longrope over a rotation of half of each 8-wide head: 2 factors each. The sequences here
+# stay below the boundary, where transformers uses the short ones (see test_longrope_*).
+LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 6.0]}
+# Caps small enough to bite on these scores and logits (Gemma 2's own are 50 and 30).
+SOFTCAPS = {"attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0}
+
 # name: (transformers config class, its arguments beyond COMMON)
 FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": True}),
     "llama-attention-bias": ("LlamaConfig", {"attention_bias": True}),
+    "llama-yarn": ("LlamaConfig", {"rope_scaling": YARN_SCALING}),
     "mistral-sliding-window": ("MistralConfig", {"sliding_window": WINDOW}),
     "qwen2": ("Qwen2Config", {"rope_theta": 1e6, "tie_word_embeddings": True}),
+    "qwen2-sliding-layers": (  # layer 1 windowed, layer 0 not
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "rope_theta": 1e6}),  # head_dim not hidden / heads
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, **SOFTCAPS},
+    ),
+    "gemma3": (  # layer 0 local (its own base, unscaled), layer 1 global (scaled)
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "sliding_window_pattern": 2,
+            "rope_theta": 1e4,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "phi3": (
+        "Phi3Config",
+        {
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": LONGROPE,
+            "original_max_position_embeddings": 128,
+            "sliding_window": WINDOW,
+        },
+    ),
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),  # layer 1 without a rotation
+    "granite": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 3.0,
+            "attention_multiplier": 0.3,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+        },
+    ),
 }
+EAGER = ("gemma2",)  # transformers caps the scores in its eager attention only
 
 
 def hf_checkpoint(kind: str, directory: pathlib.Path) -> Any:
@@ -73,7 +129,8 @@ def hf_checkpoint(kind: str, directory: pathlib.Path) -> Any:
     config_class, extra = FAMILY[kind]
     config = getattr(transformers, config_class)(**COMMON, **extra)
     torch.manual_seed(11)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    implementation = {"attn_implementation": "eager"} if kind in EAGER else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, **implementation).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
@@ -156,19 +213,38 @@ def ours_greedy(
     model: LlamaForCausalLM, tokens: list[int], n: int, other: list[int]
 ) -> tuple[list[int], torch.Tensor]:
     """Our greedy continuation: `tokens` prefilled in two chunks (the second beside `other`'s
-    whole prompt), then decoded batched with `other`, which decodes beside it."""
+    whole prompt), then decoded batched with `other`, which decodes beside it; and the logits
+    [n + 1, V] of each of its steps (the prefill's, then each decode step's)."""
     pool = PooledSequences(model)
     cut = len(tokens) // 2
     pool.step([(0, tokens[:cut])])
     logits = pool.step([(0, tokens[cut:]), (1, other)])
-    first = logits[0]
+    steps = [logits[0]]
     out: list[int] = []
     other_next = int(logits[1].argmax())
     for _ in range(n):
         out.append(int(logits[0].argmax()))
         logits = pool.step([(1, [other_next]), (0, [out[-1]])]).flip(0)  # decode rows, padded by length
+        steps.append(logits[0])
         other_next = int(logits[1].argmax())
-    return out, first
+    return out, torch.stack(steps)
+
+
+def hf_logits(model: Any, sequence: list[int]) -> torch.Tensor:
+    """transformers' logits [len, V] at every position of `sequence`, in one forward."""
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0].float()  # type: ignore[no-any-return]
+
+
+# By kind, what each of its two layers reads from its config: the window, the rotation.
+WINDOWED = {
+    "mistral-sliding-window": [WINDOW, WINDOW],
+    "phi3": [WINDOW, WINDOW],
+    "qwen2-sliding-layers": [None, WINDOW],
+    "gemma2": [WINDOW, None],
+    "gemma3": [WINDOW, None],
+}
+ROTATIONS = {"gemma3": ["local", "global"], "smollm3": ["global", None]}
 
 
 def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pathlib.Path]) -> None:
@@ -176,20 +252,101 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     ours = load_hf_checkpoint(directory, torch.float32, CPU)
     config = ours.config
     assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
-        kind == "qwen3",
-        kind in ("qwen2", "llama-attention-bias"),
+        kind in ("qwen3", "gemma3"),
+        kind in ("qwen2", "qwen2-sliding-layers", "llama-attention-bias"),
         kind == "llama-attention-bias",
     )
-    assert config.sliding_window == (WINDOW if kind == "mistral-sliding-window" else None)
+    windowed = [config.window_of(i) for i in range(config.num_layers)]
+    assert windowed == WINDOWED.get(kind, [None, None])
+    assert [config.rope_of(i) for i in range(config.num_layers)] == ROTATIONS.get(kind, ["global"] * 2)
     tokens, other = prompt(37, seed=5), prompt(11, seed=6)  # both past the window
     expected, hf_first = hf_greedy(hf_model, tokens, 24)
-    got, first = ours_greedy(ours, tokens, 24, other)
-    torch.testing.assert_close(first, hf_first, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+    got, steps = ours_greedy(ours, tokens, 24, other)
+    torch.testing.assert_close(steps[0], hf_first, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
     assert got == expected
+    # Every decode step's logits, not only its argmax (a random model may repeat one token).
+    reference = hf_logits(hf_model, tokens + expected)[len(tokens) - 1 :]
+    torch.testing.assert_close(steps, reference, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
     # The batch neighbour's own stream is the same as alone.
     other_expected, _ = hf_greedy(hf_model, other, 4)
     alone, _ = ours_greedy(ours, other, 4, prompt(5, seed=7))
     assert alone == other_expected
+
+
+def test_a_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path: pathlib.Path) -> None:
+    """Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration: a vision tower and a
+    projector beside the language model, whose config is text_config. Its text is served: the
+    language model's weights under their own names, the rest left out, logits as transformers'
+    on the same text."""
+    text = {**COMMON, **FAMILY["gemma3"][1]}
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+    )
+    torch.manual_seed(11)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.normal_(0.0, 0.2)
+    hf_model.save_pretrained(tmp_path)
+    assert any("vision_tower" in name for name in hf_model.state_dict())
+    ours = load_hf_checkpoint(tmp_path, torch.float32, CPU)
+    assert ours.config.architecture == "gemma3_text" and ours.config.num_layers == text["num_hidden_layers"]
+    tokens = prompt(37, seed=5)
+    got, steps = ours_greedy(ours, tokens, 8, prompt(11, seed=6))
+    reference = hf_logits(hf_model, tokens + got)[len(tokens) - 1 :]
+    torch.testing.assert_close(steps, reference, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+
+
+def test_a_chat_template_is_found_where_checkpoints_keep_it(tmp_path: pathlib.Path) -> None:
+    """chat_template.jinja first, then tokenizer_config.json's, then chat_template.json's (where a
+    vision-language checkpoint's processor keeps it)."""
+    assert checkpoint_chat_template(tmp_path) == ""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "processor's"}))
+    assert checkpoint_chat_template(tmp_path) == "processor's"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "tokenizer's"}))
+    assert checkpoint_chat_template(tmp_path) == "tokenizer's"
+    (tmp_path / "chat_template.jinja").write_text("its own file's")
+    assert checkpoint_chat_template(tmp_path) == "its own file's"
+
+
+def test_a_config_as_published_reads_as_the_one_transformers_writes(
+    pair: tuple[str, Any, pathlib.Path],
+) -> None:
+    """Checkpoints on the Hub mostly carry the older keys (top-level rope_theta and rope_scaling,
+    rope_local_base_freq, partial_rotary_factor, sliding_window_pattern, no layer_types): the
+    arguments FAMILY gives; transformers writes them anew (rope_parameters, by layer type for Gemma
+    3; layer_types). Both read as the same config."""
+    kind, _, directory = pair
+    written = json.loads((directory / "config.json").read_text())
+    published = {**COMMON, **FAMILY[kind][1], "architectures": written["architectures"]}
+    assert "rope_parameters" in written and "rope_parameters" not in published
+    assert config_from_hf_dict(published) == config_from_hf_dict(written)
+
+
+def test_longrope_rotates_past_the_boundary_with_the_long_factors(tmp_path: pathlib.Path) -> None:
+    """Positions from original_max_position_embeddings on take the long factors, as transformers
+    rotates a sequence longer than that; both scaled by its attention factor."""
+    hf_model = hf_checkpoint("phi3", tmp_path)
+    rotary = load_hf_checkpoint(tmp_path, torch.float32, CPU).model.rotary["global"]
+    assert isinstance(rotary, RotaryEmbedding)
+    init = importlib.import_module("transformers.modeling_rope_utils").ROPE_INIT_FUNCTIONS["longrope"]
+    boundary = FAMILY["phi3"][1]["original_max_position_embeddings"]
+    short, factor = init(hf_model.config, CPU)
+    long, _ = init(hf_model.config, CPU, seq_len=boundary + 1)
+    assert factor > 1.0 and not torch.equal(short, long)
+    positions = torch.arange(COMMON["max_position_embeddings"], dtype=torch.float32)
+    for inv_freq, rows in ((short, slice(0, boundary)), (long, slice(boundary, None))):
+        freqs = positions[rows, None] * inv_freq[None, :]
+        expected = torch.cat((freqs, freqs), dim=-1)
+        assert torch.equal(rotary.cos_cache[rows], expected.cos() * factor)
+        assert torch.equal(rotary.sin_cache[rows, inv_freq.shape[0] :], freqs.sin() * factor)
 
 
 def test_a_sliding_window_changes_the_outputs() -> None:
@@ -204,7 +361,7 @@ def test_a_sliding_window_changes_the_outputs() -> None:
         for param in model.parameters():
             param.normal_(0.0, 0.3)
     with_window, _ = ours_greedy(model, prompt(37, 5), 16, prompt(11, 6))
-    model.model.sliding_window = None
+    model.model.layer_windows = [None] * windowed.num_layers
     without, _ = ours_greedy(model, prompt(37, 5), 16, prompt(11, 6))
     assert with_window != without
 
@@ -214,12 +371,24 @@ def test_a_sliding_window_changes_the_outputs() -> None:
     [
         ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "Qwen3MoeForCausalLM"),
         (
-            {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
-            "use_sliding_window",
+            {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+            "use_bidirectional_attention",
+        ),
+        (
+            {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "dynamic",
         ),
         (
             {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-            "yarn",
+            "original_max_position_embeddings",
+        ),
+        (
+            {
+                "architectures": ["Gemma2ForCausalLM"],
+                "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention"],
+            },
+            "layer_types",
         ),
         ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act"),
         ({"architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias"),
@@ -232,7 +401,7 @@ def test_what_is_not_supported_is_refused_by_name(override: dict[str, Any], name
 
 # ---- served ----------------------------------------------------------------------------------
 
-SERVED = ("mistral-sliding-window", "qwen2", "qwen3")
+SERVED = ("mistral-sliding-window", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 def write_char_tokenizer(directory: pathlib.Path) -> None:

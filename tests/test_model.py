@@ -16,6 +16,7 @@ import torch
 from worker_svc import layers as layers_module
 from worker_svc.backends import LlamaBackend
 from worker_svc.forward_batch import ForwardBatch
+from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.layers import (
     WEIGHT_SIDE_MAX_ROWS,
     KVCache,
@@ -23,13 +24,7 @@ from worker_svc.layers import (
     use_weight_side_products,
     weight_side_product,
 )
-from worker_svc.loading import (
-    BYTE_TOKENIZER,
-    TINY_CONFIG,
-    build_tiny,
-    config_from_hf_dict,
-    load_hf_checkpoint,
-)
+from worker_svc.loading import BYTE_TOKENIZER, TINY_CONFIG, build_tiny, load_hf_checkpoint
 from worker_svc.model import LlamaForCausalLM, ModelConfig
 
 CPU = torch.device("cpu")
@@ -420,8 +415,8 @@ def test_load_rejects_unsupported_architecture(
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
+        ({"rope_scaling": {"type": "linear"}}, "factor"),
         ({"mlp_bias": True}, "mlp_bias"),
     ],
 )

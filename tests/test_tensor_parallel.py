@@ -153,14 +153,54 @@ def test_two_shards_compute_the_full_models_logits_on_every_rank() -> None:
         assert torch.equal(got0, got1)
 
 
+GEMMA_FEATURES = {
+    "norm_offset": True,
+    "sandwich_norms": True,
+    "hidden_act": "gelu_tanh",
+    "embedding_scale": 16.0,
+    "attention_scale": 0.1,
+    "attention_softcap": 5.0,
+    "final_softcap": 10.0,
+    "qk_norm": True,
+    "sliding_window": 4,
+    "sliding_layers": (True, False, True, False),
+    "local_rope_theta": 100.0,
+}
+# Past position 4 the long factors: the decode row at position 9 takes them.
+LONGROPE = (
+    ("long_factor", (4.0,) * 8),
+    ("original_max_position_embeddings", 4),
+    ("rope_type", "longrope"),
+    ("short_factor", (1.5,) * 8),
+)
+OTHER_FEATURES = {
+    "rotary_dim": 16,
+    "rope_scaling": LONGROPE,
+    "rope_layers": (True, False, True, True),
+    "residual_scale": 0.5,
+    "logits_divisor": 2.0,
+}
+
+
 @pytest.mark.parametrize(
     "features",
-    [{"qkv_bias": True, "o_bias": True}, {"qkv_bias": True, "qk_norm": True, "sliding_window": 4}],
-    ids=["attention bias", "qwen3 norms, qwen2 bias, mistral window"],
+    [
+        {"qkv_bias": True, "o_bias": True},
+        {"qkv_bias": True, "qk_norm": True, "sliding_window": 4},
+        GEMMA_FEATURES,
+        OTHER_FEATURES,
+    ],
+    ids=[
+        "attention bias",
+        "qwen3 norms, qwen2 bias, mistral window",
+        "gemma 2 and 3",
+        "phi-3's partial longrope, smollm3's layers without rotation, granite's multipliers",
+    ],
 )
 def test_the_familys_features_shard_too(features: dict[str, object]) -> None:
     """Biases of column-parallel layers split with their rows; the output projection's bias is
-    added once, after the sum; q/k norms are per head, so every rank holds them whole."""
+    added once, after the sum; q/k norms are per head, so every rank holds them whole; the rest
+    (norms around the blocks, scales, caps, windows and rotations by layer) is each rank's whole."""
     config = dataclasses.replace(TINY_CONFIG, **features)  # type: ignore[arg-type]
     full = new_model(config, torch.float64, CPU)
     generator = torch.Generator().manual_seed(4)

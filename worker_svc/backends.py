@@ -126,7 +126,7 @@ class LogitsDraw:
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """`logits`: the sampling rows' [R, V]; `scored`: the scored prompt positions' final
-        hidden states [S, hidden], and `head` their logits' projection (the model's lm_head)."""
+        hidden states [S, hidden], and `head` their float32 logits (the model's `head`)."""
         self._scored, self._head = scored, head
         self._logits = logits
         self._sampling = sampling
@@ -216,7 +216,7 @@ class LlamaBackend:
         if batch.score_token_index is None:
             return LogitsDraw(self.model(batch, self._kv), sampling)
         logits, scored = self.model.logits_and_scored(batch, self._kv)
-        return LogitsDraw(logits, sampling, scored, self.model.lm_head)
+        return LogitsDraw(logits, sampling, scored, self.model.head)
 
 
 SIM_EOS_EVERY = 61  # the sim emits EOS for about one token in 61

@@ -53,14 +53,97 @@ class KVCache:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, computed the way HF checkpoints expect."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(torch.float32)
-    inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
-    if config.rope_factors is not None:
-        return inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32)
-    if config.rope_scaling is None:
-        return inv_freq
-    return _llama3_scaled(inv_freq, dict(config.rope_scaling))
+    """The global rotation's inverse frequencies [rotary_dim / 2] in float32, computed the way HF
+    checkpoints expect (longrope's: those of the positions the model was trained on)."""
+    return _rope_frequencies(config, local=False).short
+
+
+@dataclass
+class RopeFrequencies:
+    short: torch.Tensor  # [rotary_dim / 2] the inverse frequencies
+    long: torch.Tensor | None = None  # longrope's, from position `boundary` on
+    boundary: int = 0
+    attention_factor: float = 1.0  # cos and sin times this (yarn, longrope)
+
+
+def _rope_frequencies(config: ModelConfig, local: bool) -> RopeFrequencies:
+    """Each rope type's frequencies as transformers computes them (`modeling_rope_utils`), op for
+    op: the tables then match its float32 ones bit for bit."""
+    dim = config.rotary_dim or config.head_dim
+    base = config.local_rope_theta if local and config.local_rope_theta is not None else config.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (base**exponents)
+    scaling: dict[str, Any] = (
+        dict(config.rope_scaling) if config.rope_scaling is not None and not local else {}
+    )
+    if config.rope_factors is not None and not local:
+        return RopeFrequencies(inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32))
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type is None:
+        return RopeFrequencies(inv_freq)
+    if rope_type == "llama3":
+        return RopeFrequencies(_llama3_scaled(inv_freq, scaling))
+    if rope_type == "linear":
+        return RopeFrequencies(inv_freq / float(scaling["factor"]))
+    if rope_type == "yarn":
+        return _yarn(base, dim, scaling, config.max_context_len)
+    assert rope_type == "longrope", rope_type  # ModelConfig checked the type
+    return _longrope(base, dim, scaling, config.max_context_len)
+
+
+def _yarn(base: float, dim: int, scaling: dict[str, Any], max_len: int) -> RopeFrequencies:
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_len / original)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return RopeFrequencies(
+        interpolation * (1 - keep) + extrapolation * keep, attention_factor=float(attention_factor)
+    )
+
+
+def _longrope(base: float, dim: int, scaling: dict[str, Any], max_len: int) -> RopeFrequencies:
+    """Phi-3's: short factors for the positions the model was trained on, long ones past them.
+
+    NOTE: transformers picks one set for a whole forward by its longest sequence, so a sequence
+    that grows past the boundary is rotated by both over its life there too (its cached keys keep
+    the short set). Here the set is the position's: a token's rotation never depends on its batch
+    or on how far its sequence will grow, and up to the boundary it is transformers' exactly."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_len / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+    def frequencies(factors: Any) -> torch.Tensor:
+        return 1.0 / (torch.tensor(list(factors), dtype=torch.float32) * base**shape)
+
+    short, long = frequencies(scaling["short_factor"]), frequencies(scaling["long_factor"])
+    return RopeFrequencies(short, long, original, float(attention_factor))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -79,16 +162,22 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and signed sin of every position up to max_context_len, a head wide (see apply_rotary)."""
+    """cos and signed sin of every position up to max_context_len, the rotated part of a head
+    wide (see apply_rotary); `local`: Gemma 3's sliding layers' (their own base, unscaled)."""
 
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
+        rope = _rope_frequencies(config, local)
         positions = torch.arange(config.max_context_len, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(config)[None, :]
+        freqs = positions[:, None] * rope.short[None, :]
+        if rope.long is not None and rope.boundary < config.max_context_len:
+            freqs[rope.boundary :] = positions[rope.boundary :, None] * rope.long[None, :]
         cos, sin = freqs.cos(), freqs.sin()
+        if rope.attention_factor != 1.0:
+            cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
@@ -104,8 +193,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with `sin` signed (-sin, sin) a head wide.
 
     NOTE: x rolled by half a head is (x2, x1), so the whole rotation is three ops where the
-    written-out halves take eight (half the time at a decode step's sizes, 30 times a step)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    written-out halves take eight (half the time at a decode step's sizes, 30 times a step).
+    Where cos is narrower than a head (a partial rotation), its first cos-width dims are rotated
+    and the rest pass through."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(width // 2, dims=-1), sin)
+    part = x[..., :width]
+    return torch.cat((torch.addcmul(part * cos, part.roll(width // 2, dims=-1), sin), x[..., width:]), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +327,16 @@ def _prefill_row(batch: ForwardBatch, row: int, query_group: int, window: int | 
     return PrefillRow(batch.row_token_starts[row], num_tokens, kv_slots, mask)
 
 
+@dataclass(frozen=True)
+class Scores:
+    """How a layer's attention scores are made: their scale (None: head_dim ** -0.5) and cap."""
+
+    scale: float | None = None
+    softcap: float | None = None  # Gemma 2: cap * tanh(s / cap), before the mask
+
+
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scores: Scores = Scores()
 ) -> torch.Tensor:
     """Attention of q [B, n, H, d] over k, v [B, L, kvh, d] -> [B, n, H * d].
 
@@ -244,13 +347,29 @@ def grouped_attention(
     batch, num_q, num_heads, head_dim = q.shape
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     q = q.transpose(1, 2)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if scores.softcap is not None:
+        if mask is None:  # causal: folded row r is query r % n
+            rows = torch.arange(num_q, device=q.device).repeat(num_heads // k.shape[1])
+            mask = torch.arange(num_q, device=q.device)[None, :] <= rows[:, None]
+        folded = q.reshape(batch, k.shape[1], -1, head_dim)
+        out = _capped_attention(folded, k, v, mask, scores.scale or head_dim**-0.5, scores.softcap)
+    elif mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scores.scale)
     else:
         folded = q.reshape(batch, k.shape[1], -1, head_dim)
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scores.scale)
     out = out.reshape(batch, num_heads, num_q, head_dim).transpose(1, 2)
     return out.reshape(batch, num_q, num_heads * head_dim)
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """Softmax attention with the scores capped, in transformers' order of operations (eager)."""
+    weights = torch.matmul(q, k.transpose(2, 3)) * scale
+    weights = torch.tanh(weights / cap) * cap
+    weights = weights.masked_fill(~mask, float("-inf"))
+    return torch.matmul(F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,12 +458,16 @@ class RMSNorm(nn.Module):
     # Stepahead's CPU kernels, where the model runs on them (`use_cpu_kernels`)
     kernels: Kernels | None = None
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.offset = offset  # Gemma's: scaled by 1 + weight, in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:  # as transformers' Gemma norms: normed and scaled in float32, then cast
+            normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+            return (normed * (1.0 + self.weight.float())).type_as(x)
         if self.kernels is not None and x.dtype == torch.float32:
             return self.kernels.rms_norm(x, self.weight, self.eps)
         # NOTE: one fused op (normalised in float32 whatever the model dtype) in place of the
@@ -366,14 +489,16 @@ class LlamaAttention(nn.Module):
         self.v_proj: Linear | None = Linear(config.hidden_size, config.kv_size, config.qkv_bias)
         self.qkv_proj: nn.Module | None = None
         self.o_proj: nn.Module = Linear(config.q_size, config.hidden_size, config.o_bias)
-        # Qwen3: each head of q and k normalised over head_dim, before the rotation.
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k normalised over head_dim, before the rotation.
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.q_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
+        self.scores = Scores(config.attention_scale, config.attention_softcap)
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         kv: tuple[torch.Tensor, torch.Tensor],
         out_kv_slots: torch.Tensor,
         plan: AttentionPlan,
@@ -381,6 +506,7 @@ class LlamaAttention(nn.Module):
         k_pool, v_pool = kv
         if (
             self.kernels is not None
+            and rope is not None
             and self.qkv_proj is not None
             and self.q_norm is None
             and x.dtype == torch.float32
@@ -406,11 +532,11 @@ class LlamaAttention(nn.Module):
         self.q_proj = self.k_proj = self.v_proj = None
 
     def _project(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, d] and k [T, KVH, d] rotated, v [T, KVH, d]."""
+        """q [T, H, d] and k [T, KVH, d] rotated (unless `rope` is None), v [T, KVH, d]."""
         num_tokens, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and self.q_norm is None:
+        if self.qkv_proj is not None and self.q_norm is None and rope is not None:
             # Fused: q and k side by side in the output, rotated in one go.
             qkv = self.qkv_proj(x)
             qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, -1, head_dim), *rope)
@@ -426,6 +552,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if rope is None:
+            return q, k, v
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
     def _attend(
@@ -452,7 +580,7 @@ class LlamaAttention(nn.Module):
         q_rows = (q if group.whole_batch else q.index_select(0, group.token_index))[:, None]
         dtype = _attention_dtype(q)
         k, v = _gather(k_pool, group.kv_slots, dtype), _gather(v_pool, group.kv_slots, dtype)
-        return grouped_attention(q_rows.to(dtype), k, v, group.mask)[:, 0].to(q.dtype)
+        return grouped_attention(q_rows.to(dtype), k, v, group.mask, self.scores)[:, 0].to(q.dtype)
 
     def _attend_verify(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: VerifyGroup
@@ -461,7 +589,7 @@ class LlamaAttention(nn.Module):
         q_rows = q_rows.view(-1, group.queries, *q_rows.shape[1:])
         dtype = _attention_dtype(q)
         k, v = _gather(k_pool, group.kv_slots, dtype), _gather(v_pool, group.kv_slots, dtype)
-        out = grouped_attention(q_rows.to(dtype), k, v, group.mask)
+        out = grouped_attention(q_rows.to(dtype), k, v, group.mask, self.scores)
         return out.reshape(-1, out.shape[-1]).to(q.dtype)
 
     def _attend_prefill(
@@ -469,7 +597,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         dtype = _attention_dtype(q)
         k, v = _gather(k_pool, row.kv_slots, dtype), _gather(v_pool, row.kv_slots, dtype)
-        return grouped_attention(q[None].to(dtype), k, v, row.mask)[0].to(q.dtype)
+        return grouped_attention(q[None].to(dtype), k, v, row.mask, self.scores)[0].to(q.dtype)
 
 
 def use_cpu_kernels(model: nn.Module, kernels: Kernels) -> None:
@@ -503,6 +631,7 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.gelu = config.hidden_act == "gelu_tanh"  # else silu
         # As checkpoints name them; `fuse` stacks gate/up into gate_up_proj for serving.
         self.gate_proj: Linear | None = Linear(config.hidden_size, config.intermediate_size)
         self.up_proj: Linear | None = Linear(config.hidden_size, config.intermediate_size)
@@ -525,26 +654,41 @@ class LlamaMLP(nn.Module):
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        gated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out: torch.Tensor = self.down_proj(gated * up)
         return out
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Llama's layer: x + attention(norm(x)), then x + mlp(norm(x)). Gemma 2/3's (sandwich norms)
+    norm each block's output too: x + norm(attention(norm(x))), x + norm(mlp(norm(x))), named as
+    their checkpoints name them (post_attention_layernorm is then the attention's output norm)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset) if config.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset) if config.sandwich_norms else None
+        self.residual_scale = config.residual_scale
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         kv: tuple[torch.Tensor, torch.Tensor],
         out_kv_slots: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, out_kv_slots, plan)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+        attended = self.self_attn(self.input_layernorm(x), rope, kv, out_kv_slots, plan)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = self._add(x, attended)
+            return self._add(x, self.mlp(self.post_attention_layernorm(x)))
+        x = self._add(x, self.post_attention_layernorm(attended))
+        return self._add(x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+
+    def _add(self, x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        return x + (block if self.residual_scale == 1.0 else block * self.residual_scale)

@@ -15,14 +15,8 @@ import torch
 
 from stepahead.protocol import TokenizerSpec
 from worker_svc.gguf import SMOLLM2_NAME, gguf_config, load_gguf, smollm2_path
-from worker_svc.model import (
-    LlamaForCausalLM,
-    ModelConfig,
-    RopeScaling,
-    check_rope_scaling,
-    load_weights,
-    new_model,
-)
+from worker_svc.hf_config import config_from_hf_dict, is_vision_language, token_ids
+from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
 from worker_svc.quantization import Int4Blocks
 from worker_svc.tensor_parallel import check_divisible
 
@@ -131,11 +125,15 @@ def _load_gguf(
 
 
 def checkpoint_chat_template(path: Path) -> str:
-    """A checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's."""
+    """A checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's, else
+    chat_template.json's (a vision-language checkpoint's processor keeps it there)."""
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
     template = _tokenizer_config(path).get("chat_template")
+    processor = path / "chat_template.json"
+    if not isinstance(template, str) and processor.is_file():
+        template = json.loads(processor.read_text()).get("chat_template")
     return template if isinstance(template, str) else ""
 
 
@@ -162,7 +160,7 @@ def _with_special_ids(config: ModelConfig, where: Path) -> ModelConfig:
     directory = where if where.is_dir() else where.parent
     generation_file = directory / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    eos = [*config.eos_token_ids, *_token_ids(generation.get("eos_token_id"))]
+    eos = [*config.eos_token_ids, *token_ids(generation.get("eos_token_id"))]
     bos = config.bos_token_id
     named = _tokenizer_config(directory)
     file = where if where.is_file() else where / TOKENIZER_FILE
@@ -223,105 +221,71 @@ def portable_normal(shape: tuple[int, ...], std: float, generator: torch.Generat
 # HF checkpoints
 
 
-def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
-    """ModelConfig from the config.json dict of a checkpoint of the Llama family: Llama, Mistral,
-    Qwen2 or Qwen3; ValueError naming what is not supported."""
-    family = _family(d)
-    _check_unsupported_options(d, family)
-    num_heads = int(d["num_attention_heads"])
-    rope_theta, rope_scaling = _rope_settings(d)
-    # As transformers builds each: Llama's and Qwen3's attention_bias covers q/k/v and the
-    # output; Qwen2's q/k/v always have a bias, its output never; Mistral has none.
-    attention_bias = bool(d.get("attention_bias", False)) and family in ("llama", "qwen3")
-    window = d.get("sliding_window") if family == "mistral" else None
-    max_len = int(d["max_position_embeddings"])
-    return ModelConfig(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-        head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
-        rope_theta=rope_theta,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_context_len=max_len,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        eos_token_ids=_token_ids(d.get("eos_token_id")),
-        bos_token_id=d.get("bos_token_id"),
-        rope_scaling=rope_scaling,
-        name=name,
-        qkv_bias=attention_bias or family == "qwen2",
-        o_bias=attention_bias,
-        qk_norm=family == "qwen3",
-        sliding_window=int(window) if window is not None and int(window) < max_len else None,
-        architecture=family,
-    )
-
-
-# The Llama family's members: architectures (config.json) -> model_type.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-MODEL_TYPES = set(ARCHITECTURES.values())
-
-
-def _family(d: dict[str, Any]) -> str:
-    """The member of the Llama family a config describes (its model_type)."""
-    architectures = list(d.get("architectures") or [])
-    model_type = d.get("model_type")
-    known = [ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES]
-    if known:
-        return known[0]
-    if not architectures and model_type in MODEL_TYPES:
-        return str(model_type)
-    raise ValueError(
-        f"unsupported architecture {architectures} (model_type {model_type!r}); supported: "
-        f"{', '.join(sorted(ARCHITECTURES))}"
-    )
-
-
-def _check_unsupported_options(d: dict[str, Any], family: str) -> None:
-    if d.get("mlp_bias"):
-        raise ValueError("mlp_bias=true is not supported")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
-    if d.get("use_sliding_window"):
-        raise ValueError(
-            f"use_sliding_window=true is not supported for {family} (Mistral's sliding_window is)"
-        )
-
-
-def _rope_settings(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # Newer configs fold rope_theta and the scaling into one "rope_parameters" dict.
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope_theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return rope_theta, None
-    check_rope_scaling(params)
-    return rope_theta, tuple(sorted(params.items()))
-
-
-def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
 def load_hf_checkpoint(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Load config.json and every *.safetensors file of a HF Llama checkpoint directory."""
     path = Path(path)
-    config = config_from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
+    d = json.loads((path / "config.json").read_text())
+    config = config_from_hf_dict(d, name=path.name)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
     model = new_model(config, dtype, device)
-    load_weights(model, (safetensors.torch.load_file(str(f)) for f in files))
+    text_only = is_vision_language(d)
+    shards = (safetensors.torch.load_file(str(f)) for f in files)
+    load_weights(model, (split_fused(config, language_model(s) if text_only else s) for s in shards))
     return model
+
+
+# A vision-language checkpoint's language model's weights, as transformers has named them
+# (its older and newer layouts), and the prefixes of the rest, which are left out.
+LANGUAGE_MODEL_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+NOT_LANGUAGE_MODEL = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def language_model(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`shard`'s language-model weights under the text model's names; the vision tower's and
+    projector's dropped (the text is served, not images)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in shard.items():
+        if name.startswith(NOT_LANGUAGE_MODEL):
+            continue
+        prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix) :]] = tensor
+    return out
+
+
+# A checkpoint's fused projections (Phi-3's) -> the parts the model loads, in their order.
+FUSED_IN_CHECKPOINTS = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def split_fused(config: ModelConfig, shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`shard` with Phi-3's qkv_proj and gate_up_proj split into the q/k/v and gate/up weights
+    the model is loaded as (and a tensor-parallel rank slices part by part)."""
+    sizes = {
+        "self_attn.qkv_proj": [config.q_size, config.kv_size, config.kv_size],
+        "mlp.gate_up_proj": [config.intermediate_size] * 2,
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in shard.items():
+        fused = next((f for f in FUSED_IN_CHECKPOINTS if name.endswith(f"{f}.weight")), None)
+        if fused is None:
+            out[name] = tensor
+            continue
+        if tensor.shape[0] != sum(sizes[fused]):
+            raise ValueError(f"weight {name} has {tensor.shape[0]} rows, expected {sum(sizes[fused])}")
+        owner = name[: -len(f"{fused.split('.')[1]}.weight")]
+        for part, piece in zip(FUSED_IN_CHECKPOINTS[fused], torch.split(tensor, sizes[fused]), strict=True):
+            out[f"{owner}{part}.weight"] = piece
+    return out

@@ -1,6 +1,8 @@
 """The Llama model and its family (Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's q/k
-norms): its config, the decoder that runs a batch over the token-slot KV pool, and filling its
-weights from named tensors (what every loader in worker_svc.loading ends with)."""
+norms, Gemma's scaled embeddings and norms around each block, Phi-3's partial rotation, SmolLM3's
+layers without one, Granite's multipliers): its config, the decoder that runs a batch over the
+token-slot KV pool, and filling its weights from named tensors (what every loader in
+worker_svc.loading ends with)."""
 
 from __future__ import annotations
 
@@ -27,9 +29,16 @@ from worker_svc.quantization import Int4Blocks, quantize_model
 if TYPE_CHECKING:
     from worker_svc.cpu_kernels import DecodeLayers
 
-RopeScaling = tuple[tuple[str, float | int | str], ...]
+RopeScaling = tuple[tuple[str, float | int | str | tuple[float, ...]], ...]
 
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# What each rope_scaling type must give (transformers' names); the others are optional.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,21 @@ class ModelConfig:
     architecture: str = "llama"  # the family member's name, for messages
     # A divisor of each rotary frequency (a GGUF's rope_freqs: Llama 3.1's scaling, precomputed)
     rope_factors: tuple[float, ...] | None = None
+    hidden_act: str = "silu"  # the MLP's gate: silu, or gelu_tanh (Gemma)
+    norm_offset: bool = False  # each RMSNorm scales by 1 + weight, in float32 (Gemma)
+    sandwich_norms: bool = False  # attention's and the MLP's outputs normed too, before each add (Gemma 2/3)
+    embedding_scale: float | None = None  # the embeddings times this (Gemma: sqrt(hidden); Granite)
+    attention_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5 (Gemma, Granite)
+    attention_softcap: float | None = None  # scores capped as cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits likewise (Gemma 2)
+    residual_scale: float = 1.0  # each block's output times this before the add (Granite)
+    logits_divisor: float = 1.0  # the logits divided by this (Granite's logits_scaling)
+    # By layer, True where it attends within sliding_window only (Gemma 2/3's local layers,
+    # layer_types); None: every layer does where sliding_window is set (Mistral, Phi-3).
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # the sliding layers' own rotary base, unscaled (Gemma 3)
+    rope_layers: tuple[bool, ...] | None = None  # by layer, False where there is no rotation (SmolLM3)
+    rotary_dim: int | None = None  # the rotation covers each head's first rotary_dim only (Phi-4-mini)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -69,6 +93,17 @@ class ModelConfig:
             check_rope_scaling(dict(self.rope_scaling))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (one of {', '.join(ACTIVATIONS)})")
+        for what, by_layer in (("sliding_layers", self.sliding_layers), ("rope_layers", self.rope_layers)):
+            if by_layer is not None and len(by_layer) != self.num_layers:
+                raise ValueError(f"{what} has {len(by_layer)} entries for {self.num_layers} layers")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary_dim must be even and in 1..head_dim {self.head_dim}, got {self.rotary_dim}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -78,25 +113,61 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within (None: every earlier key)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> str | None:
+        """Which rotation layer `layer` applies: "global", "local" (Gemma 3's sliding layers) or None."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return None
+        if self.local_rope_theta is not None and self.window_of(layer) is not None:
+            return "local"
+        return "global"
+
+    @property
+    def llama_arithmetic(self) -> bool:
+        """True where a layer computes what Llama's does, to the operator (Mistral's window, Qwen's
+        biases and q/k norms aside): what Stepahead's CPU kernels implement."""
+        return (
+            self.hidden_act == "silu"
+            and not (self.norm_offset or self.sandwich_norms)
+            and self.embedding_scale is None
+            and self.attention_scale is None
+            and self.attention_softcap is None
+            and self.residual_scale == 1.0
+            and self.sliding_layers is None
+            and self.rope_layers is None
+            and self.rotary_dim is None
+        )
+
 
 def check_rope_scaling(scaling: dict[str, Any]) -> None:
     rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (only 'llama3')")
-    missing = [key for key in LLAMA3_ROPE_KEYS if key not in scaling]
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"unsupported rope_scaling type {rope_type!r} (one of {', '.join(ROPE_SCALING_KEYS)})"
+        )
+    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if key not in scaling]
     if missing:
-        raise ValueError(f"llama3 rope_scaling lacks {missing}")
+        raise ValueError(f"{rope_type} rope_scaling lacks {missing}")
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embedding_scale = config.embedding_scale
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        # By layer: its rotation ("global", "local" or None) and its sliding window (None: none).
+        self.layer_ropes = [config.rope_of(i) for i in range(config.num_layers)]
+        self.layer_windows = [config.window_of(i) for i in range(config.num_layers)]
+        names = sorted({name for name in self.layer_ropes if name is not None})
+        self.rotary = nn.ModuleDict({name: RotaryEmbedding(config, local=name == "local") for name in names})
         self.query_group = config.num_heads // config.num_kv_heads
-        self.sliding_window = config.sliding_window
         # The layers in one call of Stepahead's CPU kernels for steps of decode rows alone
         # (`quantization.decode_layers`): the same arithmetic as the layers' modules, without a
         # dozen Python calls a layer, which at batch 1 cost about as much as the products.
@@ -106,19 +177,34 @@ class LlamaModel(nn.Module):
         """Final-normed hidden states of the sampling rows, [R, hidden], then of the scored
         prompt positions (`ForwardBatch.score_token_index`), [S, hidden]."""
         x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary_emb.at(batch.positions, x.dtype)
-        plan = AttentionPlan.build(batch, self.query_group, self.sliding_window)
-        decode = plan.decode
+        if self.embedding_scale is not None:  # in the activations' dtype, as transformers scales
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
+        ropes = {name: _rotary(rotary).at(batch.positions, x.dtype) for name, rotary in self.rotary.items()}
+        plans = {
+            w: AttentionPlan.build(batch, self.query_group, w) for w in dict.fromkeys(self.layer_windows)
+        }
+        decode = plans[self.layer_windows[0]].decode
         if self.decode_kernel is not None and decode is not None and decode.whole_batch:
-            x = self.decode_kernel(x, rope, (kv.k, kv.v), batch.out_kv_slots, decode.kv_slots, decode.valid)
+            # NOTE: a model of Llama's arithmetic only (quantization.decode_layers): one rotation and window
+            x = self.decode_kernel(
+                x, ropes["global"], (kv.k, kv.v), batch.out_kv_slots, decode.kv_slots, decode.valid
+            )
         else:
             for i, layer in enumerate(self.layers):
-                x = layer(x, rope, (kv.k[i], kv.v[i]), batch.out_kv_slots, plan)
+                name, plan = self.layer_ropes[i], plans[self.layer_windows[i]]
+                x = layer(
+                    x, None if name is None else ropes[name], (kv.k[i], kv.v[i]), batch.out_kv_slots, plan
+                )
         index = batch.sample_token_index
         if batch.score_token_index is not None:  # prompt positions scored: their logits follow
             index = torch.cat((index, batch.score_token_index))
         normed: torch.Tensor = self.norm(x.index_select(0, index))
         return normed
+
+
+def _rotary(module: nn.Module) -> RotaryEmbedding:
+    assert isinstance(module, RotaryEmbedding)
+    return module
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,17 +239,26 @@ class LlamaForCausalLM(nn.Module):
         NOTE: enters no grad mode of its own: the worker's forward thread runs in
         inference mode for its whole life, and the weights need no gradient anyway.
         """
-        logits: torch.Tensor = self.lm_head(self.model(batch, kv))
-        return logits.float()
+        return self.head(self.model(batch, kv))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states: the output layer, then Granite's divisor and
+        Gemma 2's cap where the model has them."""
+        logits: torch.Tensor = self.lm_head(hidden).float()
+        config = self.config
+        if config.logits_divisor != 1.0:
+            logits = logits / config.logits_divisor
+        if config.final_softcap is not None:
+            logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
+        return logits
 
     def logits_and_scored(self, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampling rows' float32 logits [R, vocab], and the scored prompt positions' final
-        hidden states [S, hidden], whose logits `LogitsDraw.scores` makes a slice at a time (all
-        of a long chunk's at once would take S x vocab floats, twice)."""
+        hidden states [S, hidden], whose logits `LogitsDraw.scores` makes a slice at a time with
+        `head` (all of a long chunk's at once would take S x vocab floats, twice)."""
         hidden = self.model(batch, kv)
         rows = batch.sample_token_index.shape[0]
-        logits: torch.Tensor = self.lm_head(hidden[:rows])
-        return logits.float(), hidden[rows:]
+        return self.head(hidden[:rows]), hidden[rows:]
 
     def weight_names(self) -> list[str]:
         """Names a checkpoint must provide (lm_head.weight is optional when tied)."""
@@ -198,7 +293,7 @@ def prepare_for_serving(
         use_weight_side_products(model)
 
 
-IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)  # an old checkpoint's saved frequencies
 
 
 def load_weights(model: LlamaForCausalLM, shards: Iterable[dict[str, torch.Tensor]]) -> None:

@@ -272,7 +272,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     head_mode = mode if head_name in blocks else "int8"
     assert isinstance(model.lm_head, Linear)
     model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks, kernels)
-    if kernels is not None:
+    if kernels is not None and model.config.llama_arithmetic:
         use_cpu_kernels(model, kernels)
         model.model.decode_kernel = decode_layers(model, kernels)
 
