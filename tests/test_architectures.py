@@ -1,6 +1,7 @@
 """The Llama family against transformers: Llama (llama3 and yarn rope scaling, tied embeddings,
 attention bias), Mistral (sliding window), Qwen2 (q/k/v bias; sliding layers), Qwen3 (q/k norms),
-Gemma (scaled embeddings, 1 + w norms, tanh GELU), Gemma 2 (norms around each block, capped
+Qwen3-MoE and Mixtral (a mixture of experts, dense layers beside sparse ones), Gemma (scaled
+embeddings, 1 + w norms, tanh GELU), Gemma 2 (norms around each block, capped
 scores and logits, alternating sliding layers), Gemma 3 (q/k norms, local layers with their own
 rotary base, linear scaling on the global ones), Phi-3 (fused checkpoint projections, a partial
 rotation, longrope), SmolLM3 (layers without a rotation) and Granite (its four multipliers), each a
@@ -84,6 +85,21 @@ FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     ),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "rope_theta": 1e6}),  # head_dim not hidden / heads
+    "qwen3-moe": (  # layer 0 sparse, layer 1 dense
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 16,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    ),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": (
         "Gemma2Config",
@@ -239,12 +255,14 @@ def hf_logits(model: Any, sequence: list[int]) -> torch.Tensor:
 # By kind, what each of its two layers reads from its config: the window, the rotation.
 WINDOWED = {
     "mistral-sliding-window": [WINDOW, WINDOW],
+    "mixtral": [WINDOW, WINDOW],
     "phi3": [WINDOW, WINDOW],
     "qwen2-sliding-layers": [None, WINDOW],
     "gemma2": [WINDOW, None],
     "gemma3": [WINDOW, None],
 }
 ROTATIONS = {"gemma3": ["local", "global"], "smollm3": ["global", None]}
+SPARSE = {"qwen3-moe": [True, False], "mixtral": [True, True]}
 
 
 def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pathlib.Path]) -> None:
@@ -252,13 +270,14 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     ours = load_hf_checkpoint(directory, torch.float32, CPU)
     config = ours.config
     assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
-        kind in ("qwen3", "gemma3"),
+        kind in ("qwen3", "qwen3-moe", "gemma3"),
         kind in ("qwen2", "qwen2-sliding-layers", "llama-attention-bias"),
         kind == "llama-attention-bias",
     )
     windowed = [config.window_of(i) for i in range(config.num_layers)]
     assert windowed == WINDOWED.get(kind, [None, None])
     assert [config.rope_of(i) for i in range(config.num_layers)] == ROTATIONS.get(kind, ["global"] * 2)
+    assert [config.sparse(i) for i in range(config.num_layers)] == SPARSE.get(kind, [False, False])
     tokens, other = prompt(37, seed=5), prompt(11, seed=6)  # both past the window
     expected, hf_first = hf_greedy(hf_model, tokens, 24)
     got, steps = ours_greedy(ours, tokens, 24, other)
@@ -369,7 +388,7 @@ def test_a_sliding_window_changes_the_outputs() -> None:
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "Qwen3MoeForCausalLM"),
+        ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "DeepseekV3ForCausalLM"),
         (
             {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
             "use_bidirectional_attention",
@@ -401,7 +420,7 @@ def test_what_is_not_supported_is_refused_by_name(override: dict[str, Any], name
 
 # ---- served ----------------------------------------------------------------------------------
 
-SERVED = ("mistral-sliding-window", "qwen2", "qwen3", "gemma3", "phi3")
+SERVED = ("mistral-sliding-window", "qwen2", "qwen3", "gemma3", "phi3", "qwen3-moe")
 
 
 def write_char_tokenizer(directory: pathlib.Path) -> None:

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer
 
 from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
 from tests.live import CALL_TIMEOUT_S, unused_port
-from tests.test_tensor_parallel import GEMMA_FEATURES, OTHER_FEATURES
+from tests.test_tensor_parallel import GEMMA_FEATURES, MOE_FEATURES, OTHER_FEATURES
 from worker_svc.cli import parse_args
-from worker_svc.cpu_kernels import Q4, Q8
+from worker_svc.cpu_kernels import BLOCK, Q4, Q8
 from worker_svc.dtypes import choose_dtype
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, dequantize_tensor, int4_blocks, load_gguf, smollm2_path
@@ -331,7 +331,9 @@ def test_int4_smollm2_still_answers_right(int4_services: Service, question: str,
     assert content is not None and answer in content, content
 
 
-@pytest.mark.parametrize("features", [GEMMA_FEATURES, OTHER_FEATURES], ids=["gemma", "phi3-smollm3-granite"])
+@pytest.mark.parametrize(
+    "features", [GEMMA_FEATURES, OTHER_FEATURES, MOE_FEATURES], ids=["gemma", "phi3-smollm3-granite", "moe"]
+)
 def test_int8_runs_each_familys_own_arithmetic(features: dict[str, object]) -> None:
     """A model of the family's other members quantized: its projections on the int8 kernels, its
     own norms, scales, caps and rotations in torch (Stepahead's kernels for the small operators
@@ -346,6 +348,13 @@ def test_int8_runs_each_familys_own_arithmetic(features: dict[str, object]) -> N
     plain, served = _random_model(config, seed=3), _random_model(config, seed=3)
     prepare_for_serving(served, "int8")
     assert served.model.decode_kernel is None and served.model.norm.kernels is None
+    # Every projection is on the kernels (each expert's, in a sparse MLP) but a router and those
+    # whose inputs are not in blocks of 32 (these tiny MLPs' down projections).
+    modules = dict(served.named_modules())
+    left = [name for name, m in modules.items() if type(m) is Linear]
+    assert all(name.endswith(".mlp.gate") or modules[name].weight.shape[1] % BLOCK for name in left), left
+    experts = [name for name, m in modules.items() if ".experts." in name and isinstance(m, BlockLinear)]
+    assert len(experts) == 2 * config.num_experts * sum(map(config.sparse, range(config.num_layers)))
     with torch.inference_mode():
         logits, _ = _greedy_run(plain, prompts, 12)
         quantized, _ = _greedy_run(served, prompts, 12)

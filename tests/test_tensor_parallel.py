@@ -53,7 +53,7 @@ from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import KVCache, Linear, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, build_tiny
 from worker_svc.model import LlamaForCausalLM, new_model
-from worker_svc.tensor_parallel import AllReduce, shard_config, shard_model
+from worker_svc.tensor_parallel import AllReduce, check_divisible, shard_config, shard_model
 
 CPU = torch.device("cpu")
 NEAR_TIE = 1e-4
@@ -173,6 +173,12 @@ LONGROPE = (
     ("rope_type", "longrope"),
     ("short_factor", (1.5,) * 8),
 )
+MOE_FEATURES = {
+    "num_experts": 4,
+    "experts_per_token": 2,
+    "expert_intermediate_size": 64,
+    "sparse_layers": (True, False) * 2,
+}
 OTHER_FEATURES = {
     "rotary_dim": 16,
     "rope_scaling": LONGROPE,
@@ -211,6 +217,13 @@ def test_the_familys_features_shard_too(features: dict[str, object]) -> None:
     for rank_logits in sharded_logits(full, 2):
         for got, want in zip(rank_logits, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+def test_a_mixture_of_experts_is_served_on_one_rank() -> None:
+    config = dataclasses.replace(TINY_CONFIG, **MOE_FEATURES)  # type: ignore[arg-type]
+    check_divisible(config, 1)
+    with pytest.raises(ValueError, match="--tp 2: tiny is a mixture of experts"):
+        check_divisible(config, 2)
 
 
 def test_each_rank_holds_its_share_of_the_heads_and_ffn() -> None:

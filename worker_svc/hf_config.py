@@ -16,6 +16,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -45,8 +47,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 
 # Where transformers' config class of a member defaults otherwise than Llama's (a key left out).
 TIED_BY_DEFAULT = (*GEMMA, "smollm3")
-ROPE_THETA_DEFAULT = {"gemma3_text": 1_000_000.0, "smollm3": 2_000_000.0}
-EPS_DEFAULT = {"phi3": 1e-5}
+ROPE_THETA_DEFAULT = {"gemma3_text": 1_000_000.0, "smollm3": 2_000_000.0, "mixtral": 1_000_000.0}
+EPS_DEFAULT = {"phi3": 1e-5, "mixtral": 1e-5}
+QWEN3 = ("qwen3", "qwen3_moe")  # q/k norms; a sliding window only with use_sliding_window
+EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "phi3")  # a sliding_window is every layer's
 SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0)}  # attention's, the logits'
 WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096}
 
@@ -72,7 +76,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     window, sliding_layers = _sliding(d, family, num_layers, max_len)
     # As transformers builds each: attention_bias covers q/k/v and the output; Qwen2's q/k/v
     # always have a bias, its output never; Mistral and Phi-3 have none.
-    attention_bias = bool(d.get("attention_bias", False)) and family not in ("qwen2", "mistral", "phi3")
+    attention_bias = bool(d.get("attention_bias", False)) and family not in ("qwen2", *EVERY_LAYER_WINDOWED)
     attn_cap, final_cap = SOFTCAP_DEFAULTS.get(family, (None, None))
     gemma = family in GEMMA
     return ModelConfig(
@@ -93,7 +97,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         name=name,
         qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias,
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in (*QWEN3, "gemma3_text"),
         sliding_window=window,
         architecture=family,
         hidden_act=_activation(d, family),
@@ -109,7 +113,32 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         local_rope_theta=local_theta,
         rope_layers=_rope_layers(d, num_layers) if family == "smollm3" else None,
         rotary_dim=rotary_dim,
+        **_experts(d, family, num_layers),
     )
+
+
+def _experts(d: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' settings (Qwen3-MoE's sparse layers: every decoder_sparse_step-th,
+    less mlp_only_layers; every one of Mixtral's, whose top k are always renormalised)."""
+    if family == "mixtral":
+        return {
+            "num_experts": int(d.get("num_local_experts", 8)),
+            "experts_per_token": int(d.get("num_experts_per_tok", 2)),
+            "expert_intermediate_size": int(d["intermediate_size"]),
+        }
+    if family != "qwen3_moe":
+        return {}
+    step, dense = int(d.get("decoder_sparse_step", 1)), set(d.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return {
+        "num_experts": int(
+            d.get("num_experts") or d.get("num_local_experts") or 128
+        ),  # as written, then as saved
+        "experts_per_token": int(d.get("num_experts_per_tok", 8)),
+        "expert_intermediate_size": int(d.get("moe_intermediate_size", 768)),
+        "normalize_expert_weights": bool(d.get("norm_topk_prob", False)),
+        "sparse_layers": None if all(sparse) else sparse,
+    }
 
 
 def text_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -243,11 +272,11 @@ def _sliding(
 ) -> tuple[int | None, tuple[bool, ...] | None]:
     """The sliding window and, where not every layer has it, the layers that do."""
     window = d.get("sliding_window", WINDOW_DEFAULT.get(family))
-    if family in ("qwen2", "qwen3", "smollm3") and not d.get("use_sliding_window", False):
+    if family in ("qwen2", *QWEN3, "smollm3") and not d.get("use_sliding_window", False):
         window = None
     if window is None or int(window) >= max_len:  # no key is ever out of a window this wide
         return None, None
-    if family in ("mistral", "phi3"):  # every layer
+    if family in EVERY_LAYER_WINDOWED:
         return int(window), None
     types = d.get("layer_types")
     if types is None:
@@ -268,7 +297,7 @@ def _default_layer_types(d: dict[str, Any], family: str, num_layers: int) -> lis
     if family == "gemma3_text":  # five sliding layers to one global
         pattern = int(d.get("sliding_window_pattern", 6))
         return [local if (i + 1) % pattern else full for i in range(num_layers)]
-    if family in ("qwen2", "qwen3"):  # the layers from max_window_layers on
+    if family in ("qwen2", *QWEN3):  # the layers from max_window_layers on
         first = int(d.get("max_window_layers", 28))
         return [local if i >= first else full for i in range(num_layers)]
     if family == "smollm3":  # the layers without a rotation

@@ -403,15 +403,6 @@ def weight_side_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out if bias is None else out.add_(bias)
 
 
-# The fused projections of a decoder layer and the checkpoint layers each stacks, in order.
-FUSED_PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
 def stack_linears(layers: list[Linear]) -> Linear:
     """One Linear computing `layers` side by side along its outputs."""
     stacked = Linear(0, 0)
@@ -629,14 +620,16 @@ class LlamaMLP(nn.Module):
     # Stepahead's CPU kernels, where the model runs on them (`use_cpu_kernels`): silu(gate) * up
     kernels: Kernels | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: an expert's (MixtureOfExperts), else the config's."""
         super().__init__()
         self.gelu = config.hidden_act == "gelu_tanh"  # else silu
+        width = intermediate_size or config.intermediate_size
         # As checkpoints name them; `fuse` stacks gate/up into gate_up_proj for serving.
-        self.gate_proj: Linear | None = Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj: Linear | None = Linear(config.hidden_size, config.intermediate_size)
+        self.gate_proj: Linear | None = Linear(config.hidden_size, width)
+        self.up_proj: Linear | None = Linear(config.hidden_size, width)
         self.gate_up_proj: nn.Module | None = None
-        self.down_proj: nn.Module = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj: nn.Module = Linear(width, config.hidden_size)
 
     def fuse(self) -> None:
         """gate/up as one projection, for serving; once."""
@@ -659,15 +652,53 @@ class LlamaMLP(nn.Module):
         return out
 
 
+class MixtureOfExperts(nn.Module):
+    """A sparse MLP (Qwen3-MoE, Mixtral): a router's softmax picks each token's top k experts,
+    whose SwiGLU outputs are summed weighted by their probabilities (renormalised over the k where
+    the model asks). As transformers computes it: the experts in ascending order, each over the
+    tokens that picked it, added into the output one expert at a time.
+
+    NOTE: which experts a step's tokens picked is read on the host (one read a layer): on a GPU
+    that is a synchronisation inside the forward, which a dense layer does not have."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
+        self.gate = Linear(config.hidden_size, config.num_experts)  # the router, as checkpoints name it
+        self.experts = nn.ModuleList(
+            LlamaMLP(config, config.expert_intermediate_size) for _ in range(config.num_experts)
+        )
+
+    def fuse(self) -> None:
+        for expert in self.experts:
+            assert isinstance(expert, LlamaMLP)
+            expert.fuse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probabilities = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():  # ascending
+            tokens, slot = torch.where(chosen == expert)
+            computed = self.experts[expert](x.index_select(0, tokens)) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, computed)
+        return out
+
+
 class LlamaDecoderLayer(nn.Module):
     """Llama's layer: x + attention(norm(x)), then x + mlp(norm(x)). Gemma 2/3's (sandwich norms)
     norm each block's output too: x + norm(attention(norm(x))), x + norm(mlp(norm(x))), named as
     their checkpoints name them (post_attention_layernorm is then the attention's output norm)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, sparse: bool = False) -> None:
+        """`sparse`: a mixture of experts in place of the MLP."""
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.mlp: LlamaMLP | MixtureOfExperts = MixtureOfExperts(config) if sparse else LlamaMLP(config)
         hidden, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
         self.input_layernorm = RMSNorm(hidden, eps, offset)
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset)

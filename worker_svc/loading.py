@@ -263,6 +263,14 @@ def language_model(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# Mixtral's names of its sparse MLP's parts -> the model's (Qwen3-MoE's).
+MIXTRAL_NAMES = {
+    ".block_sparse_moe.": ".mlp.",
+    ".w1.": ".gate_proj.",
+    ".w2.": ".down_proj.",
+    ".w3.": ".up_proj.",
+}
+
 # A checkpoint's fused projections (Phi-3's) -> the parts the model loads, in their order.
 FUSED_IN_CHECKPOINTS = {
     "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -271,14 +279,18 @@ FUSED_IN_CHECKPOINTS = {
 
 
 def split_fused(config: ModelConfig, shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`shard` with Phi-3's qkv_proj and gate_up_proj split into the q/k/v and gate/up weights
-    the model is loaded as (and a tensor-parallel rank slices part by part)."""
+    """`shard` under the model's names: Phi-3's qkv_proj and gate_up_proj split into the q/k/v and
+    gate/up weights the model is loaded as (and a tensor-parallel rank slices part by part),
+    Mixtral's experts named as Qwen3-MoE's."""
     sizes = {
         "self_attn.qkv_proj": [config.q_size, config.kv_size, config.kv_size],
         "mlp.gate_up_proj": [config.intermediate_size] * 2,
     }
     out: dict[str, torch.Tensor] = {}
     for name, tensor in shard.items():
+        if ".block_sparse_moe." in name:
+            for theirs, ours in MIXTRAL_NAMES.items():
+                name = name.replace(theirs, ours)
         fused = next((f for f in FUSED_IN_CHECKPOINTS if name.endswith(f"{f}.weight")), None)
         if fused is None:
             out[name] = tensor

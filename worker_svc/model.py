@@ -81,6 +81,12 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the sliding layers' own rotary base, unscaled (Gemma 3)
     rope_layers: tuple[bool, ...] | None = None  # by layer, False where there is no rotation (SmolLM3)
     rotary_dim: int | None = None  # the rotation covers each head's first rotary_dim only (Phi-4-mini)
+    # A mixture of experts in place of the MLP (Qwen3-MoE, Mixtral); 0 experts: none.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True  # the top k's probabilities renormalised to sum to 1
+    sparse_layers: tuple[bool, ...] | None = None  # by layer, False where the MLP is dense; None: all sparse
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -95,7 +101,16 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (one of {', '.join(ACTIVATIONS)})")
-        for what, by_layer in (("sliding_layers", self.sliding_layers), ("rope_layers", self.rope_layers)):
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts):
+            raise ValueError(
+                f"experts_per_token must be in 1..{self.num_experts}, got {self.experts_per_token}"
+            )
+        by_layers = (
+            ("sliding_layers", self.sliding_layers),
+            ("rope_layers", self.rope_layers),
+            ("sparse_layers", self.sparse_layers),
+        )
+        for what, by_layer in by_layers:
             if by_layer is not None and len(by_layer) != self.num_layers:
                 raise ValueError(f"{what} has {len(by_layer)} entries for {self.num_layers} layers")
         if self.rotary_dim is not None and not (
@@ -127,6 +142,10 @@ class ModelConfig:
             return "local"
         return "global"
 
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.sparse_layers is None or self.sparse_layers[layer])
+
     @property
     def llama_arithmetic(self) -> bool:
         """True where a layer computes what Llama's does, to the operator (Mistral's window, Qwen's
@@ -141,6 +160,7 @@ class ModelConfig:
             and self.sliding_layers is None
             and self.rope_layers is None
             and self.rotary_dim is None
+            and self.num_experts == 0
         )
 
 
@@ -160,7 +180,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_scale = config.embedding_scale
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, config.sparse(i)) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         # By layer: its rotation ("global", "local" or None) and its sliding window (None: none).
         self.layer_ropes = [config.rope_of(i) for i in range(config.num_layers)]

@@ -22,7 +22,7 @@ Two families of kernels, chosen by the model's dtype:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ from torch import nn
 
 from worker_svc import cpu_kernels
 from worker_svc.cpu_kernels import BLOCK, Q4, Q8, DecodeLayers, Kernels, LayerWeights, PackedWeight
-from worker_svc.layers import FUSED_PROJECTIONS, Linear, LlamaDecoderLayer, use_cpu_kernels
+from worker_svc.layers import Linear, LlamaDecoderLayer, LlamaMLP, use_cpu_kernels
 
 if TYPE_CHECKING:
     from worker_svc.model import LlamaForCausalLM
@@ -261,12 +261,11 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
         raise ValueError(f"quantization {mode!r} is not one of {QUANTIZATIONS[1:]}")
     kernels = kernels_for(model.dtype, mode)
     for i, layer in enumerate(model.model.layers):
-        for fused, parts in FUSED_PROJECTIONS.items():
-            owner_name, attr = fused.split(".")
-            owner = getattr(layer, owner_name)
+        assert isinstance(layer, LlamaDecoderLayer)
+        for prefix, owner, attr, parts in _projections(layer, f"model.layers.{i}."):
             linear = getattr(owner, attr)
-            assert isinstance(linear, Linear), f"{fused} is not a fused Linear"
-            names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            assert isinstance(linear, Linear), f"{prefix}{attr} is not a fused Linear"
+            names = [f"{prefix}{part}.weight" for part in parts]
             setattr(owner, attr, quantized_linear(linear, names, mode, blocks, kernels))
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head_mode = mode if head_name in blocks else "int8"
@@ -277,6 +276,24 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
         model.model.decode_kernel = decode_layers(model, kernels)
 
 
+def _projections(
+    layer: LlamaDecoderLayer, prefix: str
+) -> Iterator[tuple[str, nn.Module, str, tuple[str, ...]]]:
+    """Each fused projection of a decoder layer: its checkpoint names' prefix, its owner module,
+    its attribute there and the checkpoint layers it stacks (an expert's each, for a sparse MLP)."""
+    yield f"{prefix}self_attn.", layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")
+    yield f"{prefix}self_attn.", layer.self_attn, "o_proj", ("o_proj",)
+    mlp = layer.mlp
+    mlps = (
+        [(f"{prefix}mlp.", mlp)]
+        if isinstance(mlp, LlamaMLP)
+        else [(f"{prefix}mlp.experts.{e}.", expert) for e, expert in enumerate(mlp.experts)]
+    )
+    for mlp_prefix, owner in mlps:
+        yield mlp_prefix, owner, "gate_up_proj", ("gate_proj", "up_proj")
+        yield mlp_prefix, owner, "down_proj", ("down_proj",)
+
+
 def decode_layers(model: LlamaForCausalLM, kernels: Kernels) -> DecodeLayers | None:
     """The model's decoder layers as one call of the kernels for decode steps, where all their
     projections are on them (fused, in blocks of 32) and they have no q/k norms; else None (the
@@ -285,6 +302,8 @@ def decode_layers(model: LlamaForCausalLM, kernels: Kernels) -> DecodeLayers | N
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         attention, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts
+            return None
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         packed = [p.packed() for p in projections if isinstance(p, BlockLinear)]
         if attention.q_norm is not None or len(packed) != len(projections):

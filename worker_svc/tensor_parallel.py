@@ -49,7 +49,10 @@ class RowParallelLinear(Linear):
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """ValueError naming what does not divide by `size` (every rank holds whole heads)."""
+    """ValueError naming what does not divide by `size` (every rank holds whole heads), or where
+    the model has a mixture of experts (served on one rank)."""
+    if config.num_experts and size > 1:
+        raise ValueError(f"--tp {size}: {config.name} is a mixture of experts, served on one rank (--tp 1)")
     counts = {
         "attention heads": config.num_heads,
         "KV heads": config.num_kv_heads,
