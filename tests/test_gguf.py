@@ -28,7 +28,7 @@ from worker_svc.backends import load_backend
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import GGUFModel, load_gguf
 from worker_svc.layers import KVCache, rope_inv_freq
-from worker_svc.model import LlamaForCausalLM
+from worker_svc.model import LlamaForCausalLM, ModelConfig
 
 CPU = torch.device("cpu")
 Q8_0 = GGMLQuantizationType.Q8_0
@@ -338,17 +338,7 @@ def write_llama_gguf(
     (Q8_0 rounds each row on its own, so rounding and the row permutation commute)."""
     cfg = model.config
     writer = GGUFWriter(path, architecture)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_context_len)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
+    add_shape(writer, cfg)
     if tokenizer_json:
         add_tokenizer(writer, tokenizer_json, *tokenizer)
     else:
@@ -377,6 +367,21 @@ def write_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def add_shape(writer: GGUFWriter, cfg: ModelConfig) -> None:
+    """The model's sizes, rotary base and norm epsilon as `{arch}.*` metadata."""
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_context_len)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
 
 
 def add_tokenizer(writer: GGUFWriter, tokenizer_json: dict[str, object], kind: str, pre: str) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import json
 import pathlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,10 +24,11 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, dequantize, 
 from stepahead.processes import serving_pair
 from tests.test_architectures import greedy_stream, hf_logits, ours_greedy
 from tests.test_checkpoint import write_tokenizer
-from tests.test_gguf import add_tokenizer
+from tests.test_gguf import add_shape, add_tokenizer
 from worker_svc.gguf import load_gguf
+from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.layers import RotaryEmbedding
-from worker_svc.model import LlamaForCausalLM
+from worker_svc.model import LlamaForCausalLM, ModelConfig
 
 transformers: Any = importlib.import_module("transformers")  # dev dependency: the reference
 
@@ -80,6 +82,11 @@ def gguf_name(name: str) -> str:
     return f"blk.{layer}.{BLOCK_NAMES[rest]}.{suffix}"
 
 
+def config_of(config: Any) -> ModelConfig:
+    """The sizes of a transformers config, as Stepahead's ModelConfig holds them."""
+    return config_from_hf_dict({**config.to_dict(), "architectures": ["GemmaForCausalLM"]})
+
+
 def write_gemma_gguf(
     directory: pathlib.Path, kind: str, linear_scaling: float | None = None
 ) -> tuple[pathlib.Path, Any]:
@@ -93,16 +100,7 @@ def write_gemma_gguf(
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     path = directory / f"{kind}.gguf"
     writer = GGUFWriter(path, kind)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(1e6 if kind == "gemma3" else 1e4)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_shape(writer, replace(config_of(config), rope_theta=1e6 if kind == "gemma3" else 1e4))
     writer.add_sliding_window(WINDOW)
     if linear_scaling is not None:  # Gemma 3 from 4B up: its global layers' rotation
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
