@@ -34,9 +34,10 @@ from stepahead.v1 import generation_pb2_grpc
 from tests.live import CALL_TIMEOUT_S
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.hf_config import config_from_hf_dict
-from worker_svc.layers import KVCache, RotaryEmbedding
+from worker_svc.layers import KVCache
 from worker_svc.loading import checkpoint_chat_template, load_hf_checkpoint
 from worker_svc.model import LlamaForCausalLM
+from worker_svc.rotary import RotaryEmbedding
 
 transformers: Any = importlib.import_module("transformers")  # dev dependency: the reference
 

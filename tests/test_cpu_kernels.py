@@ -358,8 +358,8 @@ def test_the_silu_mul_kernel_is_torchs(kernels: Kernels) -> None:
 
 
 def test_the_rope_store_kernel_rotates_and_writes_as_torch_does(kernels: Kernels) -> None:
-    from worker_svc.layers import RotaryEmbedding, apply_rotary
     from worker_svc.loading import TINY_CONFIG
+    from worker_svc.rotary import RotaryEmbedding, apply_rotary
 
     generator = torch.Generator().manual_seed(6)
     heads, kv_heads, d, tokens = 6, 2, TINY_CONFIG.head_dim, 5

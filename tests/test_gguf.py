@@ -27,8 +27,9 @@ from tests.test_model import SMALL, prefill_all_logits, random_model
 from worker_svc.backends import load_backend
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import GGUFModel, load_gguf
-from worker_svc.layers import KVCache, rope_inv_freq
+from worker_svc.layers import KVCache
 from worker_svc.model import LlamaForCausalLM, ModelConfig
+from worker_svc.rotary import rope_inv_freq
 
 CPU = torch.device("cpu")
 Q8_0 = GGMLQuantizationType.Q8_0

@@ -27,8 +27,8 @@ from tests.test_checkpoint import write_tokenizer
 from tests.test_gguf import add_shape, add_tokenizer
 from worker_svc.gguf import load_gguf
 from worker_svc.hf_config import config_from_hf_dict
-from worker_svc.layers import RotaryEmbedding
 from worker_svc.model import LlamaForCausalLM, ModelConfig
+from worker_svc.rotary import RotaryEmbedding
 
 transformers: Any = importlib.import_module("transformers")  # dev dependency: the reference
 

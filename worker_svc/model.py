@@ -21,10 +21,10 @@ from worker_svc.layers import (
     Linear,
     LlamaDecoderLayer,
     RMSNorm,
-    RotaryEmbedding,
     use_weight_side_products,
 )
 from worker_svc.quantization import Int4Blocks, quantize_model
+from worker_svc.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from worker_svc.cpu_kernels import DecodeLayers
