@@ -1,11 +1,11 @@
 """The Llama family against transformers: Llama (llama3 and yarn rope scaling, tied embeddings,
-attention bias), Mistral (sliding window), Qwen2 (q/k/v bias; sliding layers), Qwen3 (q/k norms),
-Qwen3-MoE and Mixtral (a mixture of experts, dense layers beside sparse ones), Gemma (scaled
-embeddings, 1 + w norms, tanh GELU), Gemma 2 (norms around each block, capped
-scores and logits, alternating sliding layers), Gemma 3 (q/k norms, local layers with their own
-rotary base, linear scaling on the global ones), Phi-3 (fused checkpoint projections, a partial
-rotation, longrope), SmolLM3 (layers without a rotation) and Granite (its four multipliers), each a
-tiny random checkpoint written by transformers itself.
+attention bias), Mistral (sliding window), Ministral 3 (yarn, queries scaled by position), Qwen2
+(q/k/v bias; sliding layers), Qwen3 (q/k norms), Qwen3-MoE and Mixtral (a mixture of experts,
+dense layers beside sparse ones), Gemma (scaled embeddings, 1 + w norms, tanh GELU), Gemma 2
+(norms around each block, capped scores and logits, alternating sliding layers), Gemma 3 (q/k
+norms, local layers with their own rotary base, linear scaling on the global ones), Phi-3 (fused
+checkpoint projections, a partial rotation, longrope), SmolLM3 (layers without a rotation) and
+Granite (its four multipliers), each a tiny random checkpoint written by transformers itself.
 
 Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
 chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
@@ -71,6 +71,17 @@ YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embed
 # Phi-3's longrope over a rotation of half of each 8-wide head: 2 factors each. The sequences here
 # stay below the boundary, where transformers uses the short ones (see test_longrope_*).
 LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 6.0]}
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1e6,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.3,
+}
 # Caps small enough to bite on these scores and logits (Gemma 2's own are 50 and 30).
 SOFTCAPS = {"attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0}
 
@@ -101,6 +112,9 @@ FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
         "MixtralConfig",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
     ),
+    # yarn, and the queries scaled past each multiple of 16 positions (Ministral 3's; its own
+    # configs write rope_parameters)
+    "ministral3": ("Ministral3Config", {"rope_parameters": MINISTRAL3_ROPE}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": (
         "Gemma2Config",
@@ -293,32 +307,47 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     assert alone == other_expected
 
 
-def test_a_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path: pathlib.Path) -> None:
-    """Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration: a vision tower and a
-    projector beside the language model, whose config is text_config. Its text is served: the
-    language model's weights under their own names, the rest left out, logits as transformers'
-    on the same text."""
-    text = {**COMMON, **FAMILY["gemma3"][1]}
-    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2}
-    config = transformers.Gemma3Config(
-        text_config=text,
-        vision_config={**vision, "image_size": 28, "patch_size": 14},
-        mm_tokens_per_image=4,
-        image_token_index=VOCAB - 1,
-        boi_token_index=VOCAB - 3,
-        eoi_token_index=VOCAB - 2,
-    )
+TINY_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+def vision_language_config(kind: str) -> Any:
+    """A tiny Gemma3Config or Mistral3Config: FAMILY's `kind` as its text_config, a small vision tower."""
+    text = {**COMMON, **FAMILY[kind][1]}
+    vision = {**TINY_VISION, "image_size": 28, "patch_size": 14}
+    if kind == "gemma3":
+        tokens = {"image_token_index": VOCAB - 1, "boi_token_index": VOCAB - 3, "eoi_token_index": VOCAB - 2}
+        return transformers.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, **tokens
+        )
+    text["model_type"] = "ministral3"
+    vision["head_dim"] = 16
+    return transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=VOCAB - 1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "architecture"),
+    [("gemma3", "Gemma3ForConditionalGeneration"), ("ministral3", "Mistral3ForConditionalGeneration")],
+)
+def test_a_vision_language_checkpoint_serves_its_language_model(
+    tmp_path: pathlib.Path, kind: str, architecture: str
+) -> None:
+    """Gemma 3 from 4B up, and Mistral 3 (Ministral 3, Mistral Small 3.x), are published as vision-
+    language models: a vision tower and a projector beside the language model, whose config is
+    text_config. Its text is served: the language model's weights under their own names, the rest
+    left out, logits as transformers' on the same text."""
+    config = vision_language_config(kind)
     torch.manual_seed(11)
-    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    hf_model = getattr(transformers, architecture)(config).eval()
     with torch.no_grad():
         for param in hf_model.parameters():
             param.normal_(0.0, 0.2)
     hf_model.save_pretrained(tmp_path)
     assert any("vision_tower" in name for name in hf_model.state_dict())
     ours = load_hf_checkpoint(tmp_path, torch.float32, CPU)
-    assert ours.config.architecture == "gemma3_text" and ours.config.num_layers == text["num_hidden_layers"]
+    family = "gemma3_text" if kind == "gemma3" else kind
+    assert (ours.config.architecture, ours.config.num_layers) == (family, COMMON["num_hidden_layers"])
     tokens = prompt(37, seed=5)
-    got, steps = ours_greedy(ours, tokens, 8, prompt(11, seed=6))
+    got, steps = ours_greedy(ours, tokens, 24, prompt(11, seed=6))
     reference = hf_logits(hf_model, tokens + got)[len(tokens) - 1 :]
     torch.testing.assert_close(steps, reference, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
 
@@ -346,7 +375,7 @@ def test_a_config_as_published_reads_as_the_one_transformers_writes(
     kind, _, directory = pair
     written = json.loads((directory / "config.json").read_text())
     published = {**COMMON, **FAMILY[kind][1], "architectures": written["architectures"]}
-    assert "rope_parameters" in written and "rope_parameters" not in published
+    assert "rope_parameters" in written and ("rope_parameters" not in published) == (kind != "ministral3")
     assert config_from_hf_dict(published) == config_from_hf_dict(written)
 
 

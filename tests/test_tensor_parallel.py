@@ -185,6 +185,8 @@ OTHER_FEATURES = {
     "rope_layers": (True, False, True, True),
     "residual_scale": 0.5,
     "logits_divisor": 2.0,
+    "query_scale_beta": 0.3,  # past positions 4 and 8
+    "query_scale_span": 4,
 }
 
 
@@ -200,7 +202,7 @@ OTHER_FEATURES = {
         "attention bias",
         "qwen3 norms, qwen2 bias, mistral window",
         "gemma 2 and 3",
-        "phi-3's partial longrope, smollm3's layers without rotation, granite's multipliers",
+        "phi-3 longrope, smollm3 unrotated layers, granite multipliers, ministral 3 query scale",
     ],
 )
 def test_the_familys_features_shard_too(features: dict[str, object]) -> None:

@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Ministral3ForCausalLM": "ministral3",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -27,9 +28,10 @@ ARCHITECTURES = {
 }
 MODEL_TYPES = set(ARCHITECTURES.values())
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-# Vision-language checkpoints served as their language model alone: architecture -> the text
-# model's (its config is text_config, its weights under language_model).
-TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Vision-language checkpoints served as their language model alone (its config is text_config,
+# its weights under language_model): architecture -> its text model's type where text_config
+# does not name it.
+TEXT_OF = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
 # transformers' Gemma3TextConfig defaults: a Gemma 3 checkpoint's text_config gives few keys.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -48,9 +50,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 # Where transformers' config class of a member defaults otherwise than Llama's (a key left out).
 TIED_BY_DEFAULT = (*GEMMA, "smollm3")
 ROPE_THETA_DEFAULT = {"gemma3_text": 1_000_000.0, "smollm3": 2_000_000.0, "mixtral": 1_000_000.0}
-EPS_DEFAULT = {"phi3": 1e-5, "mixtral": 1e-5}
+HEAD_DIM_DEFAULT = {"gemma": 256, "gemma2": 256, "ministral3": 128}  # else hidden / heads
+EPS_DEFAULT = {"phi3": 1e-5, "mixtral": 1e-5, "ministral3": 1e-5}
 QWEN3 = ("qwen3", "qwen3_moe")  # q/k norms; a sliding window only with use_sliding_window
-EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "phi3")  # a sliding_window is every layer's
+EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "ministral3", "phi3")  # a sliding_window is every layer's
 SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0)}  # attention's, the logits'
 WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096}
 
@@ -70,7 +73,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     _check_unsupported_options(d, family)
     num_heads = int(d["num_attention_heads"])
     num_layers = int(d["num_hidden_layers"])
-    head_dim = int(d.get("head_dim") or d["hidden_size"] // num_heads)
+    head_dim = int(d.get("head_dim") or HEAD_DIM_DEFAULT.get(family) or d["hidden_size"] // num_heads)
     max_len = int(d["max_position_embeddings"])
     rope_theta, rope_scaling, local_theta, rotary_dim = _rope_settings(d, family, head_dim)
     window, sliding_layers = _sliding(d, family, num_layers, max_len)
@@ -114,7 +117,21 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         rope_layers=_rope_layers(d, num_layers) if family == "smollm3" else None,
         rotary_dim=rotary_dim,
         **_experts(d, family, num_layers),
+        **(_query_scale(d) if family == "ministral3" else {}),
     )
+
+
+def _query_scale(d: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3's scale of the queries by position (its rope parameters' llama_4_scaling_beta,
+    over their original_max_position_embeddings)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if beta is None:
+        return {}
+    span = params.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if span is None:
+        raise ValueError("llama_4_scaling_beta without original_max_position_embeddings")
+    return {"query_scale_beta": float(beta), "query_scale_span": int(span)}
 
 
 def _experts(d: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
@@ -144,13 +161,19 @@ def _experts(d: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
 def text_config(d: dict[str, Any]) -> dict[str, Any]:
     """A vision-language checkpoint's text model's config (TEXT_OF), with the special ids the
     checkpoint gives at its top level; any other config as it is."""
-    text = [TEXT_OF[a] for a in d.get("architectures") or [] if a in TEXT_OF]
-    if not text:
+    wrappers = [a for a in d.get("architectures") or [] if a in TEXT_OF]
+    if not wrappers:
         return d
     inner = dict(d.get("text_config") or {})
     for key in ("eos_token_id", "bos_token_id"):
         if key in d and key not in inner:
             inner[key] = d[key]
+    if "tie_word_embeddings" in d:  # the wrapper's output layer is tied as its own config says
+        inner["tie_word_embeddings"] = d["tie_word_embeddings"]
+    model_type = inner.get("model_type") or TEXT_OF[wrappers[0]]
+    text = [a for a, family in ARCHITECTURES.items() if family == model_type]
+    if not text:
+        raise ValueError(f"unsupported language model {model_type!r} in {wrappers[0]}")
     return {**inner, "architectures": text[:1]}
 
 

@@ -93,9 +93,16 @@ class AttentionPlan:
     decode: DecodeGroup | None
     prefills: list[PrefillRow]
     verify: list[VerifyGroup] = field(default_factory=list)  # by queries a row
+    query_scale: torch.Tensor | None = None  # [T, 1, 1] each token's queries times this (Ministral 3)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, query_group: int, window: int | None = None) -> AttentionPlan:
+    def build(
+        cls,
+        batch: ForwardBatch,
+        query_group: int,
+        window: int | None = None,
+        query_scale: torch.Tensor | None = None,
+    ) -> AttentionPlan:
         """`window`: each query attends only the keys of its last `window` positions, its own
         included (None: every earlier key)."""
         verify = batch.verify
@@ -107,7 +114,8 @@ class AttentionPlan:
         if verify is not None:
             for queries in sorted(set(verify.queries)):
                 groups.append(_verify_group(batch, verify, queries, query_group, window))
-        return cls(decode, [_prefill_row(batch, i, query_group, window) for i in prefill_rows], groups)
+        prefills = [_prefill_row(batch, i, query_group, window) for i in prefill_rows]
+        return cls(decode, prefills, groups, query_scale)
 
 
 def _decode_group(batch: ForwardBatch, rows: list[int], window: int | None) -> DecodeGroup:
@@ -353,6 +361,8 @@ class LlamaAttention(nn.Module):
             )
             return self.o_proj(self._attend(q, k_pool, v_pool, plan))  # type: ignore[no-any-return]
         q, k, v = self._project(x, rope)
+        if plan.query_scale is not None:  # after the rotation, as transformers scales them
+            q = q * plan.query_scale
         # Written before attending: every row's context includes its own new tokens.
         k_pool.index_copy_(0, out_kv_slots, k.to(k_pool.dtype))
         v_pool.index_copy_(0, out_kv_slots, v.to(v_pool.dtype))

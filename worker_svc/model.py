@@ -81,6 +81,10 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the sliding layers' own rotary base, unscaled (Gemma 3)
     rope_layers: tuple[bool, ...] | None = None  # by layer, False where there is no rotation (SmolLM3)
     rotary_dim: int | None = None  # the rotation covers each head's first rotary_dim only (Phi-4-mini)
+    # Queries times 1 + beta * log(1 + floor(position / original context)) (Ministral 3's
+    # llama_4_scaling_beta, over its yarn's original_max_position_embeddings); None: unscaled.
+    query_scale_beta: float | None = None
+    query_scale_span: int = 1
     # A mixture of experts in place of the MLP (Qwen3-MoE, Mixtral); 0 experts: none.
     num_experts: int = 0
     experts_per_token: int = 0
@@ -161,6 +165,7 @@ class ModelConfig:
             and self.rope_layers is None
             and self.rotary_dim is None
             and self.num_experts == 0
+            and self.query_scale_beta is None
         )
 
 
@@ -180,6 +185,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_scale = config.embedding_scale
+        self.query_scale_of = config.query_scale_beta, config.query_scale_span
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, config.sparse(i)) for i in range(config.num_layers)
         )
@@ -195,6 +201,10 @@ class LlamaModel(nn.Module):
         # dozen Python calls a layer, which at batch 1 cost about as much as the products.
         self.decode_kernel: DecodeLayers | None = None
 
+    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        beta, span = self.query_scale_of
+        return None if beta is None else query_scale(positions, beta, span, dtype)
+
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Final-normed hidden states of the sampling rows, [R, hidden], then of the scored
         prompt positions (`ForwardBatch.score_token_index`), [S, hidden]."""
@@ -202,8 +212,10 @@ class LlamaModel(nn.Module):
         if self.embedding_scale is not None:  # in the activations' dtype, as transformers scales
             x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         ropes = {name: _rotary(rotary).at(batch.positions, x.dtype) for name, rotary in self.rotary.items()}
+        query_scale = self._query_scale(batch.positions, x.dtype)
         plans = {
-            w: AttentionPlan.build(batch, self.query_group, w) for w in dict.fromkeys(self.layer_windows)
+            w: AttentionPlan.build(batch, self.query_group, w, query_scale)
+            for w in dict.fromkeys(self.layer_windows)
         }
         decode = plans[self.layer_windows[0]].decode
         if self.decode_kernel is not None and decode is not None and decode.whole_batch:
@@ -222,6 +234,12 @@ class LlamaModel(nn.Module):
             index = torch.cat((index, batch.score_token_index))
         normed: torch.Tensor = self.norm(x.index_select(0, index))
         return normed
+
+
+def query_scale(positions: torch.Tensor, beta: float, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """Ministral 3's scale of each token's queries [T, 1, 1], as transformers computes it."""
+    scale = 1 + beta * torch.log(1 + torch.floor(positions / span))
+    return scale[:, None, None].to(dtype)
 
 
 def _rotary(module: nn.Module) -> RotaryEmbedding:
