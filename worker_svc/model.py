@@ -211,7 +211,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         if self.embedding_scale is not None:  # in the activations' dtype, as transformers scales
             x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
-        ropes = {name: _rotary(rotary).at(batch.positions, x.dtype) for name, rotary in self.rotary.items()}
+        upto = max(batch.row_ctx_lens)  # every position is below its row's context length
+        ropes = {
+            name: _rotary(rotary).at(batch.positions, x.dtype, upto) for name, rotary in self.rotary.items()
+        }
         query_scale = self._query_scale(batch.positions, x.dtype)
         plans = {
             w: AttentionPlan.build(batch, self.query_group, w, query_scale)

@@ -125,28 +125,57 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
+# Positions the tables first cover; they double as longer contexts come (`RotaryEmbedding.at`).
+INITIAL_POSITIONS = 4096
+
+
 class RotaryEmbedding(nn.Module):
-    """cos and signed sin of every position up to max_context_len, the rotated part of a head
-    wide (see apply_rotary); `local`: Gemma 3's sliding layers' (their own base, unscaled)."""
+    """cos and signed sin of positions, the rotated part of a head wide (see apply_rotary);
+    `local`: Gemma 3's sliding layers' (their own base, unscaled).
+
+    NOTE: the tables cover the positions served so far, doubled as needed up to max_context_len,
+    not the whole of it at start: a 128K-context model's would take 64 MiB to 512 MiB (Gemma 3's
+    two rotations of 256-wide heads) for contexts most servers never reach."""
 
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
 
     def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        rope = _rope_frequencies(config, local)
-        positions = torch.arange(config.max_context_len, dtype=torch.float32)
-        freqs = positions[:, None] * rope.short[None, :]
-        if rope.long is not None and rope.boundary < config.max_context_len:
-            freqs[rope.boundary :] = positions[rope.boundary :, None] * rope.long[None, :]
+        self._rope = _rope_frequencies(config, local)
+        self.max_positions = config.max_context_len
+        self._fill(min(config.max_context_len, INITIAL_POSITIONS), self._rope.short.device)
+
+    @property
+    def positions(self) -> int:
+        """How many positions the tables cover now."""
+        return int(self.cos_cache.shape[0])
+
+    def _fill(self, count: int, device: torch.device) -> None:
+        rope = self._rope
+        positions = torch.arange(count, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * rope.short.to(device)[None, :]
+        if rope.long is not None and rope.boundary < count:
+            freqs[rope.boundary :] = positions[rope.boundary :, None] * rope.long.to(device)[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         if rope.attention_factor != 1.0:
             cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin of shape [T, 1, head_dim], broadcastable over heads."""
+    def at(
+        self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin of shape [T, 1, head_dim], broadcastable over heads; `upto`: more than
+        the largest position, known on the host (None: read from `positions`)."""
+        needed = int(positions.max()) + 1 if upto is None else upto
+        if needed > self.positions:
+            if needed > self.max_positions:
+                raise ValueError(f"position {needed - 1} is past the model's context ({self.max_positions})")
+            count = self.positions
+            while count < needed:
+                count *= 2
+            self._fill(min(count, self.max_positions), self.cos_cache.device)
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)
         return cos[:, None, :], sin[:, None, :]
