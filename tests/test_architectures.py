@@ -5,7 +5,8 @@ dense layers beside sparse ones), Gemma (scaled embeddings, 1 + w norms, tanh GE
 (norms around each block, capped scores and logits, alternating sliding layers), Gemma 3 (q/k
 norms, local layers with their own rotary base, linear scaling on the global ones), Phi-3 (fused
 checkpoint projections, a partial rotation, longrope), SmolLM3 (layers without a rotation) and
-Granite (its four multipliers), each a tiny random checkpoint written by transformers itself.
+Granite (its four multipliers), OLMo 2 and 3 (norms after each block, q/k norms over all heads;
+OLMo 3's sliding layers), each a tiny random checkpoint written by transformers itself.
 
 Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
 chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
@@ -115,6 +116,16 @@ FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
     # yarn, and the queries scaled past each multiple of 16 positions (Ministral 3's; its own
     # configs write rope_parameters)
     "ministral3": ("Ministral3Config", {"rope_parameters": MINISTRAL3_ROPE}),
+    "olmo2": ("Olmo2Config", {"rope_theta": 5e5}),
+    "olmo3": (  # layer 0 sliding, its rotation unscaled; layer 1 global, scaled
+        "Olmo3Config",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_theta": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": (
         "Gemma2Config",
@@ -275,8 +286,9 @@ WINDOWED = {
     "qwen2-sliding-layers": [None, WINDOW],
     "gemma2": [WINDOW, None],
     "gemma3": [WINDOW, None],
+    "olmo3": [WINDOW, None],
 }
-ROTATIONS = {"gemma3": ["local", "global"], "smollm3": ["global", None]}
+ROTATIONS = {"gemma3": ["local", "global"], "olmo3": ["local", "global"], "smollm3": ["global", None]}
 SPARSE = {"qwen3-moe": [True, False], "mixtral": [True, True]}
 
 
@@ -285,7 +297,7 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     ours = load_hf_checkpoint(directory, torch.float32, CPU)
     config = ours.config
     assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
-        kind in ("qwen3", "qwen3-moe", "gemma3"),
+        kind in ("qwen3", "qwen3-moe", "gemma3", "olmo2", "olmo3"),
         kind in ("qwen2", "qwen2-sliding-layers", "llama-attention-bias"),
         kind == "llama-attention-bias",
     )

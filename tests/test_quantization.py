@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_serving
 from tests.live import CALL_TIMEOUT_S, unused_port
-from tests.test_tensor_parallel import GEMMA_FEATURES, MOE_FEATURES, OTHER_FEATURES
+from tests.test_tensor_parallel import GEMMA_FEATURES, MOE_FEATURES, OLMO_FEATURES, OTHER_FEATURES
 from worker_svc.cli import parse_args
 from worker_svc.cpu_kernels import BLOCK, Q4, Q8
 from worker_svc.dtypes import choose_dtype
@@ -332,7 +332,9 @@ def test_int4_smollm2_still_answers_right(int4_services: Service, question: str,
 
 
 @pytest.mark.parametrize(
-    "features", [GEMMA_FEATURES, OTHER_FEATURES, MOE_FEATURES], ids=["gemma", "phi3-smollm3-granite", "moe"]
+    "features",
+    [GEMMA_FEATURES, OTHER_FEATURES, MOE_FEATURES, OLMO_FEATURES],
+    ids=["gemma", "phi3-smollm3-granite-ministral3", "moe", "olmo"],
 )
 def test_int8_runs_each_familys_own_arithmetic(features: dict[str, object]) -> None:
     """A model of the family's other members quantized: its projections on the int8 kernels, its

@@ -155,7 +155,7 @@ def test_two_shards_compute_the_full_models_logits_on_every_rank() -> None:
 
 GEMMA_FEATURES = {
     "norm_offset": True,
-    "sandwich_norms": True,
+    "norm_layout": "sandwich",
     "hidden_act": "gelu_tanh",
     "embedding_scale": 16.0,
     "attention_scale": 0.1,
@@ -179,6 +179,7 @@ MOE_FEATURES = {
     "expert_intermediate_size": 64,
     "sparse_layers": (True, False) * 2,
 }
+OLMO_FEATURES = {"norm_layout": "post", "qk_norm": True, "qk_norm_whole": True}
 OTHER_FEATURES = {
     "rotary_dim": 16,
     "rope_scaling": LONGROPE,
@@ -221,10 +222,15 @@ def test_the_familys_features_shard_too(features: dict[str, object]) -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
 
 
-def test_a_mixture_of_experts_is_served_on_one_rank() -> None:
-    config = dataclasses.replace(TINY_CONFIG, **MOE_FEATURES)  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("features", "says"),
+    [(MOE_FEATURES, "is a mixture of experts"), (OLMO_FEATURES, "q/k norms span every head")],
+    ids=["experts", "olmo"],
+)
+def test_what_a_rank_cannot_split_is_served_on_one(features: dict[str, object], says: str) -> None:
+    config = dataclasses.replace(TINY_CONFIG, **features)  # type: ignore[arg-type]
     check_divisible(config, 1)
-    with pytest.raises(ValueError, match="--tp 2: tiny is a mixture of experts"):
+    with pytest.raises(ValueError, match=f"--tp 2: tiny('s)? {says}"):
         check_divisible(config, 2)
 
 

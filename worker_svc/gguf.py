@@ -177,7 +177,7 @@ def _gemma_options(
     window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch))
     options: dict[str, Any] = {
         "hidden_act": "gelu_tanh",
-        "sandwich_norms": True,
+        "norm_layout": "sandwich",
         "embedding_scale": float(hidden) ** 0.5,
         "attention_scale": float(hidden // num_heads if is_27b else head_dim) ** -0.5,
         "sliding_window": None if window is None else int(window),

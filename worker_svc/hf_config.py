@@ -19,6 +19,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Ministral3ForCausalLM": "ministral3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -49,13 +51,23 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 
 # Where transformers' config class of a member defaults otherwise than Llama's (a key left out).
 TIED_BY_DEFAULT = (*GEMMA, "smollm3")
-ROPE_THETA_DEFAULT = {"gemma3_text": 1_000_000.0, "smollm3": 2_000_000.0, "mixtral": 1_000_000.0}
+ROPE_THETA_DEFAULT = {
+    "gemma3_text": 1_000_000.0,
+    "smollm3": 2_000_000.0,
+    "mixtral": 1_000_000.0,
+    "olmo3": 500_000.0,
+}
 HEAD_DIM_DEFAULT = {"gemma": 256, "gemma2": 256, "ministral3": 128}  # else hidden / heads
-EPS_DEFAULT = {"phi3": 1e-5, "mixtral": 1e-5, "ministral3": 1e-5}
+EPS_DEFAULT = {"phi3": 1e-5, "mixtral": 1e-5, "ministral3": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5}
+NORM_LAYOUT = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post", "olmo3": "post"}
+OLMO = ("olmo2", "olmo3")  # q/k norms over the whole projection
+# Local and global layers each with their rotation (rope_parameters by layer type): the local
+# layers' base where the config gives none (the key it is under in older configs, its default).
+LOCAL_ROPE = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
 QWEN3 = ("qwen3", "qwen3_moe")  # q/k norms; a sliding window only with use_sliding_window
 EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "ministral3", "phi3")  # a sliding_window is every layer's
 SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0)}  # attention's, the logits'
-WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096}
+WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096, "olmo3": 4096}
 
 # hidden_act values (transformers' ACT2FN names) -> ModelConfig.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -100,12 +112,13 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         name=name,
         qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias,
-        qk_norm=family in (*QWEN3, "gemma3_text"),
+        qk_norm=family in (*QWEN3, "gemma3_text", *OLMO),
+        qk_norm_whole=family in OLMO,
         sliding_window=window,
         architecture=family,
         hidden_act=_activation(d, family),
         norm_offset=gemma,
-        sandwich_norms=family in ("gemma2", "gemma3_text"),
+        norm_layout=NORM_LAYOUT.get(family, "pre"),
         embedding_scale=_embedding_scale(d, family),
         attention_scale=_attention_scale(d, family),
         attention_softcap=_optional_float(d.get("attn_logit_softcapping", attn_cap)),
@@ -254,7 +267,7 @@ def _rope_settings(
     width of a head where it is not the whole of it (partial_rotary_factor)."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     local_theta = None
-    if family == "gemma3_text":
+    if family in LOCAL_ROPE:
         if "full_attention" in params or "sliding_attention" in params:  # by layer type
             local = dict(params.get("sliding_attention") or {})
             params = dict(params.get("full_attention") or {})
@@ -262,7 +275,8 @@ def _rope_settings(
             local = {}
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"unsupported rope type {local['rope_type']!r} for the sliding layers")
-        local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0)))
+        key, default = LOCAL_ROPE[family]
+        local_theta = float(local.get("rope_theta", d.get(key, default) if key else default))
     rope_theta = float(
         params.pop("rope_theta", d.get("rope_theta", ROPE_THETA_DEFAULT.get(family, 10_000.0)))
     )
@@ -323,6 +337,8 @@ def _default_layer_types(d: dict[str, Any], family: str, num_layers: int) -> lis
     if family in ("qwen2", *QWEN3):  # the layers from max_window_layers on
         first = int(d.get("max_window_layers", 28))
         return [local if i >= first else full for i in range(num_layers)]
+    if family == "olmo3":  # three sliding layers to one global
+        return [local if (i + 1) % 4 else full for i in range(num_layers)]
     if family == "smollm3":  # the layers without a rotation
         return [full if uses else local for uses in _rope_layers(d, num_layers)]
     return [full] * num_layers

@@ -333,10 +333,13 @@ class LlamaAttention(nn.Module):
         self.v_proj: Linear | None = Linear(config.hidden_size, config.kv_size, config.qkv_bias)
         self.qkv_proj: nn.Module | None = None
         self.o_proj: nn.Module = Linear(config.q_size, config.hidden_size, config.o_bias)
-        # Qwen3, Gemma 3: each head of q and k normalised over head_dim, before the rotation.
-        eps, offset = config.rms_norm_eps, config.norm_offset
-        self.q_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k normalised over head_dim, before the rotation;
+        # OLMo 2 (qk_norm_whole): all of q and all of k, each over its whole width.
+        eps, offset, whole = config.rms_norm_eps, config.norm_offset, config.qk_norm_whole
+        self.qk_norm_whole = whole
+        q_width, k_width = (config.q_size, config.kv_size) if whole else (config.head_dim, config.head_dim)
+        self.q_norm = RMSNorm(q_width, eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, offset) if config.qk_norm else None
         self.scores = Scores(config.attention_scale, config.attention_softcap)
 
     def forward(
@@ -393,10 +396,12 @@ class LlamaAttention(nn.Module):
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(num_tokens, heads, head_dim)
         k = k.reshape(num_tokens, kv_heads, head_dim)
         v = v.reshape(num_tokens, kv_heads, head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
             return q, k, v
@@ -545,20 +550,28 @@ class MixtureOfExperts(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Llama's layer: x + attention(norm(x)), then x + mlp(norm(x)). Gemma 2/3's (sandwich norms)
-    norm each block's output too: x + norm(attention(norm(x))), x + norm(mlp(norm(x))), named as
-    their checkpoints name them (post_attention_layernorm is then the attention's output norm)."""
+    """Llama's layer ("pre" norms): x + attention(norm(x)), then x + mlp(norm(x)). Gemma 2/3's
+    ("sandwich") norm each block's output too: x + norm(attention(norm(x))), x + norm(mlp(norm(x)));
+    OLMo 2's ("post") its output only: x + norm(attention(x)), x + norm(mlp(x)). Each norm is named
+    as the checkpoints name it (post_attention_layernorm is the attention's output norm but in
+    Llama's layout, where it is the MLP's input norm)."""
 
     def __init__(self, config: ModelConfig, sparse: bool = False) -> None:
         """`sparse`: a mixture of experts in place of the MLP."""
         super().__init__()
         self.self_attn = LlamaAttention(config)
         self.mlp: LlamaMLP | MixtureOfExperts = MixtureOfExperts(config) if sparse else LlamaMLP(config)
-        hidden, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
-        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        layout, hidden, eps, offset = (
+            config.norm_layout,
+            config.hidden_size,
+            config.rms_norm_eps,
+            config.norm_offset,
+        )
+        self.layout = layout
+        self.input_layernorm = RMSNorm(hidden, eps, offset) if layout != "post" else None
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset) if config.sandwich_norms else None
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset) if config.sandwich_norms else None
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset) if layout == "sandwich" else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset) if layout != "pre" else None
         self.residual_scale = config.residual_scale
 
     def forward(
@@ -569,12 +582,14 @@ class LlamaDecoderLayer(nn.Module):
         out_kv_slots: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), rope, kv, out_kv_slots, plan)
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+        normed = x if self.input_layernorm is None else self.input_layernorm(x)
+        attended = self.self_attn(normed, rope, kv, out_kv_slots, plan)
+        if self.post_feedforward_layernorm is None:  # Llama's
             x = self._add(x, attended)
             return self._add(x, self.mlp(self.post_attention_layernorm(x)))
         x = self._add(x, self.post_attention_layernorm(attended))
-        return self._add(x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+        normed = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+        return self._add(x, self.post_feedforward_layernorm(self.mlp(normed)))
 
     def _add(self, x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         return x + (block if self.residual_scale == 1.0 else block * self.residual_scale)

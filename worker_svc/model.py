@@ -39,6 +39,7 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 ACTIVATIONS = ("silu", "gelu_tanh")
+NORM_LAYOUTS = ("pre", "sandwich", "post")
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,10 @@ class ModelConfig:
     rope_factors: tuple[float, ...] | None = None
     hidden_act: str = "silu"  # the MLP's gate: silu, or gelu_tanh (Gemma)
     norm_offset: bool = False  # each RMSNorm scales by 1 + weight, in float32 (Gemma)
-    sandwich_norms: bool = False  # attention's and the MLP's outputs normed too, before each add (Gemma 2/3)
+    # Where a layer's norms are (LlamaDecoderLayer): "pre" each block's input (Llama), "sandwich"
+    # its input and output (Gemma 2/3), "post" its output (OLMo 2).
+    norm_layout: str = "pre"
+    qk_norm_whole: bool = False  # the q/k norms over the whole projection, not each head (OLMo 2)
     embedding_scale: float | None = None  # the embeddings times this (Gemma: sqrt(hidden); Granite)
     attention_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5 (Gemma, Granite)
     attention_softcap: float | None = None  # scores capped as cap * tanh(s / cap) (Gemma 2)
@@ -103,6 +107,10 @@ class ModelConfig:
             check_rope_scaling(dict(self.rope_scaling))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.norm_layout not in NORM_LAYOUTS:
+            raise ValueError(
+                f"norm_layout must be one of {', '.join(NORM_LAYOUTS)}, got {self.norm_layout!r}"
+            )
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (one of {', '.join(ACTIVATIONS)})")
         if self.num_experts and not (0 < self.experts_per_token <= self.num_experts):
@@ -156,7 +164,9 @@ class ModelConfig:
         biases and q/k norms aside): what Stepahead's CPU kernels implement."""
         return (
             self.hidden_act == "silu"
-            and not (self.norm_offset or self.sandwich_norms)
+            and not self.norm_offset
+            and self.norm_layout == "pre"
+            and not self.qk_norm_whole
             and self.embedding_scale is None
             and self.attention_scale is None
             and self.attention_softcap is None

@@ -308,6 +308,7 @@ def decode_layers(model: LlamaForCausalLM, kernels: Kernels) -> DecodeLayers | N
         packed = [p.packed() for p in projections if isinstance(p, BlockLinear)]
         if attention.q_norm is not None or len(packed) != len(projections):
             return None
+        assert layer.input_layernorm is not None  # Llama's layout (model.llama_arithmetic)
         norms = (layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float())
         weights.append(LayerWeights(*norms, *packed))
     config = model.config

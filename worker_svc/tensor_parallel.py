@@ -50,9 +50,13 @@ class RowParallelLinear(Linear):
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """ValueError naming what does not divide by `size` (every rank holds whole heads), or where
-    the model has a mixture of experts (served on one rank)."""
+    the model has a mixture of experts or q/k norms over every head (served on one rank)."""
     if config.num_experts and size > 1:
         raise ValueError(f"--tp {size}: {config.name} is a mixture of experts, served on one rank (--tp 1)")
+    if config.qk_norm_whole and size > 1:  # a norm over every head's q: the ranks' heads together
+        raise ValueError(
+            f"--tp {size}: {config.name}'s q/k norms span every head, served on one rank (--tp 1)"
+        )
     counts = {
         "attention heads": config.num_heads,
         "KV heads": config.num_kv_heads,
