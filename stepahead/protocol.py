@@ -56,6 +56,7 @@ class WorkerInfo:
     epoch: int = 0
     worker_unix_time: float = 0.0
     tensor_parallel_size: int = 1  # ranks the model is sharded over (kv_slots is each rank's pool)
+    structured_outputs_unavailable: str = ""  # why grammars cannot be served ("": they can)
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,7 @@ def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:
         tokenizer=tokenizer_to_proto(info.tokenizer),
         worker_unix_time=info.worker_unix_time,
         tensor_parallel_size=info.tensor_parallel_size,
+        structured_outputs_unavailable=info.structured_outputs_unavailable,
     )
     if info.bos_token_id is not None:
         welcome.bos_token_id = info.bos_token_id
@@ -283,6 +285,7 @@ def info_from_proto(welcome: worker_pb2.Welcome) -> WorkerInfo:
         epoch=welcome.epoch,
         worker_unix_time=welcome.worker_unix_time,
         tensor_parallel_size=welcome.tensor_parallel_size or 1,
+        structured_outputs_unavailable=welcome.structured_outputs_unavailable,
     )
 
 

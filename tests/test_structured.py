@@ -46,6 +46,7 @@ from tests.test_equivalence import check_drained
 from tests.test_overlap_depth import serve_at
 from tests.test_sampling_equivalence import assert_same_outputs, completions, features_workload
 from tests.test_worker_engine import decode, prefill
+from worker_svc import structured
 from worker_svc.backends import SimDraw, load_backend
 from worker_svc.engine import EngineConfig, WorkerEngine
 from worker_svc.grammar import MatcherTable, grammar_tokenizer
@@ -433,5 +434,46 @@ def test_a_step_that_fails_after_its_draws_leaves_the_grammar_thread_free(
             [ord("o")],
             [ord("k")],
         ]
+    finally:
+        engine.shutdown()
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_said_and_breaks_no_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llguidance refuses some tokenizers (a tokenizer.json without a decoder, for one). The Welcome
+    says why, so that the scheduler refuses constrained requests at admission; one that reaches the
+    worker anyway ends with its first token, and the step, the session and the other rows go on
+    (the first table-less step used to fail every time, the session with it, again and again)."""
+
+    def unreadable(*_: object) -> None:
+        raise ValueError("can't determine decoder type: None")
+
+    monkeypatch.setattr(structured, "grammar_tokenizer", unreadable)
+    engine = make_engine("sim", kv_slots=64, request_slots=4, sim_step_ms=0.0)
+    try:
+        info = engine.begin_session().result()
+        assert "cannot read this model's tokenizer (can't determine decoder type" in (
+            info.structured_outputs_unavailable
+        )
+        first = Launch(
+            1,
+            new_requests=[choice_request(0, ["ok"]), NewRequest(1, 0.0, 1.0, 0, 0)],
+            row_req_slots=[0, 1],
+            row_start_pos=[0, 0],
+            row_num_tokens=[2, 2],
+            row_from_future=[False, False],
+            row_sample=[True, True],
+            prompt_ids=[72, 73, 72, 73],
+            kv_slots=[0, 1, 2, 3],
+        )
+        results = [engine.submit(first).result()]
+        results += [
+            engine.submit(decode(1 + k, [0, 1], [1 + k, 1 + k], [2 + 2 * k, 3 + 2 * k])).result()
+            for k in (1, 2)
+        ]
+        assert [r.grammar_finished for r in results] == [(0,), (), ()]  # the constrained row ends at once
+        assert all(len(r.token_ids) == 2 for r in results)  # every step drew both rows
+        assert engine.grammar_matchers() == 0
     finally:
         engine.shutdown()

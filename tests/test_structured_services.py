@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 from dataclasses import replace
 
 import grpc
+import openai
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ from tests.live import (
     wait_until,
     worker_stats_after_drain,
 )
+from tests.test_architectures import hf_checkpoint, write_char_tokenizer
 from tests.test_faults import RETRY, stop_all, streamed
 from tests.test_sampling_equivalence import assert_same_outputs, completions
 from tests.test_structured import CONSTRAINTS, EOS, accepted_prefix, is_valid, structured_workload
@@ -293,3 +296,50 @@ def test_over_the_wire_a_bad_constraint_is_invalid_argument_and_the_server_keeps
                 return "".join(r.text for r in replies)
 
         assert asyncio.run(run()) in ("yes", "no")
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_refuses_constraints_at_admission(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A checkpoint whose tokenizer.json llguidance cannot read (no decoder): a constrained request
+    gets INVALID_ARGUMENT (a 400 over HTTP) naming its field and why, and the server goes on
+    serving everything else. It once reached the worker, failed every step it was in and the
+    session with it, and took the other requests down with it, again and again."""
+    hf_checkpoint("llama", tmp_path)
+    write_char_tokenizer(tmp_path)  # one token per character, and no decoder
+    http_port = unused_port()
+    with serving_pair(["--model", str(tmp_path)], ["--http-port", str(http_port)]) as (_, scheduler):
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=CALL_TIMEOUT_S,
+        )
+        name = client.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError, match="cannot read this model's tokenizer") as refused:
+            client.completions.create(
+                model=name, prompt="ab", max_tokens=4, extra_body={"structured_outputs": {"regex": "[ab]+"}}
+            )
+        assert "structured_outputs.regex: not served with this model" in str(refused.value)
+
+        async def grpc_calls() -> list[int]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                constrained = pb.GenerateRequest(
+                    text="ab", sampling=pb.SamplingParams(max_new_tokens=4, json_object=True)
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as rpc_refused:
+                    _ = [r async for r in stub.Generate(constrained, timeout=CALL_TIMEOUT_S)]
+                assert rpc_refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert (rpc_refused.value.details() or "").startswith("sampling.structured.json_object: ")
+                plain = pb.GenerateRequest(
+                    text="ab", sampling=pb.SamplingParams(max_new_tokens=4, ignore_eos=True)
+                )
+                return [t async for r in stub.Generate(plain, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
+
+        assert len(asyncio.run(grpc_calls())) == 4
+        done = client.completions.create(
+            model=name, prompt="ab", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        assert asyncio.run(server_info(scheduler.address)).worker_connected

@@ -188,6 +188,7 @@ class WorkerEngine:
         self._grammars = SlotGrammars()
         # NOTE: only rank 0 runs matchers; it shares its constrained rows' ids with the others.
         self._grammar_thread = None
+        self._structured_unavailable = ""  # known at each session's start (`_reset_for_session`)
         if ranks is None or ranks.is_leader:
             self._grammar_thread = GrammarThread(
                 backend.tokenizer,
@@ -214,6 +215,7 @@ class WorkerEngine:
             epoch=self._session.epoch,
             worker_unix_time=time.time(),
             tensor_parallel_size=self.ranks.size if self.ranks is not None else 1,
+            structured_outputs_unavailable=self._structured_unavailable,
         )
 
     def stats(self) -> EngineStats:
@@ -332,6 +334,9 @@ class WorkerEngine:
         self._speculation.config = speculative
         self._grammars.clear()
         if self._grammar_thread is not None:
+            # NOTE: waits for the grammar tokenizer's build (under the session's keepalives), so
+            # that the Welcome can say whether constrained requests can be served at all.
+            self._structured_unavailable = self._grammar_thread.unavailable()
             self._grammar_thread.clear()
         self._accounting.new_session()
         self._session.reset(limits)

@@ -55,10 +55,12 @@ class _ByteTokens:
 
 
 class MatcherTable:
-    """The live matchers, by request slot."""
+    """The live matchers, by request slot. Without a tokenizer (one llguidance cannot read:
+    `refusal` says why) it holds none: every grammar fails to start, naming the refusal."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer | None, vocab_size: int, refusal: str = "") -> None:
         self._tokenizer = tokenizer
+        self.refusal = refusal
         self.vocab_size = vocab_size
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # by grammar, LRU first
@@ -75,6 +77,8 @@ class MatcherTable:
         NOTE: building a matcher from its grammar takes 0.5 to 0.7 ms (a JSON Schema of a few
         fields); copying an unused one takes about 1 us, so each compiled grammar keeps one
         unused matcher to copy (as many as the compile cache keeps grammars)."""
+        if self._tokenizer is None:
+            raise GrammarError(f"{constraint.kind}: {self.refusal}")
         grammar = compile_constraint(constraint)
         template = self._templates.get(grammar)
         if template is None:

@@ -149,13 +149,27 @@ class GrammarThread:
         self._compiled = compile_stats()
         # NOTE: building llguidance's tokenizer takes seconds for a large vocabulary; it starts
         # with the worker, off the forward thread, so the first constrained request finds it.
-        self._thread.submit(self._build_table, tokenizer, eos_token_ids)
+        self._built = self._thread.submit(self._build_table, tokenizer, eos_token_ids)
 
     def _build_table(self, tokenizer: TokenizerSpec, eos_token_ids: tuple[int, ...]) -> None:
         start = time.perf_counter()
-        llg = grammar_tokenizer(tokenizer, self._vocab_size, eos_token_ids)
+        try:
+            llg = grammar_tokenizer(tokenizer, self._vocab_size, eos_token_ids)
+        except (ValueError, RuntimeError) as exc:  # llguidance's refusal of this tokenizer
+            # NOTE: a table without matchers: a constrained request that reaches the worker anyway
+            # (a scheduler that did not refuse it) ends with its first token, the step goes on.
+            refusal = f"the grammar engine cannot read this model's tokenizer ({exc})"
+            self._table = MatcherTable(None, self._vocab_size, refusal)
+            log.error("structured outputs and tool calls are off: %s", refusal)
+            return
         self._table = MatcherTable(llg, self._vocab_size)
         log.info("grammar tokenizer ready in %.2f s", time.perf_counter() - start)
+
+    def unavailable(self) -> str:
+        """Why no grammar can be served ("": they can), once the tokenizer is built; the scheduler
+        learns it with each session's Welcome and refuses constrained requests at admission."""
+        self._built.result()
+        return self.table.refusal
 
     @property
     def table(self) -> MatcherTable:

@@ -125,6 +125,10 @@ def validate_request(
     params = _sampling_params(sampling, info.vocab_size, seed, requested)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)
     n = _completions(sampling)
+    if requested is not None and info.structured_outputs_unavailable:
+        raise InvalidRequest(
+            f"{requested.field}: not served with this model: {info.structured_outputs_unavailable}"
+        )
     compiled = None if requested is None else _compile(requested)  # the costliest check, last
     calls = fmt if requested is not None and requested.tools is not None else None
     return ValidRequest(prompt_ids, params, n, compiled, calls)

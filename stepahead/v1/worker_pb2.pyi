@@ -266,6 +266,7 @@ class Welcome(_message.Message):
     TOKENIZER_FIELD_NUMBER: _builtins.int
     WORKER_UNIX_TIME_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_UNAVAILABLE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     epoch: _builtins.int
     """Increases with every session the worker accepts, and across worker
@@ -285,6 +286,11 @@ class Welcome(_message.Message):
     tensor_parallel_size: _builtins.int
     """Ranks the model is sharded over (--tp); kv_slots token slots hold 1/N of the KV heads on
     each rank. 0 (an older worker) means 1.
+    """
+    structured_outputs_unavailable: _builtins.str
+    """Why structured outputs (and tool calls, which are held to a grammar) cannot be served with
+    this model, e.g. a tokenizer the grammar engine cannot read; empty: they can. Requests that
+    ask for them are then refused at admission, naming the field.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -306,10 +312,11 @@ class Welcome(_message.Message):
         tokenizer: Global___TokenizerSpec | None = ...,
         worker_unix_time: _builtins.float = ...,
         tensor_parallel_size: _builtins.int = ...,
+        structured_outputs_unavailable: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "tokenizer", b"tokenizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "device", b"device", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kv_slots", b"kv_slots", "max_context_len", b"max_context_len", "model", b"model", "protocol_version", b"protocol_version", "request_slots", b"request_slots", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "vocab_size", b"vocab_size", "worker_unix_time", b"worker_unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "device", b"device", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kv_slots", b"kv_slots", "max_context_len", b"max_context_len", "model", b"model", "protocol_version", b"protocol_version", "request_slots", b"request_slots", "structured_outputs_unavailable", b"structured_outputs_unavailable", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "vocab_size", b"vocab_size", "worker_unix_time", b"worker_unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015
