@@ -2,7 +2,7 @@
 family it is, and each member's options, with the defaults transformers' config classes give
 where a file leaves a key out. Both ways transformers has written rotary settings are read: the
 older top-level `rope_theta` and `rope_scaling` (most checkpoints published), and the newer
-`rope_parameters` (by layer type for Gemma 3)."""
+`rope_parameters` (by layer type for Gemma 3 and OLMo 3)."""
 
 from __future__ import annotations
 
@@ -75,9 +75,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
-    """ModelConfig from the config.json dict of a checkpoint of the Llama family: Llama, Mistral,
-    Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3 or Granite; ValueError naming
-    what is not supported."""
+    """ModelConfig from the config.json dict of a checkpoint of the Llama family (ARCHITECTURES,
+    or a vision-language checkpoint of TEXT_OF for its language model); ValueError naming what
+    is not supported."""
     d = text_config(d)
     family = _family(d)
     if family == "gemma3_text":
@@ -90,7 +90,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     rope_theta, rope_scaling, local_theta, rotary_dim = _rope_settings(d, family, head_dim)
     window, sliding_layers = _sliding(d, family, num_layers, max_len)
     # As transformers builds each: attention_bias covers q/k/v and the output; Qwen2's q/k/v
-    # always have a bias, its output never; Mistral and Phi-3 have none.
+    # always have a bias, its output never; Mistral's kin (Mixtral, Ministral 3) and Phi-3 have none.
     attention_bias = bool(d.get("attention_bias", False)) and family not in ("qwen2", *EVERY_LAYER_WINDOWED)
     attn_cap, final_cap = SOFTCAP_DEFAULTS.get(family, (None, None))
     gemma = family in GEMMA
