@@ -6,7 +6,8 @@ dense layers beside sparse ones), Gemma (scaled embeddings, 1 + w norms, tanh GE
 norms, local layers with their own rotary base, linear scaling on the global ones), Phi-3 (fused
 checkpoint projections, a partial rotation, longrope), SmolLM3 (layers without a rotation) and
 Granite (its four multipliers), OLMo 2 and 3 (norms after each block, q/k norms over all heads;
-OLMo 3's sliding layers), each a tiny random checkpoint written by transformers itself.
+OLMo 3's sliding layers) and EXAONE 4 (norms after each block, global layers without a rotation),
+each a tiny random checkpoint written by transformers itself.
 
 Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
 chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
@@ -126,6 +127,10 @@ FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_scaling": {"rope_type": "linear", "factor": 4.0},
         },
     ),
+    # norms after each block, per-head q/k norms, and its global layers without a rotation
+    "exaone4": ("Exaone4Config", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
+    # a window wider than the context: no layer is windowed, its global layers still unrotated
+    "exaone4-wide-window": ("Exaone4Config", {"sliding_window_pattern": 2}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": (
         "Gemma2Config",
@@ -287,8 +292,15 @@ WINDOWED = {
     "gemma2": [WINDOW, None],
     "gemma3": [WINDOW, None],
     "olmo3": [WINDOW, None],
+    "exaone4": [WINDOW, None],
 }
-ROTATIONS = {"gemma3": ["local", "global"], "olmo3": ["local", "global"], "smollm3": ["global", None]}
+ROTATIONS = {
+    "gemma3": ["local", "global"],
+    "olmo3": ["local", "global"],
+    "smollm3": ["global", None],
+    "exaone4": ["global", None],
+    "exaone4-wide-window": ["global", None],
+}
 SPARSE = {"qwen3-moe": [True, False], "mixtral": [True, True]}
 
 
@@ -297,7 +309,7 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     ours = load_hf_checkpoint(directory, torch.float32, CPU)
     config = ours.config
     assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
-        kind in ("qwen3", "qwen3-moe", "gemma3", "olmo2", "olmo3"),
+        kind in ("qwen3", "qwen3-moe", "gemma3", "olmo2", "olmo3", "exaone4", "exaone4-wide-window"),
         kind in ("qwen2", "qwen2-sliding-layers", "llama-attention-bias"),
         kind == "llama-attention-bias",
     )
@@ -408,6 +420,17 @@ def test_longrope_rotates_past_the_boundary_with_the_long_factors(tmp_path: path
         expected = torch.cat((freqs, freqs), dim=-1)
         assert torch.equal(rotary.cos_cache[rows], expected.cos() * factor)
         assert torch.equal(rotary.sin_cache[rows, inv_freq.shape[0] :], freqs.sin() * factor)
+
+
+def test_exaone4s_pattern_of_letters_reads_as_its_layer_types() -> None:
+    """EXAONE 4's published configs write their pattern in letters ("LLLG": three local layers,
+    then a global one without a rotation)."""
+    d = {**COMMON, "num_hidden_layers": 8, "architectures": ["Exaone4ForCausalLM"], "sliding_window": WINDOW}
+    config = config_from_hf_dict({**d, "sliding_window_pattern": "LLLG"})
+    windowed = [config.window_of(i) is not None for i in range(8)]
+    assert windowed == [True, True, True, False] * 2
+    assert [config.rope_of(i) is not None for i in range(8)] == windowed
+    assert config == config_from_hf_dict({**d, "sliding_window_pattern": 4})
 
 
 def test_a_sliding_window_changes_the_outputs() -> None:

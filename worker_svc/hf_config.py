@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "Ministral3ForCausalLM": "ministral3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -58,16 +59,30 @@ ROPE_THETA_DEFAULT = {
     "olmo3": 500_000.0,
 }
 HEAD_DIM_DEFAULT = {"gemma": 256, "gemma2": 256, "ministral3": 128}  # else hidden / heads
-EPS_DEFAULT = {"phi3": 1e-5, "mixtral": 1e-5, "ministral3": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5}
-NORM_LAYOUT = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post", "olmo3": "post"}
+EPS_DEFAULT = {
+    "phi3": 1e-5,
+    "mixtral": 1e-5,
+    "ministral3": 1e-5,
+    "olmo2": 1e-5,
+    "olmo3": 1e-5,
+    "exaone4": 1e-5,
+}
+NORM_LAYOUT = {
+    "gemma2": "sandwich",
+    "gemma3_text": "sandwich",
+    "olmo2": "post",
+    "olmo3": "post",
+    "exaone4": "post",
+}
 OLMO = ("olmo2", "olmo3")  # q/k norms over the whole projection
 # Local and global layers each with their rotation (rope_parameters by layer type): the local
 # layers' base where the config gives none (the key it is under in older configs, its default).
 LOCAL_ROPE = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
 QWEN3 = ("qwen3", "qwen3_moe")  # q/k norms; a sliding window only with use_sliding_window
+PER_HEAD_QK_NORMS = (*QWEN3, "gemma3_text", "exaone4")
 EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "ministral3", "phi3")  # a sliding_window is every layer's
 SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0)}  # attention's, the logits'
-WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096, "olmo3": 4096}
+WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096, "olmo3": 4096, "exaone4": 4096}
 
 # hidden_act values (transformers' ACT2FN names) -> ModelConfig.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -112,7 +127,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         name=name,
         qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias,
-        qk_norm=family in (*QWEN3, "gemma3_text", *OLMO),
+        qk_norm=family in (*PER_HEAD_QK_NORMS, *OLMO),
         qk_norm_whole=family in OLMO,
         sliding_window=window,
         architecture=family,
@@ -127,11 +142,22 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         logits_divisor=float(d.get("logits_scaling", 1.0)) if family == "granite" else 1.0,
         sliding_layers=sliding_layers,
         local_rope_theta=local_theta,
-        rope_layers=_rope_layers(d, num_layers) if family == "smollm3" else None,
+        rope_layers=_rope_layers_of(d, family, num_layers),
         rotary_dim=rotary_dim,
         **_experts(d, family, num_layers),
         **(_query_scale(d) if family == "ministral3" else {}),
     )
+
+
+def _rope_layers_of(d: dict[str, Any], family: str, num_layers: int) -> tuple[bool, ...] | None:
+    """The layers that rotate, where not all do: SmolLM3's (no_rope_layers); EXAONE 4's hybrid
+    attention, where it has a sliding window (however wide): its windowed layers only."""
+    if family == "smollm3":
+        return _rope_layers(d, num_layers)
+    if family != "exaone4" or d.get("sliding_window", WINDOW_DEFAULT[family]) is None:
+        return None
+    types = d.get("layer_types") or _default_layer_types(d, family, num_layers)
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _query_scale(d: dict[str, Any]) -> dict[str, Any]:
@@ -337,6 +363,11 @@ def _default_layer_types(d: dict[str, Any], family: str, num_layers: int) -> lis
     if family in ("qwen2", *QWEN3):  # the layers from max_window_layers on
         first = int(d.get("max_window_layers", 28))
         return [local if i >= first else full for i in range(num_layers)]
+    if family == "exaone4":  # a pattern: every n-th global, or "L"ocal and "G"lobal by letter
+        pattern = d.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str):
+            return [local if pattern[i % len(pattern)] == "L" else full for i in range(num_layers)]
+        return [local if (i + 1) % int(pattern) else full for i in range(num_layers)]
     if family == "olmo3":  # three sliding layers to one global
         return [local if (i + 1) % 4 else full for i in range(num_layers)]
     if family == "smollm3":  # the layers without a rotation
