@@ -1,13 +1,13 @@
 """The Llama family against transformers: Llama (llama3 and yarn rope scaling, tied embeddings,
 attention bias), Mistral (sliding window), Ministral 3 (yarn, queries scaled by position), Qwen2
-(q/k/v bias; sliding layers), Qwen3 (q/k norms), Qwen3-MoE and Mixtral (a mixture of experts,
-dense layers beside sparse ones), Gemma (scaled embeddings, 1 + w norms, tanh GELU), Gemma 2
-(norms around each block, capped scores and logits, alternating sliding layers), Gemma 3 (q/k
-norms, local layers with their own rotary base, linear scaling on the global ones), Phi-3 (fused
-checkpoint projections, a partial rotation, longrope), SmolLM3 (layers without a rotation) and
-Granite (its four multipliers), OLMo 2 and 3 (norms after each block, q/k norms over all heads;
-OLMo 3's sliding layers) and EXAONE 4 (norms after each block, global layers without a rotation),
-each a tiny random checkpoint written by transformers itself.
+(q/k/v bias; sliding layers), Qwen3 (q/k norms), Qwen3-MoE, Qwen2-MoE (its shared expert) and
+Mixtral (a mixture of experts, dense layers beside sparse ones), Gemma (scaled embeddings, 1 + w
+norms, tanh GELU), Gemma 2 (norms around each block, capped scores and logits, alternating
+sliding layers), Gemma 3 (q/k norms, local layers with their own rotary base, linear scaling on
+the global ones), Phi-3 (fused checkpoint projections, a partial rotation, longrope), SmolLM3
+(layers without a rotation), Granite (its four multipliers), OLMo 2 and 3 (norms after each
+block, q/k norms over all heads; OLMo 3's sliding layers) and EXAONE 4 (norms after each block,
+global layers without a rotation), each a tiny random checkpoint written by transformers itself.
 
 Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
 chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
@@ -108,6 +108,16 @@ FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_intermediate_size": 32,
             "norm_topk_prob": True,
             "mlp_only_layers": [1],
+        },
+    ),
+    "qwen2-moe": (  # layer 0 dense, layer 1 sparse with its shared expert
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [0],
         },
     ),
     "mixtral": (
@@ -301,7 +311,7 @@ ROTATIONS = {
     "exaone4": ["global", None],
     "exaone4-wide-window": ["global", None],
 }
-SPARSE = {"qwen3-moe": [True, False], "mixtral": [True, True]}
+SPARSE = {"qwen3-moe": [True, False], "qwen2-moe": [False, True], "mixtral": [True, True]}
 
 
 def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pathlib.Path]) -> None:
@@ -310,7 +320,7 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     config = ours.config
     assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
         kind in ("qwen3", "qwen3-moe", "gemma3", "olmo2", "olmo3", "exaone4", "exaone4-wide-window"),
-        kind in ("qwen2", "qwen2-sliding-layers", "llama-attention-bias"),
+        kind in ("qwen2", "qwen2-sliding-layers", "qwen2-moe", "llama-attention-bias"),
         kind == "llama-attention-bias",
     )
     windowed = [config.window_of(i) for i in range(config.num_layers)]

@@ -350,11 +350,12 @@ def test_int8_runs_each_familys_own_arithmetic(features: dict[str, object]) -> N
     plain, served = _random_model(config, seed=3), _random_model(config, seed=3)
     prepare_for_serving(served, "int8")
     assert served.model.decode_kernel is None and served.model.norm.kernels is None
-    # Every projection is on the kernels (each expert's, in a sparse MLP) but a router and those
+    # Every projection is on the kernels (each expert's, in a sparse MLP) but the routers and those
     # whose inputs are not in blocks of 32 (these tiny MLPs' down projections).
     modules = dict(served.named_modules())
     left = [name for name, m in modules.items() if type(m) is Linear]
-    assert all(name.endswith(".mlp.gate") or modules[name].weight.shape[1] % BLOCK for name in left), left
+    routers = (".mlp.gate", ".mlp.shared_expert_gate")
+    assert all(name.endswith(routers) or modules[name].weight.shape[1] % BLOCK for name in left), left
     experts = [name for name, m in modules.items() if ".experts." in name and isinstance(m, BlockLinear)]
     assert len(experts) == 2 * config.num_experts * sum(map(config.sparse, range(config.num_layers)))
     with torch.inference_mode():

@@ -177,6 +177,7 @@ MOE_FEATURES = {
     "num_experts": 4,
     "experts_per_token": 2,
     "expert_intermediate_size": 64,
+    "shared_expert_intermediate_size": 96,
     "sparse_layers": (True, False) * 2,
 }
 OLMO_FEATURES = {"norm_layout": "post", "qk_norm": True, "qk_norm_whole": True}

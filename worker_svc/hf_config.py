@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Ministral3ForCausalLM": "ministral3",
     "Olmo2ForCausalLM": "olmo2",
@@ -79,6 +80,10 @@ OLMO = ("olmo2", "olmo3")  # q/k norms over the whole projection
 # layers' base where the config gives none (the key it is under in older configs, its default).
 LOCAL_ROPE = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
 QWEN3 = ("qwen3", "qwen3_moe")  # q/k norms; a sliding window only with use_sliding_window
+QWEN2 = ("qwen2", "qwen2_moe")  # q/k/v biases; a sliding window only with use_sliding_window
+# Qwen's mixtures of experts, where a config leaves their sizes out: experts, experts a token,
+# an expert's width, the shared expert's width (Qwen2-MoE's; 0: none).
+QWEN_MOE_DEFAULTS = {"qwen3_moe": (128, 8, 768, 0), "qwen2_moe": (60, 4, 1408, 5632)}
 PER_HEAD_QK_NORMS = (*QWEN3, "gemma3_text", "exaone4")
 EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "ministral3", "phi3")  # a sliding_window is every layer's
 SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0)}  # attention's, the logits'
@@ -106,7 +111,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     window, sliding_layers = _sliding(d, family, num_layers, max_len)
     # As transformers builds each: attention_bias covers q/k/v and the output; Qwen2's q/k/v
     # always have a bias, its output never; Mistral's kin (Mixtral, Ministral 3) and Phi-3 have none.
-    attention_bias = bool(d.get("attention_bias", False)) and family not in ("qwen2", *EVERY_LAYER_WINDOWED)
+    attention_bias = bool(d.get("attention_bias", False)) and family not in (*QWEN2, *EVERY_LAYER_WINDOWED)
     attn_cap, final_cap = SOFTCAP_DEFAULTS.get(family, (None, None))
     gemma = family in GEMMA
     return ModelConfig(
@@ -125,7 +130,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         bos_token_id=d.get("bos_token_id"),
         rope_scaling=rope_scaling,
         name=name,
-        qkv_bias=attention_bias or family == "qwen2",
+        qkv_bias=attention_bias or (family in QWEN2 and bool(d.get("qkv_bias", True))),
         o_bias=attention_bias,
         qk_norm=family in (*PER_HEAD_QK_NORMS, *OLMO),
         qk_norm_whole=family in OLMO,
@@ -182,17 +187,18 @@ def _experts(d: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
             "experts_per_token": int(d.get("num_experts_per_tok", 2)),
             "expert_intermediate_size": int(d["intermediate_size"]),
         }
-    if family != "qwen3_moe":
+    if family not in QWEN_MOE_DEFAULTS:
         return {}
+    experts, per_token, width, shared = QWEN_MOE_DEFAULTS[family]
     step, dense = int(d.get("decoder_sparse_step", 1)), set(d.get("mlp_only_layers") or [])
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     return {
-        "num_experts": int(
-            d.get("num_experts") or d.get("num_local_experts") or 128
-        ),  # as written, then as saved
-        "experts_per_token": int(d.get("num_experts_per_tok", 8)),
-        "expert_intermediate_size": int(d.get("moe_intermediate_size", 768)),
+        # num_experts as configs are written, num_local_experts as transformers saves them
+        "num_experts": int(d.get("num_experts") or d.get("num_local_experts") or experts),
+        "experts_per_token": int(d.get("num_experts_per_tok", per_token)),
+        "expert_intermediate_size": int(d.get("moe_intermediate_size", width)),
         "normalize_expert_weights": bool(d.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size", shared)),
         "sparse_layers": None if all(sparse) else sparse,
     }
 
@@ -335,7 +341,7 @@ def _sliding(
 ) -> tuple[int | None, tuple[bool, ...] | None]:
     """The sliding window and, where not every layer has it, the layers that do."""
     window = d.get("sliding_window", WINDOW_DEFAULT.get(family))
-    if family in ("qwen2", *QWEN3, "smollm3") and not d.get("use_sliding_window", False):
+    if family in (*QWEN2, *QWEN3, "smollm3") and not d.get("use_sliding_window", False):
         window = None
     if window is None or int(window) >= max_len:  # no key is ever out of a window this wide
         return None, None
@@ -360,7 +366,7 @@ def _default_layer_types(d: dict[str, Any], family: str, num_layers: int) -> lis
     if family == "gemma3_text":  # five sliding layers to one global
         pattern = int(d.get("sliding_window_pattern", 6))
         return [local if (i + 1) % pattern else full for i in range(num_layers)]
-    if family in ("qwen2", *QWEN3):  # the layers from max_window_layers on
+    if family in (*QWEN2, *QWEN3):  # the layers from max_window_layers on
         first = int(d.get("max_window_layers", 28))
         return [local if i >= first else full for i in range(num_layers)]
     if family == "exaone4":  # a pattern: every n-th global, or "L"ocal and "G"lobal by letter

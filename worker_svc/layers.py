@@ -513,7 +513,7 @@ class LlamaMLP(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """A sparse MLP (Qwen3-MoE, Mixtral): a router's softmax picks each token's top k experts,
+    """A sparse MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router's softmax picks each token's top k experts,
     whose SwiGLU outputs are summed weighted by their probabilities (renormalised over the k where
     the model asks). As transformers computes it: the experts in ascending order, each over the
     tokens that picked it, added into the output one expert at a time.
@@ -528,9 +528,13 @@ class MixtureOfExperts(nn.Module):
         self.experts = nn.ModuleList(
             LlamaMLP(config, config.expert_intermediate_size) for _ in range(config.num_experts)
         )
+        # Qwen2-MoE: an expert every token takes, weighted by sigmoid(shared_expert_gate(x)).
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = LlamaMLP(config, shared) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
 
     def fuse(self) -> None:
-        for expert in self.experts:
+        for expert in [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]:
             assert isinstance(expert, LlamaMLP)
             expert.fuse()
 
@@ -546,6 +550,8 @@ class MixtureOfExperts(nn.Module):
             tokens, slot = torch.where(chosen == expert)
             computed = self.experts[expert](x.index_select(0, tokens)) * weights[tokens, slot, None]
             out.index_add_(0, tokens, computed)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

@@ -94,6 +94,7 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True  # the top k's probabilities renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # an expert every token takes, gated (Qwen2-MoE); 0: none
     sparse_layers: tuple[bool, ...] | None = None  # by layer, False where the MLP is dense; None: all sparse
 
     def __post_init__(self) -> None:

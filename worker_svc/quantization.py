@@ -284,11 +284,12 @@ def _projections(
     yield f"{prefix}self_attn.", layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")
     yield f"{prefix}self_attn.", layer.self_attn, "o_proj", ("o_proj",)
     mlp = layer.mlp
-    mlps = (
-        [(f"{prefix}mlp.", mlp)]
-        if isinstance(mlp, LlamaMLP)
-        else [(f"{prefix}mlp.experts.{e}.", expert) for e, expert in enumerate(mlp.experts)]
-    )
+    if isinstance(mlp, LlamaMLP):
+        mlps: list[tuple[str, nn.Module]] = [(f"{prefix}mlp.", mlp)]
+    else:
+        mlps = [(f"{prefix}mlp.experts.{e}.", expert) for e, expert in enumerate(mlp.experts)]
+        if mlp.shared_expert is not None:
+            mlps.append((f"{prefix}mlp.shared_expert.", mlp.shared_expert))
     for mlp_prefix, owner in mlps:
         yield mlp_prefix, owner, "gate_up_proj", ("gate_proj", "up_proj")
         yield mlp_prefix, owner, "down_proj", ("down_proj",)
