@@ -7,7 +7,8 @@ sliding layers), Gemma 3 (q/k norms, local layers with their own rotary base, li
 the global ones), Phi-3 (fused checkpoint projections, a partial rotation, longrope), SmolLM3
 (layers without a rotation), Granite (its four multipliers), OLMo 2 and 3 (norms after each
 block, q/k norms over all heads; OLMo 3's sliding layers) and EXAONE 4 (norms after each block,
-global layers without a rotation), each a tiny random checkpoint written by transformers itself.
+global layers without a rotation) and GLM-4 (four norms a layer, interleaved partial rotation),
+each a tiny random checkpoint written by transformers itself.
 
 Our forward runs over the token-slot KV pool as the worker runs it: a prompt prefilled in two
 chunks, then decode steps batched with a second, shorter sequence, so that the sliding window
@@ -141,6 +142,8 @@ FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
     "exaone4": ("Exaone4Config", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
     # a window wider than the context: no layer is windowed, its global layers still unrotated
     "exaone4-wide-window": ("Exaone4Config", {"sliding_window_pattern": 2}),
+    # q/k/v biases, four norms a layer, a rotation of interleaved pairs over half of each head
+    "glm4": ("Glm4Config", {"head_dim": 16, "partial_rotary_factor": 0.5}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": (
         "Gemma2Config",
@@ -320,7 +323,7 @@ def test_each_member_of_the_family_equals_transformers(pair: tuple[str, Any, pat
     config = ours.config
     assert (config.qk_norm, config.qkv_bias, config.o_bias) == (
         kind in ("qwen3", "qwen3-moe", "gemma3", "olmo2", "olmo3", "exaone4", "exaone4-wide-window"),
-        kind in ("qwen2", "qwen2-sliding-layers", "qwen2-moe", "llama-attention-bias"),
+        kind in ("qwen2", "qwen2-sliding-layers", "qwen2-moe", "llama-attention-bias", "glm4"),
         kind == "llama-attention-bias",
     )
     windowed = [config.window_of(i) for i in range(config.num_layers)]

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
+    "Glm4ForCausalLM": "glm4",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -59,8 +60,10 @@ ROPE_THETA_DEFAULT = {
     "mixtral": 1_000_000.0,
     "olmo3": 500_000.0,
 }
-HEAD_DIM_DEFAULT = {"gemma": 256, "gemma2": 256, "ministral3": 128}  # else hidden / heads
+HEAD_DIM_DEFAULT = {"gemma": 256, "gemma2": 256, "ministral3": 128, "glm4": 128}  # else hidden / heads
+PARTIAL_ROTARY_DEFAULT = {"glm4": 0.5}  # else 1
 EPS_DEFAULT = {
+    "glm4": 1.5625e-07,
     "phi3": 1e-5,
     "mixtral": 1e-5,
     "ministral3": 1e-5,
@@ -69,6 +72,7 @@ EPS_DEFAULT = {
     "exaone4": 1e-5,
 }
 NORM_LAYOUT = {
+    "glm4": "sandwich",
     "gemma2": "sandwich",
     "gemma3_text": "sandwich",
     "olmo2": "post",
@@ -109,9 +113,12 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     max_len = int(d["max_position_embeddings"])
     rope_theta, rope_scaling, local_theta, rotary_dim = _rope_settings(d, family, head_dim)
     window, sliding_layers = _sliding(d, family, num_layers, max_len)
-    # As transformers builds each: attention_bias covers q/k/v and the output; Qwen2's q/k/v
+    # As transformers builds each: attention_bias covers q/k/v and the output (GLM-4's: q/k/v); Qwen2's q/k/v
     # always have a bias, its output never; Mistral's kin (Mixtral, Ministral 3) and Phi-3 have none.
-    attention_bias = bool(d.get("attention_bias", False)) and family not in (*QWEN2, *EVERY_LAYER_WINDOWED)
+    attention_bias = bool(d.get("attention_bias", family == "glm4")) and family not in (
+        *QWEN2,
+        *EVERY_LAYER_WINDOWED,
+    )
     attn_cap, final_cap = SOFTCAP_DEFAULTS.get(family, (None, None))
     gemma = family in GEMMA
     return ModelConfig(
@@ -131,7 +138,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
         rope_scaling=rope_scaling,
         name=name,
         qkv_bias=attention_bias or (family in QWEN2 and bool(d.get("qkv_bias", True))),
-        o_bias=attention_bias,
+        o_bias=attention_bias and family != "glm4",  # GLM-4's bias is q/k/v's only
         qk_norm=family in (*PER_HEAD_QK_NORMS, *OLMO),
         qk_norm_whole=family in OLMO,
         sliding_window=window,
@@ -312,7 +319,8 @@ def _rope_settings(
     rope_theta = float(
         params.pop("rope_theta", d.get("rope_theta", ROPE_THETA_DEFAULT.get(family, 10_000.0)))
     )
-    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    partial = params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor")
+    partial = float(partial or PARTIAL_ROTARY_DEFAULT.get(family, 1.0))
     rotary_dim = int(head_dim * partial) if partial != 1.0 else None
     rope_type = params.get("rope_type", params.get("type", "default"))
     if family == "phi3" and rope_type in ("su", "yarn"):  # the names transformers reads as longrope

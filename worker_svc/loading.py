@@ -278,10 +278,45 @@ FUSED_IN_CHECKPOINTS = {
 }
 
 
+# GLM-4's names of its four norms -> the model's (the sandwich layout's, Gemma's names)
+GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
+
+
+def glm4_layout(config: ModelConfig, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A GLM-4 checkpoint's tensor as the model loads it: its norms renamed, and each head's
+    q/k rows reordered so that the rotation of its interleaved pairs (2i, 2i + 1), over the
+    rotated part of the head, is the model's rotation of halves (i, i + rotary_dim / 2): the
+    same rows rotate by the same angle, and q . k is a sum over the same products."""
+    module, _, leaf = name.rpartition(".")
+    owner, _, last = module.rpartition(".")
+    if last in GLM4_NORMS:
+        return f"{owner}.{GLM4_NORMS[last]}.{leaf}", tensor
+    if last in ("q_proj", "k_proj"):
+        heads = config.num_heads if last == "q_proj" else config.num_kv_heads
+        return name, interleaved_to_halves(
+            tensor, heads, config.head_dim, config.rotary_dim or config.head_dim
+        )
+    return name, tensor
+
+
+def interleaved_to_halves(rows: torch.Tensor, heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Each head's first `rotary_dim` rows (of a weight or bias) from the order (x0, x1, x2, ...)
+    rotated in adjacent pairs to (x0, x2, ..., x1, x3, ...) rotated in halves."""
+    order = torch.arange(head_dim)
+    order[:rotary_dim] = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
+    by_head = rows.reshape(heads, head_dim, *rows.shape[1:])
+    return by_head.index_select(1, order).reshape(rows.shape)
+
+
 def split_fused(config: ModelConfig, shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`shard` under the model's names: Phi-3's qkv_proj and gate_up_proj split into the q/k/v and
-    gate/up weights the model is loaded as (and a tensor-parallel rank slices part by part),
-    Mixtral's experts named as Qwen3-MoE's."""
+    """`shard` under the model's names: Phi-3's and GLM-4's qkv_proj and gate_up_proj split into
+    the q/k/v and gate/up weights the model is loaded as (and a tensor-parallel rank slices part
+    by part), Mixtral's experts named as Qwen3-MoE's, GLM-4's norms and rotated rows as the
+    model has them (`glm4_layout`)."""
     sizes = {
         "self_attn.qkv_proj": [config.q_size, config.kv_size, config.kv_size],
         "mlp.gate_up_proj": [config.intermediate_size] * 2,
@@ -293,6 +328,8 @@ def split_fused(config: ModelConfig, shard: dict[str, torch.Tensor]) -> dict[str
                 name = name.replace(theirs, ours)
         fused = next((f for f in FUSED_IN_CHECKPOINTS if name.endswith(f"{f}.weight")), None)
         if fused is None:
+            if config.architecture == "glm4":
+                name, tensor = glm4_layout(config, name, tensor)
             out[name] = tensor
             continue
         if tensor.shape[0] != sum(sizes[fused]):
