@@ -593,14 +593,20 @@ SERVED_GGUF = {
 def test_served_gguf_greedy_streams_equal_transformers_reading_the_file(
     tmp_path: pathlib.Path, kind: str
 ) -> None:
-    transformers: Any = importlib.import_module("transformers")
     architecture, features = SERVED_GGUF[kind]
     vocab = write_tokenizer(tmp_path)
     model = random_model(replace(GGUF_SMALL, vocab_size=vocab, **features), seed=8)  # type: ignore[arg-type]
     tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
     write_llama_gguf(tmp_path / f"{kind}.gguf", model, tokenizer_json, architecture)
+    assert_served_greedy_equals_transformers(tmp_path / f"{kind}.gguf", vocab)
+
+
+def assert_served_greedy_equals_transformers(path: pathlib.Path, vocab: int) -> None:
+    """Three prompts served at once from the GGUF at `path`: each stream's 16 greedy tokens are
+    transformers' reading the same file."""
+    transformers: Any = importlib.import_module("transformers")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=f"{kind}.gguf", dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
     prompts = [[(17 * i + 5 * j) % vocab for j in range(12 + 5 * i)] for i in range(3)]
     expected = []
@@ -610,7 +616,7 @@ def test_served_gguf_greedy_streams_equal_transformers_reading_the_file(
             for _ in range(16):
                 sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
         expected.append(sequence[len(prompt) :])
-    with serving_pair(["--model", str(tmp_path / f"{kind}.gguf")]) as (_, scheduler):
+    with serving_pair(["--model", str(path)]) as (_, scheduler):
 
         async def streams() -> list[list[int]]:
             return list(await asyncio.gather(*(greedy_stream(scheduler.address, p, 16) for p in prompts)))

@@ -10,7 +10,6 @@ there. Gemma 3 has six layers, so that one of them is global (five windowed to o
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import pathlib
@@ -21,10 +20,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, dequantize, quantize
 
-from stepahead.processes import serving_pair
-from tests.test_architectures import greedy_stream, hf_logits, ours_greedy
+from tests.test_architectures import hf_logits, ours_greedy
 from tests.test_checkpoint import write_tokenizer
-from tests.test_gguf import add_shape, add_tokenizer
+from tests.test_gguf import add_shape, add_tokenizer, assert_served_greedy_equals_transformers
 from worker_svc.gguf import load_gguf
 from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.model import LlamaForCausalLM, ModelConfig
@@ -151,25 +149,8 @@ def test_a_gemma_gguf_computes_as_transformers_reading_the_file(tmp_path: pathli
 
 
 def test_a_served_gemma3_gguf_streams_transformers_greedy_tokens(tmp_path: pathlib.Path) -> None:
-    path, _ = write_gemma_gguf(tmp_path, "gemma3")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    vocab = reference.config.vocab_size
-    prompts = [[(17 * i + 5 * j) % vocab for j in range(12 + 5 * i)] for i in range(3)]
-    expected = []
-    for prompt in prompts:
-        sequence = list(prompt)
-        with torch.no_grad():
-            for _ in range(16):
-                sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
-        expected.append(sequence[len(prompt) :])
-    with serving_pair(["--model", str(path)]) as (_, scheduler):
-
-        async def streams() -> list[list[int]]:
-            return list(await asyncio.gather(*(greedy_stream(scheduler.address, p, 16) for p in prompts)))
-
-        assert asyncio.run(streams()) == expected
+    path, written = write_gemma_gguf(tmp_path, "gemma3")
+    assert_served_greedy_equals_transformers(path, written.config.vocab_size)
 
 
 def test_gemma3s_linear_scaling_is_its_global_layers(tmp_path: pathlib.Path) -> None:

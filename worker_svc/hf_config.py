@@ -106,7 +106,7 @@ def config_from_hf_dict(d: dict[str, Any], name: str = "llama") -> ModelConfig:
     family = _family(d)
     if family == "gemma3_text":
         d = {**GEMMA3_TEXT_DEFAULTS, **d}
-    _check_unsupported_options(d, family)
+    _check_unsupported_options(d)
     num_heads = int(d["num_attention_heads"])
     num_layers = int(d["num_hidden_layers"])
     head_dim = int(d.get("head_dim") or HEAD_DIM_DEFAULT.get(family) or d["hidden_size"] // num_heads)
@@ -256,12 +256,11 @@ def _family(d: dict[str, Any]) -> str:
     )
 
 
-def _check_unsupported_options(d: dict[str, Any], family: str) -> None:
+def _check_unsupported_options(d: dict[str, Any]) -> None:
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
     if d.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=true is not supported (an encoder, not a decoder)")
-    _activation(d, family)
 
 
 def _activation(d: dict[str, Any], family: str) -> str:

@@ -1,6 +1,5 @@
-"""The Llama model and its family (Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's q/k
-norms, Gemma's scaled embeddings and norms around each block, Phi-3's partial rotation, SmolLM3's
-layers without one, Granite's multipliers): its config, the decoder that runs a batch over the
+"""The Llama model and its family (each member's features are ModelConfig's fields, read from
+checkpoints by worker_svc.hf_config): its config, the decoder that runs a batch over the
 token-slot KV pool, and filling its weights from named tensors (what every loader in
 worker_svc.loading ends with)."""
 
@@ -196,7 +195,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_scale = config.embedding_scale
-        self.query_scale_of = config.query_scale_beta, config.query_scale_span
+        self.query_scale_beta, self.query_scale_span = config.query_scale_beta, config.query_scale_span
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, config.sparse(i)) for i in range(config.num_layers)
         )
@@ -212,10 +211,6 @@ class LlamaModel(nn.Module):
         # dozen Python calls a layer, which at batch 1 cost about as much as the products.
         self.decode_kernel: DecodeLayers | None = None
 
-    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        beta, span = self.query_scale_of
-        return None if beta is None else query_scale(positions, beta, span, dtype)
-
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Final-normed hidden states of the sampling rows, [R, hidden], then of the scored
         prompt positions (`ForwardBatch.score_token_index`), [S, hidden]."""
@@ -226,9 +221,10 @@ class LlamaModel(nn.Module):
         ropes = {
             name: _rotary(rotary).at(batch.positions, x.dtype, upto) for name, rotary in self.rotary.items()
         }
-        query_scale = self._query_scale(batch.positions, x.dtype)
+        beta = self.query_scale_beta
+        scale = None if beta is None else query_scale(batch.positions, beta, self.query_scale_span, x.dtype)
         plans = {
-            w: AttentionPlan.build(batch, self.query_group, w, query_scale)
+            w: AttentionPlan.build(batch, self.query_group, w, scale)
             for w in dict.fromkeys(self.layer_windows)
         }
         decode = plans[self.layer_windows[0]].decode
