@@ -604,10 +604,7 @@ def test_served_gguf_greedy_streams_equal_transformers_reading_the_file(
 def assert_served_greedy_equals_transformers(path: pathlib.Path, vocab: int) -> None:
     """Three prompts served at once from the GGUF at `path`: each stream's 16 greedy tokens are
     transformers' reading the same file."""
-    transformers: Any = importlib.import_module("transformers")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    reference = read_by_transformers(path)
     prompts = [[(17 * i + 5 * j) % vocab for j in range(12 + 5 * i)] for i in range(3)]
     expected = []
     for prompt in prompts:
@@ -622,3 +619,11 @@ def assert_served_greedy_equals_transformers(path: pathlib.Path, vocab: int) -> 
             return list(await asyncio.gather(*(greedy_stream(scheduler.address, p, 16) for p in prompts)))
 
         assert asyncio.run(streams()) == expected
+
+
+def read_by_transformers(path: pathlib.Path) -> Any:
+    """transformers' own reading of the GGUF at `path`, in float32: the reference."""
+    transformers: Any = importlib.import_module("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()

