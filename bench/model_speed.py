@@ -239,7 +239,7 @@ def load_ours(mode: str) -> LlamaForCausalLM:
     """smollm2 laid out as the worker serves it in `mode` (see MODES)."""
     dtype_name, quantization = MODES[mode]
     model, _, blocks = load_llama_with_blocks(
-        SMOLLM2_NAME, CPU, DTYPES[dtype_name], keep_int4=quantization == "int4"
+        SMOLLM2_NAME, CPU, DTYPES[dtype_name], quantization=quantization
     )
     prepare_for_serving(model, quantization, blocks)
     return model

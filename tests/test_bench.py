@@ -22,6 +22,7 @@ from bench import (
     core_cpu,
     engine_decode,
     link_delay,
+    load_memory,
     overlap_depth,
     prefix_cache,
     sampling_cost,
@@ -636,6 +637,21 @@ def test_frontends_messages_per_frontend_and_the_ratios_to_a_baseline() -> None:
     ratios = ratio_table(sorted(results, key=lambda r: r.point))
     assert ratios[4] == "| 10 | 16 | 2 | 8 | 0.69x | 0.50x | 1.00x | 1.00x | 1.00x | 1.00x |"
     assert ratio_table(results[1:]) == []
+
+
+# ---- the worker's memory while it loads a model -------------------------------------------------
+
+
+def test_load_memory_gives_a_peak_and_a_time_per_quantization(tmp_path: Path) -> None:
+    load_memory.main(["--layers", "1", "--hidden", "64", "--intermediate", "128", "--out", str(tmp_path)])
+    document = json.loads((tmp_path / "latest-load-memory.json").read_text())
+    assert [(r["code"], r["quantization"]) for r in document["rows"]] == [
+        ("this", "none"),
+        ("this", "int8"),
+        ("this", "int4"),
+    ]
+    assert all(r["peak_mib"] > 0 and r["seconds"] > 0 for r in document["rows"])
+    assert document["parameters"] > 0 and document["file_mib"] > 0
 
 
 # ---- engine core CPU per step ------------------------------------------------------------------

@@ -138,9 +138,11 @@ def write_family_gguf(
     kind: str,
     experts_type: GGMLQuantizationType = Q8_0,
     gating: ExpertGatingFuncType | None = None,
+    matrices_type: GGMLQuantizationType = Q8_0,
 ) -> tuple[pathlib.Path, Any]:
     """A random `kind` model from transformers, written as a GGUF as llama.cpp converts it:
-    matrices Q8_0 (the experts `experts_type`), norms, routers and the shared expert's gate F32.
+    matrices `matrices_type` (the experts `experts_type`), norms, routers and the shared expert's
+    gate F32.
     Returns the file and the model with the weights the file holds, for reference."""
     vocab = write_tokenizer(directory)
     config_class, architecture, extra = KINDS[kind]
@@ -163,13 +165,14 @@ def write_family_gguf(
             for piece_name, piece in gguf_pieces(name, param, config):
                 heads = {"attn_q": ours.num_heads, "attn_k": ours.num_kv_heads}.get(piece_name.split(".")[-2])
                 if architecture == "llama" and heads and piece_name.endswith("weight"):
-                    stored = quantize(permute_rotary_rows(piece, heads).numpy(), Q8_0)
-                    writer.add_tensor(piece_name, stored, raw_dtype=Q8_0)
-                    piece.copy_(permute_rotary_rows_back(torch.from_numpy(dequantize(stored, Q8_0)), heads))
+                    stored = quantize(permute_rotary_rows(piece, heads).numpy(), matrices_type)
+                    writer.add_tensor(piece_name, stored, raw_dtype=matrices_type)
+                    rows = torch.from_numpy(dequantize(stored, matrices_type))
+                    piece.copy_(permute_rotary_rows_back(rows, heads))
                 elif piece.ndim == 1 or "ffn_gate_inp" in piece_name:
                     writer.add_tensor(piece_name, piece.reshape(-1, piece.shape[-1]).squeeze(0).numpy())
                 else:
-                    qtype = experts_type if "_exps" in piece_name else Q8_0
+                    qtype = experts_type if "_exps" in piece_name else matrices_type
                     stored = quantize(piece.contiguous().numpy(), qtype)
                     writer.add_tensor(piece_name, stored, raw_dtype=qtype)
                     piece.copy_(torch.from_numpy(dequantize(stored, qtype)).reshape(piece.shape))
@@ -253,7 +256,7 @@ def test_phi3s_longrope_past_its_original_context_is_the_checkpoints(tmp_path: p
 def test_4_bit_experts_are_kept_as_the_file_has_them(tmp_path: pathlib.Path) -> None:
     """`int4` serving takes a file's own Q4_0 blocks: each expert's rows of the stacked tensor."""
     path, written = write_family_gguf(tmp_path, "qwen3moe", experts_type=Q4_0)
-    blocks = load_gguf(path, torch.float32, CPU, keep_int4=True).int4_blocks
+    blocks = load_gguf(path, torch.float32, CPU, quantization="int4").int4_blocks
     stacked = written.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
     width = stacked.shape[1] // 2
     for expert in range(4):

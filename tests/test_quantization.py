@@ -241,7 +241,7 @@ def held_out_tokens() -> list[int]:
 def _served(quantization: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """smollm2 as the worker serves it: `quantization` on Stepahead's kernels in float32, on torch's
     in bfloat16."""
-    model, _, blocks = load_llama_with_blocks(SMOLLM2_NAME, CPU, dtype, keep_int4=quantization == "int4")
+    model, _, blocks = load_llama_with_blocks(SMOLLM2_NAME, CPU, dtype, quantization=quantization)
     prepare_for_serving(model, quantization, blocks)
     return model
 

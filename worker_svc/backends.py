@@ -365,8 +365,9 @@ def load_backend(
         backend = SimBackend(sim_step_ms, sim_token_us)
     else:
         load_on = device if ranks is None else torch.device("cpu")
-        keep_int4 = quantization == "int4"
-        llama, spec, blocks = load_llama_with_blocks(model, load_on, dtype, tokenizer, keep_int4)
+        # NOTE: a model to be sharded is loaded whole, then sliced (--quantization serves one rank).
+        quantized = quantization if ranks is None else "none"
+        llama, spec, blocks = load_llama_with_blocks(model, load_on, dtype, tokenizer, quantized)
         if ranks is not None:
             llama = shard_model(llama, ranks.place.rank, ranks.size, ranks.all_reduce).to(device)
         backend = LlamaBackend(llama, spec, quantization, blocks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, Keys, ReaderTensor, dequantize
 from tokenizers import processors
 
-from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
+from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model, quantize_as_loaded
 from worker_svc.quantization import INT4_GROUP, Int4Blocks
 
 SMOLLM2_NAME = "smollm2"
@@ -56,8 +56,8 @@ class GGUFModel:
     model: LlamaForCausalLM
     tokenizer_json: bytes
     chat_template: str | None
-    # The file's 4-bit weights by checkpoint name, as stored (asked for with keep_int4)
-    int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
+    # The file's 4-bit weights by checkpoint name, as stored (read where `int4` serving asks)
+    int4_blocks: Mapping[str, Int4Blocks] = field(default_factory=dict)
 
 
 def smollm2_path() -> Path:
@@ -89,17 +89,21 @@ def gguf_config(path: Path, name: str) -> ModelConfig:
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None, keep_int4: bool = False
+    path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None, quantization: str = "none"
 ) -> GGUFModel:
     """The model of a GGUF of the Llama family with its weights dequantized to `dtype` on `device`;
-    `keep_int4`: its 4-bit weights (Q4_0, Q4_1) also as they are in the file, for `int4` serving."""
+    `quantization` (`int8`, `int4`): each decoder layer quantized as soon as it is loaded, so that
+    loading never holds more than one layer's weights in `dtype` beside the quantized ones (and
+    `int4` takes the file's 4-bit weights, Q4_0 and Q4_1, as they are)."""
     reader = _reader(path)
     try:
         config = config_from_gguf(reader, name or path.stem)
         tokenizer_json = tokenizer_from_gguf(path, reader).to_str().encode()
-        model = new_model(config, dtype, device)
-        load_weights(model, _dequantized_weights(reader, config))
-        blocks = _int4_weights(reader, config) if keep_int4 else {}
+        model = new_model(config, dtype, device, lazy_layers=quantization != "none")
+        blocks: Mapping[str, Int4Blocks] = FileBlocks(reader, config) if quantization == "int4" else {}
+        load_weights(
+            model, _dequantized_weights(reader, config), quantize_as_loaded(model, quantization, blocks)
+        )
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from error
     return GGUFModel(model, tokenizer_json, _value(reader, Keys.Tokenizer.CHAT_TEMPLATE), blocks)
@@ -446,18 +450,39 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
             yield {part.name: weight}
 
 
-def _int4_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Blocks]:
-    weights = {}
-    for tensor in reader.tensors:
-        blocks = int4_blocks(tensor)
-        if blocks is None:
-            continue
-        for part in tensor_parts(tensor.name, blocks.codes.shape[0], config):
-            rows = Int4Blocks(*(t[part.start : part.stop] for t in dataclasses.astuple(blocks)))
-            if part.heads:
-                rows = Int4Blocks(*(unpermute_rotary_rows(t, part.heads) for t in dataclasses.astuple(rows)))
-            weights[part.name] = rows
-    return weights
+class FileBlocks(Mapping[str, Int4Blocks]):
+    """A file's Q4_0/Q4_1 weights by checkpoint name, as `Int4Blocks`, each read from the file when
+    asked for (a stacked tensor's once for all its experts): unpacked they take twice the file's
+    room, so they are not all held at once."""
+
+    def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
+        self._parts: dict[str, tuple[ReaderTensor, Part]] = {}
+        for tensor in reader.tensors:
+            if tensor.tensor_type in INT4_TYPES and len(tensor.shape) >= 2:
+                rows = int(np.prod(tensor.shape[1:]))  # ggml's order: the inputs first
+                for part in tensor_parts(tensor.name, rows, config):
+                    self._parts[part.name] = (tensor, part)
+        self._last: tuple[str, Int4Blocks] | None = None
+
+    def __getitem__(self, name: str) -> Int4Blocks:
+        tensor, part = self._parts[name]
+        if self._last is None or self._last[0] != tensor.name:
+            blocks = int4_blocks(tensor)
+            assert blocks is not None  # an INT4_TYPES matrix
+            self._last = (tensor.name, blocks)
+        rows = Int4Blocks(*(t[part.start : part.stop] for t in dataclasses.astuple(self._last[1])))
+        if part.heads:
+            rows = Int4Blocks(*(unpermute_rotary_rows(t, part.heads) for t in dataclasses.astuple(rows)))
+        return rows
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts  # without reading the blocks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
 
 
 # Bytes of a 32-weight block: fp16 scale (and for Q4_1 fp16 minimum), then 16 bytes of codes.

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import tokenizers
 import torch
@@ -16,7 +18,7 @@ import torch
 from stepahead.protocol import TokenizerSpec
 from worker_svc.gguf import SMOLLM2_NAME, gguf_config, load_gguf, smollm2_path, unpermute_rotary_rows
 from worker_svc.hf_config import config_from_hf_dict, is_vision_language, token_ids
-from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model
+from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model, quantize_as_loaded
 from worker_svc.quantization import Int4Blocks
 from worker_svc.tensor_parallel import check_divisible
 
@@ -83,16 +85,18 @@ def load_llama_with_blocks(
     device: torch.device,
     dtype: torch.dtype,
     tokenizer: Path | None = None,
-    keep_int4: bool = False,
-) -> tuple[LlamaForCausalLM, TokenizerSpec, dict[str, Int4Blocks]]:
-    """`load_llama`, and with `keep_int4` a GGUF's 4-bit weights as the file holds them."""
-    blocks: dict[str, Int4Blocks] = {}
+    quantization: str = "none",
+) -> tuple[LlamaForCausalLM, TokenizerSpec, Mapping[str, Int4Blocks]]:
+    """`load_llama`, each decoder layer quantized as it is loaded (`quantization`: `int8`, `int4`;
+    `prepare_for_serving` quantizes the rest), with, for `int4`, a GGUF's 4-bit weights as the
+    file holds them."""
+    blocks: Mapping[str, Int4Blocks] = {}
     if model == "tiny":
         llama, spec = build_tiny(dtype, device), BYTE_TOKENIZER
     elif model == SMOLLM2_NAME:
-        llama, spec, blocks = _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME, keep_int4)
+        llama, spec, blocks = _load_gguf(smollm2_path(), dtype, device, SMOLLM2_NAME, quantization)
     elif (path := Path(model)).suffix == ".gguf" and path.is_file():
-        llama, spec, blocks = _load_gguf(path, dtype, device, path.stem, keep_int4)
+        llama, spec, blocks = _load_gguf(path, dtype, device, path.stem, quantization)
     elif path.is_dir():
         model_config(model)  # first: an architecture not served is the first thing to say
         if tokenizer is None and not (path / TOKENIZER_FILE).is_file():
@@ -100,7 +104,7 @@ def load_llama_with_blocks(
                 f"--model {path}: no {TOKENIZER_FILE} there; give the model's tokenizer with "
                 f"--tokenizer PATH (a {TOKENIZER_FILE}, or a directory with one)"
             )
-        llama = load_hf_checkpoint(path, dtype, device)
+        llama = load_hf_checkpoint(path, dtype, device, quantization)
         llama.config = _with_special_ids(llama.config, path)
         spec = BYTE_TOKENIZER if tokenizer is not None else checkpoint_tokenizer(path)
     else:
@@ -117,9 +121,9 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, name: str, keep_int4: bool
-) -> tuple[LlamaForCausalLM, TokenizerSpec, dict[str, Int4Blocks]]:
-    loaded = load_gguf(path, dtype, device, name, keep_int4)
+    path: Path, dtype: torch.dtype, device: torch.device, name: str, quantization: str
+) -> tuple[LlamaForCausalLM, TokenizerSpec, Mapping[str, Int4Blocks]]:
+    loaded = load_gguf(path, dtype, device, name, quantization)
     spec = TokenizerSpec("hf", loaded.tokenizer_json, loaded.chat_template or "")
     return loaded.model, spec, loaded.int4_blocks
 
@@ -221,19 +225,33 @@ def portable_normal(shape: tuple[int, ...], std: float, generator: torch.Generat
 # HF checkpoints
 
 
-def load_hf_checkpoint(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Load config.json and every *.safetensors file of a HF Llama checkpoint directory."""
+def load_hf_checkpoint(
+    path: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+) -> LlamaForCausalLM:
+    """Load config.json and every *.safetensors file of a HF Llama checkpoint directory, a tensor
+    at a time; `quantization` (`int8`, `int4`): each decoder layer quantized as soon as it is
+    loaded, so that loading holds one layer's weights in `dtype` beside the quantized ones."""
     path = Path(path)
     d = json.loads((path / "config.json").read_text())
     config = config_from_hf_dict(d, name=path.name)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
-    model = new_model(config, dtype, device)
+    model = new_model(config, dtype, device, lazy_layers=quantization != "none")
     text_only = is_vision_language(d)
-    shards = (safetensors.torch.load_file(str(f)) for f in files)
-    load_weights(model, (split_fused(config, language_model(s) if text_only else s) for s in shards))
+    tensors = (language_model(t) if text_only else t for t in _checkpoint_tensors(files))
+    load_weights(
+        model, (split_fused(config, t) for t in tensors), quantize_as_loaded(model, quantization, {})
+    )
     return model
+
+
+def _checkpoint_tensors(files: list[Path]) -> Iterator[dict[str, torch.Tensor]]:
+    """Each tensor of the safetensors files, one at a time (the files are memory-mapped)."""
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+                yield {name: handle.get_tensor(name)}
 
 
 # A vision-language checkpoint's language model's weights, as transformers has named them

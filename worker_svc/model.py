@@ -5,7 +5,8 @@ worker_svc.loading ends with)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from worker_svc.layers import (
     RMSNorm,
     use_weight_side_products,
 )
-from worker_svc.quantization import Int4Blocks, quantize_model
+from worker_svc.quantization import Int4Blocks, kernels_for, quantize_layer, quantize_model
 from worker_svc.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -191,14 +192,17 @@ def check_rope_scaling(scaling: dict[str, Any]) -> None:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers_on: torch.device | None = None) -> None:
+        """`layers_on`: where the decoder layers' weights are made (None: where the rest is);
+        `meta` leaves them unallocated until each is loaded (`load_weights`)."""
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_scale = config.embedding_scale
         self.query_scale_beta, self.query_scale_span = config.query_scale_beta, config.query_scale_span
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, config.sparse(i)) for i in range(config.num_layers)
-        )
+        with contextlib.nullcontext() if layers_on is None else torch.device(layers_on):
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(config, config.sparse(i)) for i in range(config.num_layers)
+            )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         # By layer: its rotation ("global", "local" or None) and its sliding window (None: none).
         self.layer_ropes = [config.rope_of(i) for i in range(config.num_layers)]
@@ -258,10 +262,10 @@ def _rotary(module: nn.Module) -> RotaryEmbedding:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers_on: torch.device | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, layers_on)
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -318,13 +322,17 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
-def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """A model with uninitialised weights allocated directly in `dtype` on `device`."""
+def new_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, lazy_layers: bool = False
+) -> LlamaForCausalLM:
+    """A model with uninitialised weights allocated directly in `dtype` on `device`; `lazy_layers`:
+    each decoder layer's only when its first weight is loaded (`load_weights`), so that a layer
+    can be quantized before the next one takes its room."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config, torch.device("meta") if lazy_layers else None)
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.eval()
@@ -343,14 +351,43 @@ def prepare_for_serving(
         use_weight_side_products(model)
 
 
+# Called with a decoder layer's index and module once all its weights are loaded.
+LayerLoaded = Callable[[int, LlamaDecoderLayer], None]
+
+
+def quantize_as_loaded(
+    model: LlamaForCausalLM, quantization: str, int4_blocks: Mapping[str, Int4Blocks]
+) -> LayerLoaded | None:
+    """`load_weights`' hook that quantizes each decoder layer as soon as it is loaded (None for
+    `none`): with `new_model(lazy_layers=True)`, loading holds one layer's float weights at a
+    time beside the quantized ones, not the whole model's. `prepare_for_serving` does the rest."""
+    if quantization == "none":
+        return None
+    kernels = kernels_for(model.dtype, quantization)
+
+    def quantize(index: int, layer: LlamaDecoderLayer) -> None:
+        quantize_layer(layer, index, quantization, int4_blocks, kernels)
+
+    return quantize
+
+
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)  # an old checkpoint's saved frequencies
 
 
-def load_weights(model: LlamaForCausalLM, shards: Iterable[dict[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: LlamaForCausalLM,
+    shards: Iterable[dict[str, torch.Tensor]],
+    layer_loaded: LayerLoaded | None = None,
+) -> None:
     """Copy each named tensor of `shards` onto the model's weight of that name (checkpoint and GGUF
-    files alike); ValueError where a required weight is missing, a name is unknown or a shape differs."""
+    files alike); ValueError where a required weight is missing, a name is unknown or a shape differs.
+    A layer left unallocated (`new_model(lazy_layers=True)`) is allocated at its first weight;
+    `layer_loaded` is called for each layer as soon as it has all its weights, in whatever order
+    the files hold them."""
     params = dict(model.named_parameters(remove_duplicate=False))
     required = set(model.weight_names())
+    layers = model.model.layers
+    left = [{n for n in required if n.startswith(f"model.layers.{i}.")} for i in range(len(layers))]
     loaded: set[str] = set()
     unexpected: list[str] = []
     for shard in shards:
@@ -360,13 +397,34 @@ def load_weights(model: LlamaForCausalLM, shards: Iterable[dict[str, torch.Tenso
             if name not in params:
                 unexpected.append(name)
             elif name in required:
+                index = _layer_of(name)
+                if params[name].is_meta and index is not None:
+                    layers[index].to_empty(device=model.device)
+                    prefix = f"model.layers.{index}."
+                    params.update((prefix + n, p) for n, p in layers[index].named_parameters())
                 _copy_weight(name, params[name], tensor)
                 loaded.add(name)
+                if index is not None and name in left[index]:
+                    left[index].discard(name)
+                    if not left[index] and layer_loaded is not None:
+                        layer = layers[index]
+                        assert isinstance(layer, LlamaDecoderLayer)
+                        layer_loaded(index, layer)
+                        # its float weights go with the modules it replaced, not kept here
+                        prefix = f"model.layers.{index}."
+                        for key in [key for key in params if key.startswith(prefix)]:
+                            del params[key]
     missing = sorted(required - loaded)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}"
         )
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a weight's name is in (None: not in one)."""
+    parts = name.split(".", 3)
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
 
 
 def _copy_weight(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:

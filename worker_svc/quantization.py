@@ -202,6 +202,9 @@ class BlockLinear(nn.Module):
         return result
 
 
+QUANTIZED = (Int4Linear, Int8Linear, BlockLinear)  # the projections' quantized forms
+
+
 def blocks_fit(in_features: int) -> bool:
     """Whether Stepahead's kernels take a weight of this many inputs."""
     return in_features % BLOCK == 0
@@ -262,11 +265,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     kernels = kernels_for(model.dtype, mode)
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
-        for prefix, owner, attr, parts in _projections(layer, f"model.layers.{i}."):
-            linear = getattr(owner, attr)
-            assert isinstance(linear, Linear), f"{prefix}{attr} is not a fused Linear"
-            names = [f"{prefix}{part}.weight" for part in parts]
-            setattr(owner, attr, quantized_linear(linear, names, mode, blocks, kernels))
+        quantize_layer(layer, i, mode, blocks, kernels)
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head_mode = mode if head_name in blocks else "int8"
     assert isinstance(model.lm_head, Linear)
@@ -274,6 +273,22 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     if kernels is not None and model.config.llama_arithmetic:
         use_cpu_kernels(model, kernels)
         model.model.decode_kernel = decode_layers(model, kernels)
+
+
+def quantize_layer(
+    layer: LlamaDecoderLayer, index: int, mode: str, blocks: Mapping[str, Int4Blocks], kernels: Kernels | None
+) -> None:
+    """Decoder layer `index`'s projections fused (once) and quantized in `mode`; a projection
+    already quantized (the layer quantized as it was loaded) is left as it is."""
+    layer.self_attn.fuse()
+    layer.mlp.fuse()
+    for prefix, owner, attr, parts in _projections(layer, f"model.layers.{index}."):
+        linear = getattr(owner, attr)
+        if isinstance(linear, QUANTIZED):
+            continue
+        assert isinstance(linear, Linear), f"{prefix}{attr} is not a fused Linear"
+        names = [f"{prefix}{part}.weight" for part in parts]
+        setattr(owner, attr, quantized_linear(linear, names, mode, blocks, kernels))
 
 
 def _projections(
