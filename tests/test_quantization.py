@@ -167,6 +167,41 @@ def test_int4_blocks_are_the_files_own_weights(tmp_path: Path, kind: GGMLQuantiz
     assert torch.equal(blocks.dequantized(), dequantize_tensor(tensor))
 
 
+def q4_k_bytes(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Q4_K blocks [rows, columns / 256 * 144] as llama.cpp lays them out, of random contents: fp16
+    d and dmin, 12 bytes of packed 6-bit scales and minima (any 12 bytes are such), 128 of codes."""
+    rng = np.random.default_rng(seed)
+    count = rows * columns // 256
+    d = rng.uniform(0.001, 0.02, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    dmin = rng.uniform(0.001, 0.02, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    rest = rng.integers(0, 256, (count, 140), dtype=np.uint8)
+    return np.concatenate([d, dmin, rest], axis=1).reshape(rows, -1)
+
+
+def test_q4_k_blocks_are_the_files_own_weights(tmp_path: Path) -> None:
+    """Q4_K (most 4-bit files' type, Q4_K_M's): each group of 32 its own scale and minimum, the
+    same weights as the `gguf` package dequantizes, to the bit."""
+    writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", q4_k_bytes(8, 512, 1), raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor(
+        "blk.0.ffn_gate_exps.weight",
+        q4_k_bytes(3 * 8, 256, 2).reshape(3, 8, -1),
+        raw_dtype=GGMLQuantizationType.Q4_K,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    matrix, stacked = GGUFReader(tmp_path / "k.gguf").tensors
+    blocks = int4_blocks(matrix)
+    assert blocks is not None and blocks.codes.shape == (8, 512) and blocks.scale.shape == (8, 16)
+    assert len(set(blocks.scale[0].tolist())) > 2 and len(set(blocks.minimum[0].tolist())) > 2
+    assert torch.equal(blocks.dequantized(), dequantize_tensor(matrix))
+    experts = int4_blocks(stacked)
+    assert experts is not None and experts.codes.shape == (24, 256)
+    assert torch.equal(experts.dequantized(), dequantize_tensor(stacked).reshape(24, 256))
+
+
 def test_smollm2_int4_blocks_are_its_q4_1_weights() -> None:
     reader = GGUFReader(smollm2_path())
     layer0 = [t for t in reader.tensors if t.name.startswith("blk.0.")]

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=QUANTIZATIONS,
         default=ModelPlacement.quantization,
-        help="keep the weights quantized on the CPU: int4 (a GGUF's Q4_0/Q4_1 weights as the file "
+        help="keep the weights quantized on the CPU: int4 (a GGUF's Q4_0/Q4_1/Q4_K weights as the file "
         "holds them, others grouped by 32) or int8; the output layer stays 8-bit. Computed in float32 "
         "by Stepahead's kernels (x86-64 AVX2, built on first use with the C compiler), else or with "
         "--dtype bfloat16 by torch's. Faster, not exact",

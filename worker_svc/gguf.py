@@ -21,6 +21,7 @@ import numpy as np
 import tokenizers
 import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, Keys, ReaderTensor, dequantize
+from gguf.quants import Q4_K
 from tokenizers import processors
 
 from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model, quantize_as_loaded
@@ -94,7 +95,7 @@ def load_gguf(
     """The model of a GGUF of the Llama family with its weights dequantized to `dtype` on `device`;
     `quantization` (`int8`, `int4`): each decoder layer quantized as soon as it is loaded, so that
     loading never holds more than one layer's weights in `dtype` beside the quantized ones (and
-    `int4` takes the file's 4-bit weights, Q4_0 and Q4_1, as they are)."""
+    `int4` takes the file's 4-bit weights, Q4_0, Q4_1 and Q4_K, as they are)."""
     reader = _reader(path)
     try:
         config = config_from_gguf(reader, name or path.stem)
@@ -451,7 +452,7 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
 
 
 class FileBlocks(Mapping[str, Int4Blocks]):
-    """A file's Q4_0/Q4_1 weights by checkpoint name, as `Int4Blocks`, each read from the file when
+    """A file's Q4_0/Q4_1/Q4_K weights by checkpoint name, as `Int4Blocks`, each read from the file when
     asked for (a stacked tensor's once for all its experts): unpacked they take twice the file's
     room, so they are not all held at once."""
 
@@ -485,16 +486,21 @@ class FileBlocks(Mapping[str, Int4Blocks]):
         return len(self._parts)
 
 
-# Bytes of a 32-weight block: fp16 scale (and for Q4_1 fp16 minimum), then 16 bytes of codes.
-INT4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+# Bytes of a block: Q4_0's and Q4_1's of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, then
+# 16 bytes of codes); Q4_K's of 256 (fp16 d and dmin, 12 bytes of 6-bit scales and minima for its
+# eight groups of 32, then 128 bytes of codes).
+INT4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q4_K: 144}
 
 
 def int4_blocks(tensor: ReaderTensor) -> Int4Blocks | None:
-    """A Q4_0 or Q4_1 matrix as its codes, scales and minima (None for any other type); a stack of
-    matrices (experts) as one of all their rows.
+    """A Q4_0, Q4_1 or Q4_K matrix as its codes, and the scale and minimum of each group of 32
+    (None for any other type); a stack of matrices (experts) as one of all their rows. Each is
+    exactly what the file stands for, as the `gguf` package dequantizes it.
 
     NOTE: ggml's block of 32: code j is the low nibble of byte j, code j + 16 its high nibble;
-    Q4_1 stands for code * d + m, Q4_0 for (code - 8) * d, i.e. minimum -8 d."""
+    Q4_1 stands for code * d + m, Q4_0 for (code - 8) * d, i.e. minimum -8 d. Q4_K's group g of a
+    block is d * scale_g * code - dmin * min_g, its codes the low nibbles of 32 bytes (g even) or
+    their high nibbles (g odd), 32 bytes for each pair of groups."""
     size = INT4_TYPES.get(tensor.tensor_type)
     data = np.asarray(tensor.data)
     if size is None or data.ndim < 2:
@@ -502,6 +508,8 @@ def int4_blocks(tensor: ReaderTensor) -> Int4Blocks | None:
     data = data.reshape(-1, data.shape[-1])  # stacked experts' rows counted together
     rows = data.shape[0]
     raw = data.reshape(rows, -1, size)
+    if tensor.tensor_type == GGMLQuantizationType.Q4_K:
+        return _q4_k_blocks(raw)
     scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if tensor.tensor_type == GGMLQuantizationType.Q4_1:
         minimum = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -509,6 +517,20 @@ def int4_blocks(tensor: ReaderTensor) -> Int4Blocks | None:
         minimum = -8 * scale
     packed = raw[..., size - INT4_GROUP // 2 :]
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    return Int4Blocks(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+
+def _q4_k_blocks(raw: np.ndarray) -> Int4Blocks:
+    """Q4_K's blocks [rows, blocks, 144] as groups of 32: the 6-bit scales and minima unpacked by
+    the `gguf` package, each times its block's d or dmin as the package computes them."""
+    rows, count = raw.shape[:2]
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales, minima = Q4_K.get_scale_min(raw[..., 4:16].reshape(rows * count, 12))
+    scale = (d.reshape(-1, 1) * scales.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin.reshape(-1, 1) * minima.astype(np.float32)).reshape(rows, -1)
+    packed = raw[..., 16:].reshape(rows, count, 4, 1, 32)
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=3).reshape(rows, -1)
     return Int4Blocks(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum))
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from worker_svc.model import LlamaForCausalLM
 
 QUANTIZATIONS = ("none", "int8", "int4")
-INT4_GROUP = 32  # inputs sharing a scale and minimum: GGUF's Q4_0/Q4_1 block
+INT4_GROUP = 32  # inputs sharing a scale and minimum: GGUF's Q4_0/Q4_1 block, a Q4_K block's group
 INT4_ROWS = 16  # the int4 kernel packs outputs in multiples of this
 ACTIVATIONS = torch.bfloat16  # what both of torch's kernels take
 
