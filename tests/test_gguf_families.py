@@ -139,10 +139,11 @@ def write_family_gguf(
     experts_type: GGMLQuantizationType = Q8_0,
     gating: ExpertGatingFuncType | None = None,
     matrices_type: GGMLQuantizationType = Q8_0,
+    wider: tuple[str, ...] = (),
 ) -> tuple[pathlib.Path, Any]:
     """A random `kind` model from transformers, written as a GGUF as llama.cpp converts it:
-    matrices `matrices_type` (the experts `experts_type`), norms, routers and the shared expert's
-    gate F32.
+    matrices `matrices_type` (the experts `experts_type`; those `wider` names Q8_0, as a mixed file
+    keeps some), norms, routers and the shared expert's gate F32.
     Returns the file and the model with the weights the file holds, for reference."""
     vocab = write_tokenizer(directory)
     config_class, architecture, extra = KINDS[kind]
@@ -173,6 +174,7 @@ def write_family_gguf(
                     writer.add_tensor(piece_name, piece.reshape(-1, piece.shape[-1]).squeeze(0).numpy())
                 else:
                     qtype = experts_type if "_exps" in piece_name else matrices_type
+                    qtype = Q8_0 if piece_name.split(".")[-2] in wider else qtype
                     stored = quantize(piece.contiguous().numpy(), qtype)
                     writer.add_tensor(piece_name, stored, raw_dtype=qtype)
                     piece.copy_(torch.from_numpy(dequantize(stored, qtype)).reshape(piece.shape))

@@ -22,10 +22,12 @@ from tests.test_checkpoint import write_tokenizer
 from tests.test_gguf import GGUF_SMALL, write_llama_gguf
 from tests.test_gguf_families import Q4_0, write_family_gguf
 from tests.test_model import hf_config_dict, prefill_all_logits, random_model
+from worker_svc.cpu_kernels import Q4, Q8
 from worker_svc.gguf import FileBlocks, load_gguf
 from worker_svc.layers import LlamaDecoderLayer
 from worker_svc.loading import load_hf_checkpoint
 from worker_svc.model import LayerLoaded, LlamaForCausalLM, prepare_for_serving
+from worker_svc.quantization import BlockLinear
 
 CPU = torch.device("cpu")
 # Every projection's inputs in blocks of 32, so that every one of them is quantized.
@@ -127,3 +129,29 @@ def test_a_checkpoint_in_any_order_is_quantized_as_each_layer_completes(
     expected = load_hf_checkpoint(directory, torch.float32, CPU)
     prepare_for_serving(expected, "int8")
     assert torch.equal(prefill_all_logits(loaded, TOKENS), prefill_all_logits(expected, TOKENS))
+
+
+def test_a_mixed_files_wider_weights_are_served_at_8_bits_in_int4(tmp_path: pathlib.Path) -> None:
+    """A 4-bit file that keeps some weights wider (Q4_K_M's attn_v and ffn_down): in `int4`, a
+    projection with a wider part is 8-bit, the others the file's own 4-bit blocks. A file of wider
+    weights throughout is 4-bit as asked."""
+    mixed, _ = write_family_gguf(
+        tmp_path, "mixtral", Q4_0, matrices_type=Q4_0, wider=("attn_v", "ffn_down_exps")
+    )
+    model = load_gguf(mixed, torch.float32, CPU, quantization="int4").model
+    for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        assert kind_of(layer.self_attn.qkv_proj) == Q8 and kind_of(layer.self_attn.o_proj) == Q4
+        assert {kind_of(e.gate_up_proj) for e in layer.mlp.experts} == {Q4}  # type: ignore[union-attr]
+        assert {kind_of(e.down_proj) for e in layer.mlp.experts} == {Q8}  # type: ignore[union-attr]
+    (tmp_path / "q8").mkdir()
+    wide, _ = write_family_gguf(tmp_path / "q8", "mixtral")
+    model = load_gguf(wide, torch.float32, CPU, quantization="int4").model
+    layer = model.model.layers[0]
+    assert isinstance(layer, LlamaDecoderLayer)
+    assert kind_of(layer.self_attn.qkv_proj) == Q4 and kind_of(layer.self_attn.o_proj) == Q4
+
+
+def kind_of(projection: Any) -> int:
+    assert isinstance(projection, BlockLinear)
+    return projection.kind

