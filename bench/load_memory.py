@@ -34,9 +34,12 @@ LOAD = """
 import resource, sys, time, torch
 from worker_svc.backends import load_backend
 start = time.perf_counter()
-load_backend(sys.argv[1], torch.device("cpu"), torch.float32, 1.0, 0.0, quantization=sys.argv[2])
+backend = load_backend(sys.argv[1], torch.device("cpu"), torch.float32, 1.0, 0.0, quantization=sys.argv[2])
 seconds = time.perf_counter() - start
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, seconds)
+status = open("/proc/self/status").read()
+after = int(status.split("VmRSS:")[1].split()[0]) / 1024
+peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, after)  # the high-water mark lags
+print(peak, after, seconds)
 """
 
 
@@ -48,6 +51,7 @@ class Sizes:
     heads: int = 32
     kv_heads: int = 4
     context: int = 2048
+    vocab: int = 32000
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class LoadRow:
     code: str  # "this" or the baseline's short hash
     quantization: str
     peak_mib: float
+    after_mib: float  # resident once loaded: what serving keeps (the file's pages read included)
     seconds: float
 
 
@@ -63,6 +68,7 @@ def write_model(path: Path, sizes: Sizes, weights: GGMLQuantizationType, seed: i
     rng = np.random.default_rng(seed)
     head_dim = sizes.hidden // sizes.heads
     tokens = ["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "ab"]
+    tokens += [f"<unused{i}>" for i in range(sizes.vocab - len(tokens))]
     writer = GGUFWriter(path, "llama")
     writer.add_block_count(sizes.layers)
     writer.add_context_length(sizes.context)
@@ -109,8 +115,9 @@ def write_model(path: Path, sizes: Sizes, weights: GGMLQuantizationType, seed: i
     return parameters
 
 
-def load_peak(code: Path, model: Path, quantization: str) -> tuple[float, float]:
-    """Peak resident MiB and seconds of one load by the code at `code`, in a fresh process."""
+def load_peak(code: Path, model: Path, quantization: str) -> tuple[float, float, float]:
+    """Peak resident MiB, resident MiB once loaded, and seconds of one load by the code at `code`,
+    in a fresh process."""
     out = subprocess.run(
         [sys.executable, "-c", LOAD, str(model), quantization],
         cwd=code,
@@ -118,7 +125,7 @@ def load_peak(code: Path, model: Path, quantization: str) -> tuple[float, float]
         capture_output=True,
         text=True,
     ).stdout.split()
-    return float(out[-2]), float(out[-1])
+    return float(out[-3]), float(out[-2]), float(out[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,11 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=Sizes.layers)
     p.add_argument("--hidden", type=int, default=Sizes.hidden)
     p.add_argument("--intermediate", type=int, default=Sizes.intermediate)
+    p.add_argument("--vocab", type=int, default=Sizes.vocab)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     started_at = datetime.now(UTC)
     print(f"machine: loop calibration {loop_calibration():.2f} s", file=sys.stderr)
-    sizes = Sizes(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
+    sizes = Sizes(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, vocab=args.vocab)
     codes = {"this": REPO}
     if args.baseline is not None:
         baseline = checkout(args.baseline)
@@ -145,22 +153,21 @@ def main(argv: list[str] | None = None) -> None:
         file_mib = model.stat().st_size / 2**20
         for quantization in args.modes:
             for code, path in codes.items():
-                peak, seconds = load_peak(path, model, quantization)
-                rows.append(LoadRow(code, quantization, peak, seconds))
+                rows.append(LoadRow(code, quantization, *load_peak(path, model, quantization)))
     lines = [
         f"# Peak memory of a GGUF load ({parameters / 1e6:.0f}M parameters, {args.weights}, "
         f"file {file_mib:,.0f} MiB)",
         "",
         f"`{command_line('bench.load_memory', argv)}`",
         "",
-        "| quantization | code | peak MiB | load s | peak / first code's |",
-        "|---|---|---:|---:|---:|",
+        "| quantization | code | peak MiB | resident after MiB | load s | peak / first code's |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         first = next(r for r in rows if r.quantization == row.quantization)
         lines.append(
-            f"| {row.quantization} | {row.code} | {row.peak_mib:,.0f} | {row.seconds:.1f} "
-            f"| {row.peak_mib / first.peak_mib:.2f} |"
+            f"| {row.quantization} | {row.code} | {row.peak_mib:,.0f} | {row.after_mib:,.0f} "
+            f"| {row.seconds:.1f} | {row.peak_mib / first.peak_mib:.2f} |"
         )
     document = {
         "machine": describe_machine(),

@@ -643,14 +643,15 @@ def test_frontends_messages_per_frontend_and_the_ratios_to_a_baseline() -> None:
 
 
 def test_load_memory_gives_a_peak_and_a_time_per_quantization(tmp_path: Path) -> None:
-    load_memory.main(["--layers", "1", "--hidden", "64", "--intermediate", "128", "--out", str(tmp_path)])
+    small = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--vocab", "300"]
+    load_memory.main([*small, "--out", str(tmp_path)])
     document = json.loads((tmp_path / "latest-load-memory.json").read_text())
     assert [(r["code"], r["quantization"]) for r in document["rows"]] == [
         ("this", "none"),
         ("this", "int8"),
         ("this", "int4"),
     ]
-    assert all(r["peak_mib"] > 0 and r["seconds"] > 0 for r in document["rows"])
+    assert all(r["peak_mib"] >= r["after_mib"] > 0 and r["seconds"] > 0 for r in document["rows"])
     assert document["parameters"] > 0 and document["file_mib"] > 0
 
 

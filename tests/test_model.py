@@ -19,6 +19,7 @@ from worker_svc.forward_batch import ForwardBatch
 from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.layers import (
     WEIGHT_SIDE_MAX_ROWS,
+    Embedding,
     KVCache,
     Linear,
     use_weight_side_products,
@@ -271,7 +272,9 @@ def test_tiny_model_is_seeded_and_not_degenerate() -> None:
 def test_tiny_weights_are_pinned() -> None:
     # Pinned so a platform or library change in weight generation cannot go unnoticed.
     model = build_tiny(torch.float32, CPU, seed=0)
-    assert model.model.embed_tokens.weight[0, :3].tolist() == PINNED_EMBED_SEED0
+    embeddings = model.model.embed_tokens
+    assert isinstance(embeddings, Embedding)
+    assert embeddings.weight[0, :3].tolist() == PINNED_EMBED_SEED0
 
 
 PINNED_EMBED_SEED0 = [-0.31929007172584534, 1.0462011098861694, 0.14951597154140472]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from worker_svc.cpu_kernels import BLOCK, Q4, Q8
 from worker_svc.dtypes import choose_dtype
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, dequantize_tensor, int4_blocks, load_gguf, smollm2_path
-from worker_svc.layers import KVCache, Linear, LlamaDecoderLayer
+from worker_svc.layers import Embedding, Int8Embedding, KVCache, Linear, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, load_llama_with_blocks
 from worker_svc.model import LlamaForCausalLM, ModelConfig, new_model, prepare_for_serving
 from worker_svc.quantization import BlockLinear, Int4Blocks, Int4Linear, Int8Linear, quantized_linear
@@ -200,6 +201,28 @@ def test_q4_k_blocks_are_the_files_own_weights(tmp_path: Path) -> None:
     experts = int4_blocks(stacked)
     assert experts is not None and experts.codes.shape == (24, 256)
     assert torch.equal(experts.dequantized(), dequantize_tensor(stacked).reshape(24, 256))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_serving_keeps_the_embeddings_at_8_bits(tied: bool) -> None:
+    """The embedding table is int8 with a scale a group of 32: each row looked up within half a
+    step of its group's grid, and no float table of the vocabulary's size left in the model."""
+    config = replace(TINY_CONFIG, tie_word_embeddings=tied)
+    model = new_model(config, torch.float32, CPU)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.5)
+    float_table = model.model.embed_tokens
+    assert isinstance(float_table, Embedding)
+    table = float_table.weight.detach().clone()
+    prepare_for_serving(model, "int8")
+    embeddings = model.model.embed_tokens
+    assert isinstance(embeddings, Int8Embedding) and embeddings.codes.dtype == torch.int8
+    ids = torch.tensor([0, 5, 257, 5, 100])
+    step = table[ids].reshape(len(ids), -1, 32).abs().amax(-1, keepdim=True) / 127
+    error = (embeddings(ids).reshape(len(ids), -1, 32) - table[ids].reshape(len(ids), -1, 32)).abs()
+    assert bool((error <= step / 2 + 1e-7).all()) and embeddings(ids).dtype == torch.float32
+    assert not [name for name, p in model.named_parameters() if p.shape == table.shape]
 
 
 def test_smollm2_int4_blocks_are_its_q4_1_weights() -> None:
@@ -385,6 +408,12 @@ def test_int8_runs_each_familys_own_arithmetic(features: dict[str, object]) -> N
     plain, served = _random_model(config, seed=3), _random_model(config, seed=3)
     prepare_for_serving(served, "int8")
     assert served.model.decode_kernel is None and served.model.norm.kernels is None
+    # The reference looks up the same 8-bit embeddings: the projections' and operators' error is
+    # what is measured (these random weights amplify the embeddings' rounding by a third again).
+    embeddings, float_table = served.model.embed_tokens, plain.model.embed_tokens
+    assert isinstance(embeddings, Int8Embedding) and isinstance(float_table, Embedding)
+    with torch.no_grad():
+        float_table.weight.copy_(embeddings(torch.arange(config.vocab_size)))
     # Every projection is on the kernels (each expert's, in a sparse MLP) but the routers and those
     # whose inputs are not in blocks of 32 (these tiny MLPs' down projections).
     modules = dict(served.named_modules())

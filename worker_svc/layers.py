@@ -298,6 +298,34 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+class Int8Embedding(nn.Module):
+    """Embeddings kept as 8-bit codes, a scale for each group of 32 (of a row, where the width is
+    not a multiple of 32): the rows looked up are dequantized, a quarter of float32's room for
+    the whole table (a 128K-token vocabulary of width 4096 takes 2 GB in float32)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        rows, width = weight.shape
+        self.group = 32 if width % 32 == 0 else width
+        self.dtype = weight.dtype
+        groups = weight.detach().float().reshape(rows, width // self.group, self.group)
+        scale = groups.abs().amax(-1) / 127
+        codes = (
+            (groups / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
+        )
+        self.register_buffer("codes", codes.to(torch.int8).reshape(rows, width))
+        self.register_buffer("scale", scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        codes = self.codes.index_select(0, ids).float()
+        scale = self.scale.index_select(0, ids)
+        rows = codes.reshape(*scale.shape, self.group) * scale[..., None]
+        return rows.reshape(codes.shape).to(self.dtype)
+
+
 class RMSNorm(nn.Module):
     # Stepahead's CPU kernels, where the model runs on them (`use_cpu_kernels`)
     kernels: Kernels | None = None

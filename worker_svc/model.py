@@ -17,6 +17,7 @@ from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers import (
     AttentionPlan,
     Embedding,
+    Int8Embedding,
     KVCache,
     Linear,
     LlamaDecoderLayer,
@@ -196,7 +197,7 @@ class LlamaModel(nn.Module):
         """`layers_on`: where the decoder layers' weights are made (None: where the rest is);
         `meta` leaves them unallocated until each is loaded (`load_weights`)."""
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: Embedding | Int8Embedding = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_scale = config.embedding_scale
         self.query_scale_beta, self.query_scale_span = config.query_scale_beta, config.query_scale_span
         with contextlib.nullcontext() if layers_on is None else torch.device(layers_on):
@@ -268,16 +269,19 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, layers_on)
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            embeddings = self.model.embed_tokens
+            assert isinstance(embeddings, Embedding)  # as made; quantized only for serving
+            self.lm_head.weight = embeddings.weight
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype (the embeddings', whatever the projections are stored in)."""
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype (the final norm's, whatever the projections and embeddings are
+        stored in)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up each as one projection (after loading and sharding: serving's layout)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from worker_svc import cpu_kernels
 from worker_svc.cpu_kernels import BLOCK, Q4, Q8, DecodeLayers, Kernels, LayerWeights, PackedWeight
-from worker_svc.layers import Linear, LlamaDecoderLayer, LlamaMLP, use_cpu_kernels
+from worker_svc.layers import Embedding, Int8Embedding, Linear, LlamaDecoderLayer, LlamaMLP, use_cpu_kernels
 
 if TYPE_CHECKING:
     from worker_svc.model import LlamaForCausalLM
@@ -285,6 +285,9 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     head_mode = mode if head_name in blocks else "int8"
     assert isinstance(model.lm_head, Linear)
     model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks, kernels)
+    embeddings = model.model.embed_tokens
+    if isinstance(embeddings, Embedding):  # its float table dropped (a tied head has its own copy)
+        model.model.embed_tokens = Int8Embedding(embeddings.weight)
     if kernels is not None and model.config.llama_arithmetic:
         use_cpu_kernels(model, kernels)
         model.model.decode_kernel = decode_layers(model, kernels)
