@@ -39,7 +39,9 @@ seconds = time.perf_counter() - start
 status = open("/proc/self/status").read()
 after = int(status.split("VmRSS:")[1].split()[0]) / 1024
 peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, after)  # the high-water mark lags
-print(peak, after, seconds)
+tensors = [*backend.model.parameters(), *backend.model.buffers()]
+held = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+print(peak, after, held, seconds)
 """
 
 
@@ -59,7 +61,8 @@ class LoadRow:
     code: str  # "this" or the baseline's short hash
     quantization: str
     peak_mib: float
-    after_mib: float  # resident once loaded: what serving keeps (the file's pages read included)
+    after_mib: float  # resident once loaded (the file's pages read, and the heap's free room, included)
+    model_mib: float  # the served model's own weights and buffers, as laid out for serving
     seconds: float
 
 
@@ -115,9 +118,9 @@ def write_model(path: Path, sizes: Sizes, weights: GGMLQuantizationType, seed: i
     return parameters
 
 
-def load_peak(code: Path, model: Path, quantization: str) -> tuple[float, float, float]:
-    """Peak resident MiB, resident MiB once loaded, and seconds of one load by the code at `code`,
-    in a fresh process."""
+def load_peak(code: Path, model: Path, quantization: str) -> tuple[float, float, float, float]:
+    """Peak resident MiB, resident MiB once loaded, the model's own MiB, and the seconds of one
+    load by the code at `code`, in a fresh process."""
     out = subprocess.run(
         [sys.executable, "-c", LOAD, str(model), quantization],
         cwd=code,
@@ -125,7 +128,7 @@ def load_peak(code: Path, model: Path, quantization: str) -> tuple[float, float,
         capture_output=True,
         text=True,
     ).stdout.split()
-    return float(out[-3]), float(out[-2]), float(out[-1])
+    return float(out[-4]), float(out[-3]), float(out[-2]), float(out[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,14 +163,14 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"`{command_line('bench.load_memory', argv)}`",
         "",
-        "| quantization | code | peak MiB | resident after MiB | load s | peak / first code's |",
-        "|---|---|---:|---:|---:|---:|",
+        "| quantization | code | peak MiB | resident after MiB | model MiB | load s | peak / first code's |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         first = next(r for r in rows if r.quantization == row.quantization)
         lines.append(
             f"| {row.quantization} | {row.code} | {row.peak_mib:,.0f} | {row.after_mib:,.0f} "
-            f"| {row.seconds:.1f} | {row.peak_mib / first.peak_mib:.2f} |"
+            f"| {row.model_mib:,.0f} | {row.seconds:.1f} | {row.peak_mib / first.peak_mib:.2f} |"
         )
     document = {
         "machine": describe_machine(),

@@ -651,7 +651,9 @@ def test_load_memory_gives_a_peak_and_a_time_per_quantization(tmp_path: Path) ->
         ("this", "int8"),
         ("this", "int4"),
     ]
-    assert all(r["peak_mib"] >= r["after_mib"] > 0 and r["seconds"] > 0 for r in document["rows"])
+    assert all(
+        r["peak_mib"] >= r["after_mib"] > r["model_mib"] > 0 and r["seconds"] > 0 for r in document["rows"]
+    )
     assert document["parameters"] > 0 and document["file_mib"] > 0
 
 
