@@ -97,10 +97,23 @@ def test_a_gguf_is_quantized_a_layer_at_a_time(
 
 
 @pytest.mark.parametrize("kind", ["phi3", "mixtral"])
-def test_a_files_own_4_bit_blocks_are_taken_a_layer_at_a_time(tmp_path: pathlib.Path, kind: str) -> None:
-    """Q4_0 matrices throughout: Phi-3's fused q/k/v split, Mixtral's permuted q/k and stacked experts."""
+def test_a_files_own_4_bit_blocks_are_taken_a_layer_at_a_time(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Q4_0 matrices throughout: Phi-3's fused q/k/v split, Mixtral's permuted q/k and stacked
+    experts. Each of the file's tensors is unpacked once, however many experts it stacks."""
     path, _ = write_family_gguf(tmp_path, kind, experts_type=Q4_0, matrices_type=Q4_0)
+    unpacked: list[str] = []
+    original = worker_svc.gguf.int4_blocks
+
+    def counted(tensor: Any) -> Any:
+        unpacked.append(tensor.name)
+        return original(tensor)
+
+    monkeypatch.setattr(worker_svc.gguf, "int4_blocks", counted)
     loaded = load_gguf(path, torch.float32, CPU, quantization="int4")
+    assert len(unpacked) == len(set(unpacked)) and any("exps" in n for n in unpacked) == (kind == "mixtral")
+    monkeypatch.undo()
     prepare_for_serving(loaded.model, "int4", loaded.int4_blocks)
     tokens = [t % loaded.model.config.vocab_size for t in TOKENS]
     expected = quantized_after_loading(path, "int4")

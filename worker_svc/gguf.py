@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -451,10 +452,15 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
             yield {part.name: weight}
 
 
+# A layer's experts are quantized one at a time, each reading its rows of the stacked gate, up and
+# down tensors in turn: the last few tensors read are kept unpacked, so that each is read once.
+RECENT_TENSORS = 4
+
+
 class FileBlocks(StoredBlocks):
-    """A file's Q4_0/Q4_1/Q4_K weights by checkpoint name, as `Int4Blocks`, each read from the file when
-    asked for (a stacked tensor's once for all its experts): unpacked they take twice the file's
-    room, so they are not all held at once."""
+    """A file's Q4_0/Q4_1/Q4_K weights by checkpoint name, as `Int4Blocks`, each read from the file
+    when asked for (a stacked tensor's once for all its experts): unpacked they take twice the
+    file's room, so they are not all held at once."""
 
     def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
         self._parts: dict[str, tuple[ReaderTensor, Part]] = {}
@@ -471,7 +477,7 @@ class FileBlocks(StoredBlocks):
         # Only a file of 4-bit weights has some kept wider on purpose; in one of wider weights
         # throughout, `int4` is asked for, and given.
         self._wider = frozenset(wider) if self._parts else frozenset()
-        self._last: tuple[str, Int4Blocks] | None = None
+        self._recent: OrderedDict[str, Int4Blocks] = OrderedDict()  # by tensor name, the latest last
 
     @property
     def wider(self) -> frozenset[str]:
@@ -479,11 +485,12 @@ class FileBlocks(StoredBlocks):
 
     def __getitem__(self, name: str) -> Int4Blocks:
         tensor, part = self._parts[name]
-        if self._last is None or self._last[0] != tensor.name:
-            blocks = int4_blocks(tensor)
-            assert blocks is not None  # an INT4_TYPES matrix
-            self._last = (tensor.name, blocks)
-        rows = Int4Blocks(*(t[part.start : part.stop] for t in dataclasses.astuple(self._last[1])))
+        blocks = self._recent.pop(tensor.name, None) or int4_blocks(tensor)
+        assert blocks is not None  # an INT4_TYPES matrix
+        self._recent[tensor.name] = blocks
+        if len(self._recent) > RECENT_TENSORS:
+            self._recent.popitem(last=False)
+        rows = Int4Blocks(*(t[part.start : part.stop] for t in dataclasses.astuple(blocks)))
         if part.heads:
             rows = Int4Blocks(*(unpermute_rotary_rows(t, part.heads) for t in dataclasses.astuple(rows)))
         return rows
