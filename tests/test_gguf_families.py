@@ -87,6 +87,17 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralConfig", "llama", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": ("Phi3Config", "phi3", {}),
+    # its four multipliers (a `llama` file's layout otherwise: q/k rows permuted)
+    "granite": (
+        "GraniteConfig",
+        "granite",
+        {
+            "embedding_multiplier": 3.0,
+            "attention_multiplier": 0.3,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 4.0,
+        },
+    ),
     # Phi-4-mini's: three quarters of each head rotated, longrope, tied embeddings
     "phi3-longrope": (
         "Phi3Config",
@@ -165,7 +176,7 @@ def write_family_gguf(
             param.normal_(0.0, 0.2)
             for piece_name, piece in gguf_pieces(name, param, config):
                 heads = {"attn_q": ours.num_heads, "attn_k": ours.num_kv_heads}.get(piece_name.split(".")[-2])
-                if architecture == "llama" and heads and piece_name.endswith("weight"):
+                if architecture in ("llama", "granite") and heads and piece_name.endswith("weight"):
                     stored = quantize(permute_rotary_rows(piece, heads).numpy(), matrices_type)
                     writer.add_tensor(piece_name, stored, raw_dtype=matrices_type)
                     rows = torch.from_numpy(dequantize(stored, matrices_type))
@@ -205,6 +216,11 @@ def add_metadata(writer: GGUFWriter, config: ModelConfig, kind: str) -> None:
             writer.add_expert_feed_forward_length(config.expert_intermediate_size)
         if config.shared_expert_intermediate_size:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if kind == "granite":  # as llama.cpp's converter names them
+        writer.add_embedding_scale(config.embedding_scale or 1.0)
+        writer.add_attention_scale(config.attention_scale or 1.0)
+        writer.add_residual_scale(config.residual_scale)
+        writer.add_logit_scale(config.logits_divisor)
     if kind.startswith("phi3"):
         writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
         writer.add_rope_scaling_orig_ctx_len(BOUNDARY if config.rope_scaling else config.max_context_len)

@@ -1,6 +1,7 @@
 """Models of the Llama family and their tokenizers from GGUF files, llama.cpp's format: the
 `llama` (Llama 2 and 3.x, Mistral, Mixtral; `rope_freqs` included), `qwen2`, `qwen3`, `qwen2moe`,
-`qwen3moe`, `phi3` (Phi-3, Phi-3.5, Phi-4-mini), `gemma2` and `gemma3` architectures.
+`qwen3moe`, `phi3` (Phi-3, Phi-3.5, Phi-4-mini), `granite` (Granite 3.x dense), `gemma2` and
+`gemma3` architectures.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes its tensors; this module
 maps them onto `LlamaForCausalLM`. The tokenizer the metadata describes (SentencePiece `llama` or
@@ -42,6 +43,7 @@ ARCHITECTURES = {
     "qwen2moe": False,
     "qwen3moe": False,
     "phi3": False,
+    "granite": True,
     "gemma2": False,
     "gemma3": False,
 }
@@ -154,6 +156,8 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         options = _gemma_options(reader, architecture, hidden, num_heads, head_dim)
     elif architecture == "phi3":
         options = _phi3_options(reader, tensors, rotary_dim)
+    elif architecture == "granite":
+        options = _granite_options(reader)
     return ModelConfig(
         vocab_size=int(arch_or(Keys.LLM.VOCAB_SIZE, len(_required(reader, Keys.Tokenizer.LIST)))),
         hidden_size=hidden,
@@ -250,6 +254,23 @@ def _phi3_options(reader: GGUFReader, tensors: dict[str, ReaderTensor], rotary_d
     if attention_factor is not None:
         scaling["attention_factor"] = float(attention_factor)
     return {"rope_scaling": tuple(sorted(scaling.items()))}
+
+
+def _granite_options(reader: GGUFReader) -> dict[str, Any]:
+    """Granite's four multipliers, each where the file has it (llama.cpp's converter writes those
+    not zero): the embeddings', the scores' (else head_dim ** -0.5, as llama.cpp has it), each
+    block output's before its residual add, and the logits' divisor."""
+
+    def scale(key: str) -> float | None:
+        value = _value(reader, key.format(arch="granite"))
+        return float(value) if value else None
+
+    return {
+        "embedding_scale": scale(Keys.LLM.EMBEDDING_SCALE),
+        "attention_scale": scale(Keys.Attention.SCALE),
+        "residual_scale": scale(Keys.LLM.RESIDUAL_SCALE) or 1.0,
+        "logits_divisor": scale(Keys.LLM.LOGIT_SCALE) or 1.0,
+    }
 
 
 def _expert_options(
