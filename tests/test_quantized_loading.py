@@ -1,7 +1,7 @@
 """A quantized model is loaded a decoder layer at a time: each layer's weights are allocated at
 its first tensor and quantized as soon as it has all of them, so that loading holds one layer's
 float weights beside the quantized ones, not the whole model's (a 7B model's float32 weights
-alone are 28 GB; in `int4` they take under 4). Whatever order the files hold the tensors in, the
+alone are 28 GB; in `int4` they take about 5). Whatever order the files hold the tensors in, the
 model served is the one quantized after a whole load, to the bit."""
 
 from __future__ import annotations
