@@ -177,10 +177,11 @@ def write_family_gguf(
             for piece_name, piece in gguf_pieces(name, param, config):
                 heads = {"attn_q": ours.num_heads, "attn_k": ours.num_kv_heads}.get(piece_name.split(".")[-2])
                 if architecture in ("llama", "granite") and heads and piece_name.endswith("weight"):
-                    stored = quantize(permute_rotary_rows(piece, heads).numpy(), matrices_type)
-                    writer.add_tensor(piece_name, stored, raw_dtype=matrices_type)
-                    rows = torch.from_numpy(dequantize(stored, matrices_type))
-                    piece.copy_(permute_rotary_rows_back(rows, heads))
+                    # each row is quantized on its own, so the rows of its blocks are permuted alike
+                    stored = quantize(piece.numpy(), matrices_type)
+                    permuted = permute_rotary_rows(torch.from_numpy(stored), heads).numpy()
+                    writer.add_tensor(piece_name, permuted, raw_dtype=matrices_type)
+                    piece.copy_(torch.from_numpy(dequantize(stored, matrices_type)))
                 elif piece.ndim == 1 or "ffn_gate_inp" in piece_name:
                     writer.add_tensor(piece_name, piece.reshape(-1, piece.shape[-1]).squeeze(0).numpy())
                 else:
@@ -197,11 +198,6 @@ def write_family_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path, model
-
-
-def permute_rotary_rows_back(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def add_metadata(writer: GGUFWriter, config: ModelConfig, kind: str) -> None:

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, dequantize, 
 from tests.test_architectures import hf_logits, ours_greedy
 from tests.test_checkpoint import write_tokenizer
 from tests.test_gguf import (
+    GGUF_BLOCK_NAMES,
     add_shape,
     add_tokenizer,
     assert_served_greedy_equals_transformers,
@@ -61,19 +62,10 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
 # HF names -> llama.cpp's (its tensor_mapping for Gemma 2 and 3)
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
 BLOCK_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
+    **GGUF_BLOCK_NAMES,
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
 }
 
 
