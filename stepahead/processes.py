@@ -73,8 +73,12 @@ class Service:
             raise
 
 
-def spawn_worker(args: list[str], port: int = 0, code: Path | None = None) -> Service:
-    return _spawn("worker_svc", _with_free_metrics_port(args), port, code=code)
+def spawn_worker(
+    args: list[str], port: int = 0, code: Path | None = None, module: str = "worker_svc"
+) -> Service:
+    """`module`: run as `python -m module` (one whose main is the worker's, with a fault a test
+    puts in it, say)."""
+    return _spawn(module, _with_free_metrics_port(args), port, code=code, name="worker")
 
 
 def spawn_scheduler(

@@ -243,6 +243,7 @@ class WorkerStepError(RuntimeError):
     def __init__(self, step_id: int, message: str) -> None:
         super().__init__(f"step {step_id}: {message}")
         self.step_id = step_id
+        self.message = message
 
 
 def info_to_proto(info: WorkerInfo) -> worker_pb2.Welcome:

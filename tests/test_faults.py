@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable
 
 import grpc
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,6 +49,7 @@ from tests.live import (
     wait_info,
     wait_until,
 )
+from tests.poison import poison_seed
 from worker_svc.backends import sim_continuation as sim_expected
 
 LOST_RE = re.compile(r"worker lost .*?; (\d+) requests wait for a worker", re.S)  # its reason may span lines
@@ -60,6 +62,7 @@ FRONTENDS_AND_LINKS: list[tuple[int, Link]] = [
     *((n, "grpc") for n in FRONTEND_COUNTS),
     (FRONTEND_COUNTS[-1], "socket"),
 ]
+IGNORE = {"ignore_eos": True}  # vLLM's extra field, as the `openai` client sends it
 LONG = 8000  # tokens: 8000 steps of the sim take 8 s at 1 ms a step, 24 s at 3 ms, whatever the machine
 
 
@@ -462,3 +465,76 @@ def test_overload_at_ten_times_capacity_refuses_the_excess_and_serves_the_admitt
     assert len(long) == MAX_RUNNING  # each aborted while running, with a beginning of its tokens
     for i, tokens in enumerate(served, start=MAX_RUNNING):
         assert tokens == expected(i, 50), i
+
+
+@pytest.mark.parametrize("frontends", FRONTEND_COUNTS)
+def test_a_poison_request_ends_alone_with_internal_and_every_other_request_completes(frontends: int) -> None:
+    """A worker whose steps fail whenever one request's rows reach a position (`tests/poison.py`),
+    under a load of 24: that request ends with INTERNAL (gRPC) or 500 (HTTP, through the `openai`
+    client) naming the worker's fault, each other completes with the sim's tokens, nothing is held
+    after, and the server serves on. Before the quarantine every request waited out
+    `--worker-retry-timeout` and then all ended with UNAVAILABLE."""
+    port = unused_port()
+    worker = spawn_worker(SIM, port=port, module="tests.poison")
+    http = unused_port()
+    scheduler = spawn_scheduler(
+        f"127.0.0.1:{port}", [*RETRY, "--http-port", str(http), *frontend_flags(frontends)]
+    )
+    try:
+        wait_serving(scheduler.address)
+        asyncio.run(wait_frontends_serving(scheduler.address, frontends))
+        poisoned = 7
+
+        async def load() -> tuple[list[list[int] | grpc.StatusCode], tuple[int, str]]:
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+
+                async def one(i: int) -> list[int] | grpc.StatusCode:
+                    seed = poison_seed(len(prompt(i).encode()) + 20) if i == poisoned else i
+                    try:
+                        responses = stub.Generate(fault_request(i, 64, seed=seed), timeout=CALL_TIMEOUT_S)
+                        return [t async for r in responses for t in r.token_ids]
+                    except grpc.aio.AioRpcError as exc:
+                        assert "the worker failed every step of this request alone" in (exc.details() or "")
+                        return exc.code()
+
+                async def over_http() -> tuple[int, str]:
+                    async with openai.AsyncOpenAI(
+                        base_url=f"http://127.0.0.1:{http}/v1",
+                        api_key="-",
+                        max_retries=0,
+                        timeout=CALL_TIMEOUT_S,
+                    ) as client:
+                        try:
+                            await client.completions.create(
+                                model="sim",
+                                prompt="poison",
+                                max_tokens=16,
+                                seed=poison_seed(10),
+                                extra_body=IGNORE,
+                            )
+                        except openai.APIStatusError as exc:
+                            return exc.status_code, str(exc)
+                    raise AssertionError("the poisoned HTTP request completed")
+
+                refused = asyncio.create_task(over_http())
+                outputs = await asyncio.gather(*(one(i) for i in range(24)))
+                return outputs, await refused
+
+        outputs, (status, message) = asyncio.run(load())
+        assert outputs[poisoned] == grpc.StatusCode.INTERNAL
+        assert all(outputs[i] == expected(i, 64) for i in range(24) if i != poisoned)
+        assert status == 500 and "poisoned row" in message, message
+        asyncio.run(wait_all_free(scheduler.address))
+        metrics = scrape(scheduler.metrics_url)
+        assert total(metrics, "stepahead_poison_requests_total") == 2
+        assert total(metrics, "stepahead_step_failures_total") >= 4  # each poison failed alone twice
+        assert asyncio.run(stream_tokens_once(scheduler.address)) == expected(99, 8)  # serving on
+        assert scheduler.stop() == 0
+    finally:
+        stop_all(scheduler, worker)
+
+
+async def stream_tokens_once(address: str) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await stream_tokens(generation_pb2_grpc.GenerationStub(channel), 99, 8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from stepahead.protocol import Launch, StepResult, WorkerInfo
+from stepahead.protocol import Launch, StepResult, WorkerInfo, WorkerStepError
 from stepahead.speculative import SpeculativeConfig
 from worker_svc.engine import WorkerEngine
 
@@ -25,7 +25,23 @@ class InProcessSession:
         return time.monotonic()
 
     async def launch(self, launch: Launch) -> asyncio.Future[StepResult]:
-        return asyncio.wrap_future(self._engine.submit(launch))
+        """A step that fails fails its future with WorkerStepError, as over the wire (the worker
+        logs it, reports it and ends the session)."""
+        done = asyncio.wrap_future(self._engine.submit(launch))
+        failed: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+
+        def copy(_: object) -> None:
+            if failed.done():
+                return
+            if done.cancelled():
+                failed.cancel()
+            elif (exc := done.exception()) is not None:
+                failed.set_exception(WorkerStepError(launch.step_id, str(exc)))
+            else:
+                failed.set_result(done.result())
+
+        done.add_done_callback(copy)
+        return failed
 
     async def close(self) -> None:
         """The engine belongs to whoever built it."""

@@ -243,7 +243,13 @@ class EngineCore:
         each frontend its rows in one message."""
         self.telemetry.observe_result_queue(len(self.result_queue))
         with self.telemetry.phase("wait", batch.step_id):
-            result = await self._result_in_time(batch, handle)
+            try:
+                result = await self._result_in_time(batch, handle)
+            except WorkerStepError as exc:
+                if exc.step_id == batch.step_id:  # the run loop then recomputes the rest
+                    self.policy.step_failed(batch, exc.message)
+                    self.outbox.flush()
+                raise
         self._last_result = (result, time.monotonic())
         if (result.step_id, result.epoch) != (batch.step_id, batch.epoch):
             self.stats.results_out_of_order += 1

@@ -9,6 +9,7 @@ SchedulerInterface. Synchronous and free of gRPC and asyncio:
     abort_owner(owner)                end every request of a frontend that is gone
     begin_session(info)               fresh slot accounting for a new worker session
     requeue_all() / fail_all(why)     the session is lost: recompute every running request / fail all
+    step_failed(batch, why)           the worker failed a step: narrow down the request that did it
     stats, occupancy()                counters; what is held now (GetServerInfo)
     requests, waiting, running, kv, req_slots, eos_token_ids, next_step_id    to read
 
@@ -18,7 +19,9 @@ The work is done by small managers, one concern each (as mini-sglang splits its 
 prefix), `running.py: RunningManager` (the running requests' rows; preemption),
 `results.py: ResultProcessor` (sampled ids to tokens, token-level stops, the outbox) and
 `slots.py: SessionSlots` (what a worker session lends: KV slots, asked of their one owner
-`kv/manager.py: KvManager`, request slots; when they go back). The facade composes them:
+`kv/manager.py: KvManager`, request slots; when they go back) and `quarantine.py: Quarantine`
+(after a failed step, who may run while the request that failed it is found). The facade
+composes them:
 the step ids of launches, endings, worker sessions, gauges.
 
 The engine core (`scheduler_svc/engine/core.py`) drives it from the serial or overlap loop.
@@ -37,6 +40,7 @@ from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.outputs import Outbox
+from scheduler_svc.engine.quarantine import Quarantine
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.requests import RequestTable
 from scheduler_svc.engine.results import ResultProcessor
@@ -66,6 +70,8 @@ class SchedulerStats:
     preemptions: int = 0
     dropped_inflight_tokens: int = 0
     results_out_of_order: int = 0
+    step_failures: int = 0  # steps the worker failed (`step_failed`)
+    poison_requests: int = 0  # requests ended for failing steps alone (`quarantine.py`)
 
 
 @dataclass(frozen=True)
@@ -105,10 +111,11 @@ class SchedulingPolicy:
         self.results = ResultProcessor(
             self.slots, outbox, self.stats, telemetry, self._end, config.small_batch
         )
+        self.quarantine = Quarantine(self.table, self.running_manager.requeue_for_recompute)
         self._next_step_id = 1
         # What it holds, read when /metrics is scraped rather than set at every step.
         telemetry.running.set_function(lambda: len(self.table.running))
-        telemetry.waiting.set_function(lambda: len(self.table.waiting))
+        telemetry.waiting.set_function(lambda: self.num_waiting)
         telemetry.cache_slots.set_function(lambda: self.slots.kv.tree.size)
         telemetry.kv_usage.set_function(lambda: self.slots.kv.usage)
 
@@ -126,6 +133,12 @@ class SchedulingPolicy:
     @property
     def running(self) -> list[Request]:
         return self.table.running
+
+    @property
+    def num_waiting(self) -> int:
+        """Live requests without a request slot: the waiting queue's, and those parked by the
+        quarantine."""
+        return len(self.table.waiting) + len(self.quarantine.parked)
 
     @property
     def kv(self) -> KvManager:
@@ -146,10 +159,9 @@ class SchedulingPolicy:
         """Raises Refused for a live duplicate id or a full waiting queue."""
         if req.key in self.table.requests:
             raise Refused("ALREADY_EXISTS", f"request_id: {req.rid!r} is already live")
-        if len(self.table.waiting) >= self.config.max_waiting:  # before any work is spent on it
+        if (waiting := self.num_waiting) >= self.config.max_waiting:  # before any work is spent on it
             raise Refused(
-                "RESOURCE_EXHAUSTED",
-                f"{len(self.table.waiting)} requests are already waiting (--max-waiting); retry later",
+                "RESOURCE_EXHAUSTED", f"{waiting} requests are already waiting (--max-waiting); retry later"
             )
         self.table.add(req)
 
@@ -184,7 +196,7 @@ class SchedulingPolicy:
             request_slots_free=req_slots.num_free,
             request_slots=req_slots.capacity,
             running=len(self.table.running),
-            waiting=len(self.table.waiting),
+            waiting=self.num_waiting,
             prefix_cache_slots=kv.tree.size,
             prefix_cache_hit_tokens=kv.cached_prompt_tokens,
         )
@@ -194,6 +206,8 @@ class SchedulingPolicy:
     def schedule(self) -> ScheduledBatch | None:
         """Decode and continue prefills of running requests (in arrival order),
         then admit waiting ones, all under the step's token budget."""
+        if self.quarantine.active:
+            self.quarantine.hold_back()
         batch = ScheduledBatch(Launch(step_id=self._next_step_id))
         budget = self.config.max_batch_tokens
         preempted = self.running_manager.pick(batch, budget)
@@ -240,6 +254,27 @@ class SchedulingPolicy:
         if batch.scored:
             self.results.apply_scores(batch, prompt_logprobs)
         self.results.apply(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
+        if self.quarantine.active:
+            self.quarantine.check()
+
+    def step_failed(self, batch: ScheduledBatch, why: str) -> None:
+        """The worker failed `batch`'s step (its session ends with it): its live requests are the
+        quarantine's suspects (`quarantine.py`). The request found to fail steps alone ends with
+        INTERNAL and the worker's message, with the other completions of its call.
+
+        NOTE: a row's request is the one in its request slot now; one that ended after the launch
+        may have left its slot to a later request, which is then a suspect in its place."""
+        self.stats.step_failures += 1
+        self.telemetry.step_failures.inc()
+        requests = self.slots.rows.requests
+        members = [r for s in dict.fromkeys(batch.launch.row_req_slots) if (r := requests[s]) is not None]
+        poison = self.quarantine.failed(members)
+        if poison is None:
+            return
+        self.stats.poison_requests += 1
+        self.telemetry.poison_requests.inc()
+        for req in self.table.completions(poison.rid):
+            self._fail(req, "INTERNAL", f"the worker failed every step of this request alone: {why}")
 
     # ---- endings -----------------------------------------------------------------------
 
@@ -253,6 +288,7 @@ class SchedulingPolicy:
         req.finish_reason = reason
         self.slots.release(req)
         self.table.forget(req)
+        self.quarantine.forget(req)
 
     # ---- worker sessions ---------------------------------------------------------------
 
@@ -271,8 +307,14 @@ class SchedulingPolicy:
     def fail_all(self, why: str) -> None:
         """End every live request with UNAVAILABLE: none is dropped silently."""
         for req in list(self.table.requests.values()):
-            self.slots.release(req, computed=False)
-            self.table.forget(req)
-            req.finish_reason = FinishReason.ABORT
-            self.outbox.error(req, "UNAVAILABLE", why)
+            self._fail(req, "UNAVAILABLE", why)
         self.table.clear_queues()
+        self.quarantine.clear()
+
+    def _fail(self, req: Request, code: str, why: str) -> None:
+        """End `req` with an error (a gRPC status name): its client gets `code` and `why`."""
+        self.slots.release(req, computed=False)
+        self.table.forget(req)
+        self.quarantine.forget(req)
+        req.finish_reason = FinishReason.ABORT
+        self.outbox.error(req, code, why)

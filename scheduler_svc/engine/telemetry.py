@@ -60,6 +60,13 @@ class SchedulerTelemetry:
         self.worker_connected = gauge("stepahead_worker_connected", "1 while a worker session is up.")
         self.prompt_tokens = counter("stepahead_prompt_tokens", "Prompt tokens of admitted requests.")
         self.preemptions = counter("stepahead_preemptions", "Requests preempted for KV and recomputed.")
+        self.step_failures = counter(
+            "stepahead_step_failures", "Steps the worker failed (each ends its session; docs/RELIABILITY.md)."
+        )
+        self.poison_requests = counter(
+            "stepahead_poison_requests",
+            "Requests ended with INTERNAL for failing a step alone twice (docs/RELIABILITY.md).",
+        )
         self.cache_hit_tokens = counter(
             "stepahead_prefix_cache_hit_tokens",
             "Prompt tokens of admitted requests found in the prefix cache.",
