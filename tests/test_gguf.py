@@ -604,7 +604,12 @@ def test_served_gguf_greedy_streams_equal_transformers_reading_the_file(
 def assert_served_greedy_equals_transformers(path: pathlib.Path, vocab: int) -> None:
     """Three prompts served at once from the GGUF at `path`: each stream's 16 greedy tokens are
     transformers' reading the same file."""
-    reference = read_by_transformers(path)
+    assert_served_greedy_equals(path, read_by_transformers(path), vocab)
+
+
+def assert_served_greedy_equals(path: pathlib.Path, reference: Any, vocab: int) -> None:
+    """Three prompts served at once from the GGUF at `path`: each stream's 16 greedy tokens are
+    those of `reference` (a transformers model)."""
     prompts = [[(17 * i + 5 * j) % vocab for j in range(12 + 5 * i)] for i in range(3)]
     expected = []
     for prompt in prompts:

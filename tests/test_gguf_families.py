@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, dequantize, quantize
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, GGUFWriter, dequantize, quantize
 
 from tests.test_architectures import hf_logits, ours_greedy
 from tests.test_checkpoint import write_tokenizer
@@ -30,11 +30,12 @@ from tests.test_gguf import (
     GGUF_BLOCK_NAMES,
     add_shape,
     add_tokenizer,
+    assert_served_greedy_equals,
     assert_served_greedy_equals_transformers,
     permute_rotary_rows,
     read_by_transformers,
 )
-from worker_svc.gguf import load_gguf
+from worker_svc.gguf import FileBlocks, load_gguf
 from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.model import ModelConfig
 from worker_svc.quantization import Int4Blocks
@@ -98,6 +99,14 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "logits_scaling": 4.0,
         },
     ),
+    # every fourth layer without a rotation, as llama.cpp fixes it (whatever the checkpoint says)
+    "smollm3": ("SmolLM3Config", "smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 4}),
+    # norms after each block only, q/k norms over the whole projection
+    "olmo2": ("Olmo2Config", "olmo2", {"rope_theta": 5e5}),
+    # norms after each block, per-head q/k norms; windowed layers (the rotating ones) and global
+    "exaone4": ("Exaone4Config", "exaone4", {"sliding_window": 16, "sliding_window_pattern": 2}),
+    # norms around each block, q/k/v biases, a fused gate/up, half of each head rotated in pairs
+    "glm4": ("Glm4Config", "glm4", {"head_dim": 32, "partial_rotary_factor": 0.5}),
     # Phi-4-mini's: three quarters of each head rotated, longrope, tied embeddings
     "phi3-longrope": (
         "Phi3Config",
@@ -124,9 +133,25 @@ BLOCK_NAMES = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Where the norms are on the blocks' outputs, as llama.cpp's converter names them.
+OUTPUT_NORM_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+FAMILY_BLOCK_NAMES = {
+    "olmo2": {**BLOCK_NAMES, **OUTPUT_NORM_NAMES},
+    "exaone4": {**BLOCK_NAMES, **OUTPUT_NORM_NAMES},
+    "glm4": {
+        **BLOCK_NAMES,
+        "post_self_attn_layernorm": "post_attention_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "post_mlp_layernorm": "post_ffw_norm",
+    },
+}
+PERMUTED = ("llama", "granite", "smollm3")  # whose q/k rows llama.cpp's converter permutes
 
 
-def gguf_pieces(name: str, param: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
+def gguf_pieces(name: str, param: torch.Tensor, architecture: str) -> list[tuple[str, torch.Tensor]]:
     """The GGUF tensors a transformers parameter is written as, each with its view of the
     parameter: the experts' fused gate/up split into llama.cpp's stacked gate and up."""
     module, _, suffix = name.rpartition(".")
@@ -141,7 +166,8 @@ def gguf_pieces(name: str, param: torch.Tensor, config: Any) -> list[tuple[str, 
         ]
     if rest == "mlp.experts.down_proj":
         return [(f"blk.{layer}.ffn_down_exps.weight", param)]
-    return [(f"blk.{layer}.{BLOCK_NAMES[module.split('.', 3)[3]]}.{suffix}", param)]
+    names = FAMILY_BLOCK_NAMES.get(architecture, BLOCK_NAMES)
+    return [(f"blk.{layer}.{names[module.split('.', 3)[3]]}.{suffix}", param)]
 
 
 def write_family_gguf(
@@ -158,7 +184,7 @@ def write_family_gguf(
     Returns the file and the model with the weights the file holds, for reference."""
     vocab = write_tokenizer(directory)
     config_class, architecture, extra = KINDS[kind]
-    config = getattr(transformers, config_class)(vocab_size=vocab, **COMMON, **extra)
+    config = getattr(transformers, config_class)(vocab_size=vocab, **{**COMMON, **extra})
     torch.manual_seed(11)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     ours = config_from_hf_dict({**config.to_dict(), "architectures": [type(model).__name__]})
@@ -174,9 +200,9 @@ def write_family_gguf(
             if name == "lm_head.weight" and ours.tie_word_embeddings:  # the file holds it once
                 continue
             param.normal_(0.0, 0.2)
-            for piece_name, piece in gguf_pieces(name, param, config):
+            for piece_name, piece in gguf_pieces(name, param, architecture):
                 heads = {"attn_q": ours.num_heads, "attn_k": ours.num_kv_heads}.get(piece_name.split(".")[-2])
-                if architecture in ("llama", "granite") and heads and piece_name.endswith("weight"):
+                if architecture in PERMUTED and heads and piece_name.endswith("weight"):
                     # each row is quantized on its own, so the rows of its blocks are permuted alike
                     stored = quantize(piece.numpy(), matrices_type)
                     permuted = permute_rotary_rows(torch.from_numpy(stored), heads).numpy()
@@ -217,6 +243,12 @@ def add_metadata(writer: GGUFWriter, config: ModelConfig, kind: str) -> None:
         writer.add_attention_scale(config.attention_scale or 1.0)
         writer.add_residual_scale(config.residual_scale)
         writer.add_logit_scale(config.logits_divisor)
+    if kind == "glm4":
+        writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
+    if kind == "exaone4":
+        assert config.sliding_window is not None and config.sliding_layers is not None
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern(list(config.sliding_layers))
     if kind.startswith("phi3"):
         writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
         writer.add_rope_scaling_orig_ctx_len(BOUNDARY if config.rope_scaling else config.max_context_len)
@@ -235,8 +267,11 @@ def test_a_gguf_computes_as_the_model_it_was_written_from(tmp_path: pathlib.Path
     for field in ("num_experts", "experts_per_token", "expert_intermediate_size", "normalize_expert_weights"):
         assert getattr(got, field) == getattr(expected, field), field
     assert got.shared_expert_intermediate_size == expected.shared_expert_intermediate_size
-    assert got.rotary_dim == expected.rotary_dim and got.sliding_window is None
+    assert got.rotary_dim == expected.rotary_dim
     assert [got.sparse(i) for i in range(2)] == [expected.sparse(i) for i in range(2)]
+    for field in ("norm_layout", "qk_norm", "qk_norm_whole", "qkv_bias", "o_bias", "rope_layers"):
+        assert getattr(got, field) == getattr(expected, field), field
+    assert (got.sliding_window, got.sliding_layers) == (expected.sliding_window, expected.sliding_layers)
     tokens = [(7 * i + 3) % got.vocab_size for i in range(37)]
     generated, steps = ours_greedy(ours, tokens, 12, [5, 9, 11, 2, 40])
     reference = hf_logits(written, tokens + generated)[len(tokens) - 1 :]
@@ -280,9 +315,35 @@ def test_4_bit_experts_are_kept_as_the_file_has_them(tmp_path: pathlib.Path) -> 
     assert dataclasses.astuple(blocks["model.layers.0.mlp.experts.3.down_proj.weight"])[0].shape == (64, 768)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "granite", "smollm3", "glm4"])
+def test_a_files_4_bit_q_and_k_rows_are_taken_in_the_order_the_model_rotates(
+    tmp_path: pathlib.Path, kind: str
+) -> None:
+    """Rows llama.cpp's converter permuted (`llama`, `granite`, `smollm3`), or that rotate in pairs
+    over half of each head (`glm4`): the 4-bit blocks `int4` serving takes are reordered as the
+    float weights are, which compute as the checkpoint (above); GLM-4's fused gate/up is split alike."""
+    path, _ = write_family_gguf(tmp_path, kind, experts_type=Q4_0, matrices_type=Q4_0)
+    model = load_gguf(path, torch.float32, CPU).model
+    blocks = FileBlocks(GGUFReader(path), model.config)
+    weights = model.state_dict()
+    names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qk"]
+    if kind == "glm4":  # and the halves of its fused gate/up
+        names += [f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up")]
+    for name in names:
+        assert torch.equal(blocks[name].dequantized(), weights[name]), name
+
+
 def test_a_served_qwen3moe_gguf_streams_transformers_greedy_tokens(tmp_path: pathlib.Path) -> None:
     path, written = write_family_gguf(tmp_path, "qwen3moe")
     assert_served_greedy_equals_transformers(path, written.config.vocab_size)
+
+
+def test_a_served_glm4_gguf_streams_the_greedy_tokens_of_the_model_it_was_written_from(
+    tmp_path: pathlib.Path,
+) -> None:
+    """GLM-4 (transformers' GGUF reading has no `glm4`): through the services."""
+    path, written = write_family_gguf(tmp_path, "glm4")
+    assert_served_greedy_equals(path, written, written.config.vocab_size)
 
 
 def test_a_router_other_than_a_softmax_is_refused_by_name(tmp_path: pathlib.Path) -> None:

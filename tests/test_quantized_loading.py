@@ -96,12 +96,13 @@ def test_a_gguf_is_quantized_a_layer_at_a_time(
     assert torch.equal(prefill_all_logits(loaded.model, TOKENS), prefill_all_logits(expected, TOKENS))
 
 
-@pytest.mark.parametrize("kind", ["phi3", "mixtral"])
+@pytest.mark.parametrize("kind", ["phi3", "mixtral", "glm4"])
 def test_a_files_own_4_bit_blocks_are_taken_a_layer_at_a_time(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """Q4_0 matrices throughout: Phi-3's fused q/k/v split, Mixtral's permuted q/k and stacked
-    experts. Each of the file's tensors is unpacked once, however many experts it stacks."""
+    experts, GLM-4's q/k rows reordered over the rotated half of each head. Each of the file's
+    tensors is unpacked once, however many experts it stacks."""
     path, _ = write_family_gguf(tmp_path, kind, experts_type=Q4_0, matrices_type=Q4_0)
     unpacked: list[str] = []
     original = worker_svc.gguf.int4_blocks

