@@ -152,6 +152,15 @@ def test_a_documented_field_asked_for_what_is_not_served_is_a_400_naming_it(tiny
             model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, metadata={"a": "b"}
         )
     assert refused.value.body["param"] == "metadata"  # type: ignore[index]
+    served = c.chat.completions.create(  # the Responses API's hints, accepted here too
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        safety_identifier="user-1",
+        prompt_cache_key="greetings",
+        extra_body={"ignore_eos": True},
+    )
+    assert served.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as refused:
         c.chat.completions.create(
             model=SERVED_NAME,

@@ -224,8 +224,6 @@ UNSERVED: dict[str, object] = {
     "store": False,
     "metadata": None,
     "service_tier": None,
-    "prompt_cache_key": None,
-    "safety_identifier": None,
     # vLLM's sampling and request extras (best_of: chat's; completions have the field)
     "best_of": None,
     "use_beam_search": False,
@@ -553,6 +551,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Accepted, as the Responses API accepts them: an end user's id (what `user` was), and a
+    # caching hint, which the prefix cache, keyed by the prompt itself, does not need.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
     # vLLM's: false and true, the last (assistant) message is continued, its turn left open
