@@ -270,24 +270,20 @@ async def test_a_conversation_with_a_call_and_its_output_is_chat_s_prompt(s: Scr
         s, s.client.responses.create(**respond(input=items, tools=FLAT_TOOLS)), [*tokens("18 C."), EOS]
     )
     assert done.output_text == "18 C."
-    history = [
-        {"role": "user", "content": QUESTION},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": call.call_id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, clear"},
-    ]
+    history = called_history(call.call_id, call.name, call.arguments, "18 C, clear")
     await served_call(s, s.client.chat.completions.create(**chat(messages=history, tools=TOOLS)), "x")
     assert s.core.specs[-2].prompt_ids == s.core.specs[-1].prompt_ids
     assert bytes(s.core.specs[-1].prompt_ids).decode().endswith(QUESTION + calls_text(PARIS) + "18 C, clear")
+
+
+def called_history(call_id: str, name: str, arguments: str, output: str) -> list[dict[str, Any]]:
+    """The chat messages of QUESTION, an assistant turn of one call and the call's output."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": output},
+    ]
 
 
 # ---- structured output ----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from scheduler_svc.frontend.openai.protocol import (
     FunctionDef,
     field_path,
 )
+from scheduler_svc.frontend.openai.renames import FieldNames
 from scheduler_svc.frontend.tools import CallDelta
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served
@@ -317,48 +318,21 @@ def _tool(tool: dict[str, Any], at: str) -> dict[str, Any]:
     return {"type": "function", "function": function.model_dump(exclude={"type"}, exclude_none=True)}
 
 
-# Chat fields a check may name, as this body names them (messages are `ChatFieldNames`' own).
-CHAT_RENAMES = (
-    (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
-    (re.compile(r"^max_tokens"), "max_output_tokens"),
-    (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
-    (re.compile(r"^response_format\.json_schema"), "text.format"),
-    (re.compile(r"^response_format"), "text.format"),
-    (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
-    (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
-    (re.compile(r"^logprobs"), "include"),
-)
-CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?")
-
-
-@dataclass
-class ChatFieldNames:
+class ChatFieldNames(FieldNames):
     """Where each chat message (and each call of one) came from in the Responses body."""
 
-    messages: list[str] = field(default_factory=list)
-    calls: dict[tuple[int, int], str] = field(default_factory=dict)
-
-    def rename(self, name: str) -> str:
-        """The Responses body's name of a chat body's field."""
-        if (match := CHAT_MESSAGE.match(name)) is not None:
-            index = int(match.group(1))
-            if match.group(2) is not None and (at := self.calls.get((index, int(match.group(2))))):
-                return at + name[match.end() :]
-            if index < len(self.messages):
-                return self.messages[index] + name[match.end() :]
-        if name == "messages" or name.startswith("messages."):
-            return "input" + name[len("messages") :]
-        for pattern, replacement in CHAT_RENAMES:
-            if (match := pattern.match(name)) is not None:
-                return match.expand(replacement) + name[match.end() :]
-        return name
-
-    def message(self, message: str, name: str | None) -> str:
-        """An error message that starts with the chat field `name`, with the field renamed (and
-        the length bound, which messages name after the prompt's tokens)."""
-        if name is not None and message.startswith(name):
-            message = self.rename(name) + message[len(name) :]
-        return message.replace("max_completion_tokens", "max_output_tokens")
+    RENAMES = (
+        (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
+        (re.compile(r"^max_tokens"), "max_output_tokens"),
+        (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
+        (re.compile(r"^response_format\.json_schema"), "text.format"),
+        (re.compile(r"^response_format"), "text.format"),
+        (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
+        (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
+        (re.compile(r"^logprobs"), "include"),
+    )
+    MESSAGES = "input"
+    MAX_TOKENS = "max_output_tokens"
 
 
 # ---- the Response ----------------------------------------------------------------------------

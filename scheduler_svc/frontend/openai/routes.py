@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar
 
@@ -36,6 +36,7 @@ import stepahead
 from scheduler_svc.contract import FinishReason, TokenLogprob
 from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import NO_WORKER, ApiError, Frontend
+from scheduler_svc.frontend.openai import messages as anthropic
 from scheduler_svc.frontend.openai.config import host_allowed
 from scheduler_svc.frontend.openai.protocol import (
     MAX_NAMES_LOGGED,
@@ -50,7 +51,8 @@ from scheduler_svc.frontend.openai.protocol import (
     http_message,
     usage,
 )
-from scheduler_svc.frontend.openai.responses import ChatFieldNames, ResponseShape, ResponsesRequest
+from scheduler_svc.frontend.openai.renames import FieldNames
+from scheduler_svc.frontend.openai.responses import ResponseShape, ResponsesRequest
 from scheduler_svc.frontend.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from scheduler_svc.frontend.openai.tokenize import http_field as tokenize_field
 from scheduler_svc.frontend.streams import Completions, OutputChunk, PromptGroup
@@ -66,6 +68,7 @@ Read: TypeAlias = Completions | PromptGroup  # one request's completions, or a l
 T = TypeVar("T")
 B = TypeVar("B", bound=pydantic.BaseModel)
 
+MESSAGES_PATH = "/v1/messages"  # Anthropic's API: its error body
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -127,6 +130,8 @@ def build_app(frontend: Frontend, config: ClientApiConfig = DEFAULT_API) -> Fast
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", api.stored_response, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/messages", api.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/version", api.version, methods=["GET"])
@@ -235,7 +240,11 @@ class HostCheck:
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:
+    """OpenAI's error body; Anthropic's on the Messages API's routes."""
     assert isinstance(exc, HttpError)
+    if request.url.path.startswith(MESSAGES_PATH):
+        headers = {"connection": "close"} if exc.close else None
+        return JSONResponse(anthropic.error_body(exc.status, str(exc)), exc.status, headers=headers)
     return exc.response()
 
 
@@ -332,41 +341,109 @@ class OpenAIApi:
         self._authorize(request)
         body = await self._parse_as(request, ResponsesRequest)
         served = self._check_model(body.model)
-        given = request.headers.get(REQUEST_ID_HEADER)
-        rid = f"resp_{given or uuid.uuid4().hex}"
-        names = ChatFieldNames()
+        rid = f"resp_{request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex}"
         try:
             chat, names = body.to_chat()
-            if unknown := body.unknown_fields():
-                log.warning("request %s: ignoring fields no API documents: %s", rid, _names(unknown))
-            completions = await self._admit(chat, rid)
         except FieldError as exc:
             raise HttpError(400, str(exc), exc.field) from exc
-        except HttpError as exc:  # the chat body's field, as this body names it
+        if unknown := body.unknown_fields():
+            log.warning("request %s: ignoring fields no API documents: %s", rid, _names(unknown))
+        completions = await self._admit_renamed(chat, rid, names)
+        shape = ResponseShape(rid, served, body)
+
+        def whole(choice: Choice) -> dict[str, Any]:
+            text, token_ids, token_logprobs, calls = choice.pending()
+            logprobs = _text_logprobs(choice, token_ids, token_logprobs)
+            made = [(c.id, c.name, c.arguments) for c in merge_deltas(calls)]
+            return shape.whole(text, logprobs, made, choice.finish, _counts(completions, [choice]))
+
+        messages = self._frontend.telemetry.messages
+        return await self._one_choice(
+            request, chat, completions, lambda c: _response_events(completions, c, shape, messages), whole
+        )
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API over the chat path (scheduler_svc/frontend/openai/messages.py)."""
+        self._authorize(request)
+        body = await self._parse_as(request, anthropic.MessagesRequest)
+        served = self._check_model(body.model)
+        rid = f"msg_{request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex}"
+        chat, names = self._anthropic_chat(body, rid)
+        completions = await self._admit_renamed(chat, rid, names)
+        shape = anthropic.MessageShape(rid, served)
+
+        def whole(choice: Choice) -> dict[str, Any]:
+            text, _, _, calls = choice.pending()
+            made = [(c.id, c.name, c.arguments) for c in merge_deltas(calls)]
+            counts = _counts(completions, [choice])
+            return shape.whole(text, made, choice.finish, choice.stop_reason, counts)
+
+        messages = self._frontend.telemetry.messages
+        return await self._one_choice(
+            request, chat, completions, lambda c: _message_events(completions, c, shape, messages), whole
+        )
+
+    async def _admit_renamed(self, chat: ChatCompletionRequest, rid: str, names: FieldNames) -> Read:
+        """The chat completion a body was mapped onto, admitted; a refusal names the body's field."""
+        try:
+            return await self._admit(chat, rid)
+        except HttpError as exc:
             param = None if exc.param is None else names.rename(exc.param)
             raise HttpError(
                 exc.status, names.message(str(exc), exc.param), param, exc.code, exc.close
             ) from exc
-        shape = ResponseShape(rid, served, body)
+
+    async def _one_choice(
+        self,
+        request: Request,
+        chat: ChatCompletionRequest,
+        completions: Read,
+        events: Callable[[Choice], AsyncIterator[str]],
+        whole: Callable[[Choice], dict[str, Any]],
+    ) -> Response:
+        """A body mapped onto a chat completion of one choice: the stream of its `events`, or the
+        `whole` answer once the choice is complete."""
         try:
             (choice,) = self._choices(chat, completions)
-            if body.stream:
-                events = _response_events(completions, choice, shape, self._frontend.telemetry.messages)
-                return await self._stream(request, completions, events)
+            if chat.stream:
+                return await self._stream(request, completions, events(choice))
             await _unless_disconnected(request, _collect(completions, [choice]))
             if completions.error is not None:
                 raise _stream_error(completions)
-            text, token_ids, token_logprobs, calls = choice.pending()
-            logprobs = _text_logprobs(choice, token_ids, token_logprobs)
-            made = [(c.id, c.name, c.arguments) for c in merge_deltas(calls)]
-            counts = _counts(completions, [choice])
-            return JSONResponse(shape.whole(text, logprobs, made, choice.finish, counts))
+            return JSONResponse(whole(choice))
         except ClientGone:
             self._cancel(completions)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
             self._cancel(completions)
             raise
+
+    async def count_tokens(self, request: Request) -> JSONResponse:
+        """The prompt tokens a Messages body would take (its `max_tokens` not needed)."""
+        self._authorize(request)
+        body = await self._parse_as(request, anthropic.MessagesRequest)
+        self._check_model(body.model)
+        chat, names = self._anthropic_chat(body, "count_tokens", count_only=True)
+        try:
+            ids = self._frontend.tokenize(chat.to_proto())
+        except FieldError as exc:
+            raise HttpError(400, str(exc), names.rename(exc.field)) from exc
+        except ApiError as exc:
+            error = _api_error(exc, chat)
+            param = None if error.param is None else names.rename(error.param)
+            raise HttpError(error.status, names.message(str(error), error.param), param) from exc
+        return JSONResponse({"input_tokens": len(ids)})
+
+    def _anthropic_chat(
+        self, body: anthropic.MessagesRequest, rid: str, count_only: bool = False
+    ) -> tuple[ChatCompletionRequest, anthropic.MessageFieldNames]:
+        try:
+            chat, names = body.to_chat(count_only)
+        except FieldError as exc:
+            raise HttpError(400, str(exc), exc.field) from exc
+        if unknown := body.unknown_fields():
+            log.warning("request %s: ignoring fields no API documents: %s", rid, _names(unknown))
+        return chat, names
 
     async def stored_response(self, request: Request, response_id: str) -> Response:
         """Retrieving or deleting a response: none is kept (`store` is answered false)."""
@@ -518,13 +595,20 @@ class OpenAIApi:
     # ---- checks --------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
+        """The API key as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+        (Anthropic's)."""
         key = self._config.api_key
         if key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), key.encode()):
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
             raise HttpError(
-                401, "a valid API key is required: Authorization: Bearer KEY", None, "invalid_api_key"
+                401,
+                "a valid API key is required: Authorization: Bearer KEY (or x-api-key: KEY)",
+                None,
+                "invalid_api_key",
             )
 
     def _model_name(self) -> str:
@@ -859,12 +943,58 @@ async def _response_events(
     completions: Completions | PromptGroup, choice: Choice, shape: ResponseShape, messages: Counting
 ) -> AsyncIterator[str]:
     """A response's stream: the Responses API's typed events, each named by its `event:` line."""
-    for event in shape.started():
+
+    def pending(choice: Choice) -> list[dict[str, Any]]:
+        text, token_ids, token_logprobs, calls = choice.pending()
+        events = shape.text(text, _text_logprobs(choice, token_ids, token_logprobs)) + shape.calls(calls)
+        if choice.finish is not None:
+            events += shape.finished(choice.finish, _counts(completions, [choice]))
+        return events
+
+    def failed(error: HttpError) -> list[dict[str, Any]]:
+        return shape.failed(str(error))
+
+    async for event in _shaped_events(completions, choice, messages, shape.started(), pending, failed):
+        yield event
+
+
+async def _message_events(
+    completions: Completions | PromptGroup, choice: Choice, shape: anthropic.MessageShape, messages: Counting
+) -> AsyncIterator[str]:
+    """A message's stream: the Messages API's events, each named by its `event:` line; an error
+    of the engine after the first event ends it with an `error` event."""
+
+    def pending(choice: Choice) -> list[dict[str, Any]]:
+        text, _, _, calls = choice.pending()
+        events = shape.text(text) + shape.calls(calls)
+        if choice.finish is not None:
+            events += shape.finished(choice.finish, choice.stop_reason, _counts(completions, [choice]))
+        return events
+
+    def failed(error: HttpError) -> list[dict[str, Any]]:
+        return [anthropic.error_body(error.status, str(error))]
+
+    started = shape.started(completions.prompt_tokens, completions.cached_tokens)
+    async for event in _shaped_events(completions, choice, messages, started, pending, failed):
+        yield event
+
+
+async def _shaped_events(
+    completions: Completions | PromptGroup,
+    choice: Choice,
+    messages: Counting,
+    started: list[dict[str, Any]],
+    pending: Callable[[Choice], list[dict[str, Any]]],
+    failed: Callable[[HttpError], list[dict[str, Any]]],
+) -> AsyncIterator[str]:
+    """A choice's stream of typed events: `started`, then what `pending` makes of each sendable
+    piece of the choice, or `failed` of an error of the engine, which ends it."""
+    for event in started:
         yield _typed_event(event)
     while not completions.done:
         await completions.ready.wait()
         if completions.error is not None:
-            for event in shape.failed(str(_stream_error(completions))):
+            for event in failed(_stream_error(completions)):
                 yield _typed_event(event)
             return
         for _, chunk in completions.take():
@@ -872,12 +1002,7 @@ async def _response_events(
             if not choice.sendable:
                 continue
             messages.inc()
-            text, token_ids, token_logprobs, calls = choice.pending()
-            events = shape.text(text, _text_logprobs(choice, token_ids, token_logprobs))
-            events += shape.calls(calls)
-            if choice.finish is not None:
-                events += shape.finished(choice.finish, _counts(completions, [choice]))
-            for event in events:
+            for event in pending(choice):
                 yield _typed_event(event)
 
 
