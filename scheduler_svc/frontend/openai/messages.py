@@ -49,6 +49,10 @@ NOT_SERVED = {
 # Fields that change no output here: accepted, whatever their value.
 HINTS = ("cache_control", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id")
 THINKING_SERVED = ("disabled", "adaptive")  # adaptive: the model decides, and these models do not think
+SERVED_BLOCKS = {
+    "assistant": "an assistant turn: only text and tool_use",
+    "user": "a user turn: only text and tool_result",
+}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named one
 # Anthropic's error types by HTTP status.
 ERROR_TYPES = {
@@ -203,10 +207,8 @@ def _add_message(messages: list[dict[str, Any]], names: MessageFieldNames, messa
             )
             names.messages.append(where)
         else:
-            served = "text and tool_use" if role == "assistant" else "text and tool_result"
-            raise FieldError(
-                f"{where}.type", f"not served in a {role} turn: {str(kind)[:32]!r} (only {served})"
-            )
+            served = SERVED_BLOCKS[role]
+            raise FieldError(f"{where}.type", f"{str(kind)[:32]!r} is not served in {served} blocks are")
     if texts or calls or not content:
         turn: dict[str, Any] = {"role": role, "content": "".join(texts) if texts or not calls else None}
         if calls:
