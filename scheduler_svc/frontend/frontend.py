@@ -142,20 +142,21 @@ class Frontend:
         open_ended: bool = False,
         check: Callable[[ValidRequest], None] | None = None,
         ready: asyncio.Event | None = None,
+        capped: bool = False,
     ) -> Completions:
         """Validate and tokenize, then hand the request's completions to the core; raises
-        ApiError. With `open_ended`, max_new_tokens 0 asks for the rest of the context (the
-        HTTP API's default); `check`, the caller's own, may refuse the valid request before it
-        is submitted (it raises). A large input is tokenized (the tokenizer lets go of the GIL), and
-        a constraint not in the cache compiled, on a thread, so that the streams this frontend
-        serves keep flowing meanwhile."""
+        ApiError. With `open_ended`, max_new_tokens 0 asks for the rest of the context (the HTTP
+        API's default); with `capped`, max_new_tokens is at most the rest. `check`, the caller's
+        own, may refuse the valid request before it is submitted (it raises). A large input is
+        tokenized (the tokenizer lets go of the GIL), and a constraint not in the cache compiled,
+        on a thread, so that the streams this frontend serves keep flowing meanwhile."""
         while True:
             info, tokenizer, chat = self.info, self.tokenizer, self.chat
             if info is None or tokenizer is None:
                 raise ApiError(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
             limits = self.config.limits
             validate = functools.partial(
-                validate_request, request, tokenizer, info, random_seed(), limits, chat, open_ended
+                validate_request, request, tokenizer, info, random_seed(), limits, chat, open_ended, capped
             )
             try:
                 if _cheap(request):

@@ -109,16 +109,18 @@ def validate_request(
     limits: RequestLimits = default_limits,
     chat: ChatTemplate | None = None,
     open_ended: bool = False,
+    capped: bool = False,
 ) -> ValidRequest:
     """`seed` is used when the request brings none; `chat` renders a `messages` input. With
-    `open_ended`, a max_new_tokens of 0 means as many as the context and KV pool leave room for."""
+    `open_ended`, a max_new_tokens of 0 means as many as the context and KV pool leave room for;
+    with `capped`, max_new_tokens is a cap: at most what they leave (Anthropic's `max_tokens`)."""
     _check_request_id(request.request_id)
     max_prompt_tokens = limits.max_prompt_tokens or info.max_context_len
     source = PromptSource(tokenizer, chat, limits.max_text_bytes, max_prompt_tokens)
     tools = tool_request(request)  # checked once: they are rendered, then compiled
     prompt_ids = _prompt_ids(request, source, info.vocab_size, tools)
     sampling = request.sampling
-    if open_ended and sampling.max_new_tokens == 0:
+    if (open_ended and sampling.max_new_tokens == 0) or capped:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
     fmt = chat.call_format if chat is not None else None
     requested = _one_constraint(requested_constraint(sampling), tools, fmt)
@@ -156,7 +158,7 @@ def _with_room_left(
         raise InvalidRequest(f"input: the prompt ({prompt_len} tokens) leaves no room for an answer")
     filled = generation_pb2.SamplingParams()
     filled.CopyFrom(sampling)
-    filled.max_new_tokens = room
+    filled.max_new_tokens = min(room, sampling.max_new_tokens) if sampling.max_new_tokens else room
     return filled
 
 

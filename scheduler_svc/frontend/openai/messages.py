@@ -4,7 +4,9 @@ the chat path as the Responses API is: a body is checked and mapped onto a chat 
 shaped as a Message: content blocks (the text, then one `tool_use` block per tool call), Anthropic's
 stop reasons and usage, and, streamed, its events (`message_start`, `content_block_start`,
 `content_block_delta` with `text_delta` or `input_json_delta`, `content_block_stop`,
-`message_delta`, `message_stop`). Errors have Anthropic's body (`{"type": "error", "error":
+`message_delta`, `message_stop`). `max_tokens` is a cap, as Anthropic's: a request is admitted
+with at most what the context leaves, and an answer the full context ended says
+`model_context_window_exceeded`. Errors have Anthropic's body (`{"type": "error", "error":
 {"type", "message"}}`), and the API key may come as `x-api-key`, as its clients send it.
 
 Mapped: `system` (a string or text blocks), the `messages` (text, `tool_use` in an assistant turn,
@@ -311,10 +313,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def stop(finish: FinishReason | None, stop_reason: str | int | None) -> tuple[str | None, str | None]:
-    """Anthropic's `stop_reason` and `stop_sequence` for how the completion finished."""
+def stop(
+    finish: FinishReason | None, stop_reason: str | int | None, short: bool = False
+) -> tuple[str | None, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` for how the completion finished; `short`: it
+    made fewer tokens than `max_tokens` asked for (the context was full first)."""
     if finish == FinishReason.LENGTH:
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if short else "max_tokens"), None
     if finish == FinishReason.TOOL_CALLS:
         return "tool_use", None
     if finish == FinishReason.STOP:
@@ -332,8 +337,9 @@ class MessageShape:
     """One message's content, whole or as the Messages API's stream events. Tool calls come after
     the text, as the chat path parses them out of the model's output."""
 
-    def __init__(self, rid: str, model: str) -> None:
-        self.rid, self.model = rid, model
+    def __init__(self, rid: str, model: str, max_tokens: int) -> None:
+        """`max_tokens`: the body's (a cap: admitted with at most what the context leaves)."""
+        self.rid, self.model, self.max_tokens = rid, model, max_tokens
         self._blocks = 0
         self._open: OpenBlock | None = None
         self._calls: dict[int, OpenBlock] = {}  # a call's index in the reply -> its block
@@ -370,7 +376,8 @@ class MessageShape:
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         for call_id, name, arguments in calls:
             content.append(_tool_use(call_id, name, arguments))
-        return self.message(content, *stop(finish, stop_reason), usage(*counts))
+        short = counts[1] < self.max_tokens
+        return self.message(content, *stop(finish, stop_reason, short), usage(*counts))
 
     # ---- streamed ----
 
@@ -408,7 +415,7 @@ class MessageShape:
     def finished(
         self, finish: FinishReason | None, stop_reason: str | int | None, counts: tuple[int, int, int]
     ) -> list[dict[str, Any]]:
-        reason, sequence = stop(finish, stop_reason)
+        reason, sequence = stop(finish, stop_reason, counts[1] < self.max_tokens)
         end = usage(*counts)
         return [
             *self._close(),

@@ -369,8 +369,9 @@ class OpenAIApi:
         served = self._check_model(body.model)
         rid = f"msg_{request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex}"
         chat, names = self._anthropic_chat(body, rid)
-        completions = await self._admit_renamed(chat, rid, names)
-        shape = anthropic.MessageShape(rid, served)
+        completions = await self._admit_renamed(chat, rid, names, capped=True)  # Anthropic's max_tokens
+        assert body.max_tokens is not None  # required (`to_chat`)
+        shape = anthropic.MessageShape(rid, served, body.max_tokens)
 
         def whole(choice: Choice) -> dict[str, Any]:
             text, _, _, calls = choice.pending()
@@ -383,10 +384,12 @@ class OpenAIApi:
             request, chat, completions, lambda c: _message_events(completions, c, shape, messages), whole
         )
 
-    async def _admit_renamed(self, chat: ChatCompletionRequest, rid: str, names: FieldNames) -> Read:
+    async def _admit_renamed(
+        self, chat: ChatCompletionRequest, rid: str, names: FieldNames, capped: bool = False
+    ) -> Read:
         """The chat completion a body was mapped onto, admitted; a refusal names the body's field."""
         try:
-            return await self._admit(chat, rid)
+            return await self._admit(chat, rid, capped)
         except HttpError as exc:
             param = None if exc.param is None else names.rename(exc.param)
             raise HttpError(
@@ -477,7 +480,8 @@ class OpenAIApi:
             self._cancel(completions)  # a no-op once they finished
             raise
 
-    async def _admit(self, body: Body, rid: str) -> Read:
+    async def _admit(self, body: Body, rid: str, capped: bool = False) -> Read:
+        """`capped`: max_tokens is at most what the context leaves (`Frontend.admit`)."""
         try:
             if unknown := body.check_fields():
                 log.warning("request %s: ignoring fields no API documents: %s", rid, _names(unknown))
@@ -488,7 +492,7 @@ class OpenAIApi:
         if len(generates) == 1:
             generates[0].request_id = rid
             try:
-                return await self._frontend.admit(generates[0], open_ended=True, check=check)
+                return await self._frontend.admit(generates[0], open_ended=True, check=check, capped=capped)
             except ApiError as exc:
                 raise _api_error(exc, body) from exc
         group = PromptGroup([], asyncio.Event())
