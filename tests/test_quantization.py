@@ -22,14 +22,21 @@ from stepahead.processes import Service, spawn_scheduler, spawn_worker, wait_ser
 from tests.live import CALL_TIMEOUT_S, unused_port
 from tests.test_tensor_parallel import GEMMA_FEATURES, MOE_FEATURES, OLMO_FEATURES, OTHER_FEATURES
 from worker_svc.cli import parse_args
-from worker_svc.cpu_kernels import BLOCK, Q4, Q8
+from worker_svc.cpu_kernels import BLOCK, GROUP, Q4, Q8
 from worker_svc.dtypes import choose_dtype
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, dequantize_tensor, int4_blocks, load_gguf, smollm2_path
 from worker_svc.layers import Embedding, Int8Embedding, KVCache, Linear, LlamaDecoderLayer
 from worker_svc.loading import TINY_CONFIG, load_llama_with_blocks
 from worker_svc.model import LlamaForCausalLM, ModelConfig, new_model, prepare_for_serving
-from worker_svc.quantization import BlockLinear, Int4Blocks, Int4Linear, Int8Linear, quantized_linear
+from worker_svc.quantization import (
+    BlockLinear,
+    Int4Blocks,
+    Int4Linear,
+    Int8Linear,
+    TiedInt8Embedding,
+    quantized_linear,
+)
 
 CPU = torch.device("cpu")
 
@@ -217,12 +224,21 @@ def test_quantized_serving_keeps_the_embeddings_at_8_bits(tied: bool) -> None:
     table = float_table.weight.detach().clone()
     prepare_for_serving(model, "int8")
     embeddings = model.model.embed_tokens
-    assert isinstance(embeddings, Int8Embedding) and embeddings.codes.dtype == torch.int8
-    ids = torch.tensor([0, 5, 257, 5, 100])
+    own = Int8Embedding(table)
+    assert own.codes.dtype == torch.int8
+    ids = torch.tensor([0, 5, 257, 5, 100, 1])
     step = table[ids].reshape(len(ids), -1, 32).abs().amax(-1, keepdim=True) / 127
-    error = (embeddings(ids).reshape(len(ids), -1, 32) - table[ids].reshape(len(ids), -1, 32)).abs()
-    assert bool((error <= step / 2 + 1e-7).all()) and embeddings(ids).dtype == torch.float32
+    error = (own(ids).reshape(len(ids), -1, 32) - table[ids].reshape(len(ids), -1, 32)).abs()
+    assert bool((error <= step / 2 + 1e-7).all()) and own(ids).dtype == torch.float32
+    # Tied: the output layer's Q8 blocks are the table, read in place, to the bit.
+    assert isinstance(embeddings, TiedInt8Embedding if tied else Int8Embedding)
+    assert torch.equal(embeddings(ids), own(ids))
+    assert torch.equal(embeddings(torch.arange(config.vocab_size)), own(torch.arange(config.vocab_size)))
     assert not [name for name, p in model.named_parameters() if p.shape == table.shape]
+    rows, width = table.shape
+    sizes = {rows * width, -(-rows // GROUP) * GROUP * width}  # a table's codes; the head's, in groups
+    tables = [b for b in model.buffers() if b.dtype == torch.int8 and b.numel() in sizes]
+    assert len(tables) == (1 if tied else 2)  # the head's codes, and an untied table's own
 
 
 def test_smollm2_int4_blocks_are_its_q4_1_weights() -> None:
@@ -411,7 +427,7 @@ def test_int8_runs_each_familys_own_arithmetic(features: dict[str, object]) -> N
     # The reference looks up the same 8-bit embeddings: the projections' and operators' error is
     # what is measured (these random weights amplify the embeddings' rounding by a third again).
     embeddings, float_table = served.model.embed_tokens, plain.model.embed_tokens
-    assert isinstance(embeddings, Int8Embedding) and isinstance(float_table, Embedding)
+    assert isinstance(embeddings, Int8Embedding | TiedInt8Embedding) and isinstance(float_table, Embedding)
     with torch.no_grad():
         float_table.weight.copy_(embeddings(torch.arange(config.vocab_size)))
     # Every projection is on the kernels (each expert's, in a sparse MLP) but the routers and those

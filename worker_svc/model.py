@@ -24,7 +24,7 @@ from worker_svc.layers import (
     RMSNorm,
     use_weight_side_products,
 )
-from worker_svc.quantization import Int4Blocks, kernels_for, quantize_layer, quantize_model
+from worker_svc.quantization import Int4Blocks, TiedInt8Embedding, kernels_for, quantize_layer, quantize_model
 from worker_svc.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -197,7 +197,9 @@ class LlamaModel(nn.Module):
         """`layers_on`: where the decoder layers' weights are made (None: where the rest is);
         `meta` leaves them unallocated until each is loaded (`load_weights`)."""
         super().__init__()
-        self.embed_tokens: Embedding | Int8Embedding = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: Embedding | Int8Embedding | TiedInt8Embedding = Embedding(
+            config.vocab_size, config.hidden_size
+        )
         self.embedding_scale = config.embedding_scale
         self.query_scale_beta, self.query_scale_span = config.query_scale_beta, config.query_scale_span
         with contextlib.nullcontext() if layers_on is None else torch.device(layers_on):

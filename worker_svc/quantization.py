@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
@@ -214,6 +214,30 @@ class BlockLinear(nn.Module):
         return result
 
 
+class TiedInt8Embedding(nn.Module):
+    """A tied model's 8-bit embeddings read from its output layer's Q8 blocks: the codes and block
+    scales `Int8Embedding` would hold (the same table, quantized the same way), held once. Each
+    row looked up is gathered out of the kernels' layout (`cpu_kernels.pack_q8`, `pack_scales`:
+    rows in groups of GROUP, each block's codes in fours) and dequantized."""
+
+    def __init__(self, head: BlockLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert head.kind == Q8 and head.minimum is None
+        self._head = (head,)  # not a submodule: the head's buffers are its own
+        self.dtype = dtype
+        self.width = head.in_features
+        self.blocks = head.in_features // BLOCK
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        (head,) = self._head
+        flat = ids.reshape(-1)
+        group, row = flat // cpu_kernels.GROUP, flat % cpu_kernels.GROUP
+        codes = head.codes.view(-1, self.blocks, BLOCK // 4, cpu_kernels.GROUP, 4)[group, :, :, row, :]
+        scale = head.scale.view(-1, self.blocks, cpu_kernels.GROUP)[group, :, row]
+        rows = codes.reshape(-1, self.blocks, BLOCK).float() * scale[..., None]
+        return rows.reshape(*ids.shape, self.width).to(self.dtype)
+
+
 QUANTIZED = (Int4Linear, Int8Linear, BlockLinear)  # the projections' quantized forms
 
 
@@ -272,7 +296,8 @@ def kernels_for(dtype: torch.dtype, mode: str) -> Kernels | None:
 def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4Blocks]) -> None:
     """Replace the model's fused projections (`LlamaForCausalLM.fuse_projections` first) and its
     output layer by quantized ones, in `mode` (`int8` or `int4`); `blocks`: a file's own 4-bit
-    weights by checkpoint name. Embeddings and norms stay as they are; on Stepahead's kernels (a
+    weights by checkpoint name. The embeddings are 8-bit (a tied model's read from its Q8 output
+    layer), norms stay as they are; on Stepahead's kernels (a
     float32 model) the step's small operators run on them too (`layers.use_cpu_kernels`), and a
     step of decode rows alone runs the decoder layers in one call (`decode_layers`)."""
     if mode not in QUANTIZATIONS[1:]:
@@ -285,12 +310,20 @@ def quantize_model(model: LlamaForCausalLM, mode: str, blocks: Mapping[str, Int4
     head_mode = mode if head_name in blocks else "int8"
     assert isinstance(model.lm_head, Linear)
     model.lm_head = quantized_linear(model.lm_head, [head_name], head_mode, blocks, kernels)
-    embeddings = model.model.embed_tokens
-    if isinstance(embeddings, Embedding):  # its float table dropped (a tied head has its own copy)
-        model.model.embed_tokens = Int8Embedding(embeddings.weight)
+    embeddings, head = model.model.embed_tokens, model.lm_head
+    if isinstance(embeddings, Embedding):  # its float table dropped
+        if model.config.tie_word_embeddings and _whole_q8(head, model.config.vocab_size):
+            model.model.embed_tokens = TiedInt8Embedding(head, embeddings.weight.dtype)
+        else:
+            model.model.embed_tokens = Int8Embedding(embeddings.weight)
     if kernels is not None and model.config.llama_arithmetic:
         use_cpu_kernels(model, kernels)
         model.model.decode_kernel = decode_layers(model, kernels)
+
+
+def _whole_q8(head: nn.Module, vocab_size: int) -> TypeGuard[BlockLinear]:
+    """Whether `head` holds the whole vocabulary's rows as Q8 blocks (a tied table's 8 bits)."""
+    return isinstance(head, BlockLinear) and head.kind == Q8 and head.out_features == vocab_size
 
 
 def quantize_layer(
