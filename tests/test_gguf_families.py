@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, GGUFWriter, dequantize, quantize
+from gguf import (
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFWriter,
+    RopeScalingType,
+    dequantize,
+    quantize,
+)
 
 from tests.test_architectures import hf_logits, ours_greedy
 from tests.test_checkpoint import write_tokenizer
@@ -107,6 +115,21 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "exaone4": ("Exaone4Config", "exaone4", {"sliding_window": 16, "sliding_window_pattern": 2}),
     # norms around each block, q/k/v biases, a fused gate/up, half of each head rotated in pairs
     "glm4": ("Glm4Config", "glm4", {"head_dim": 32, "partial_rotary_factor": 0.5}),
+    # rope scaling as llama.cpp's converter writes a checkpoint's: yarn (a long-context Qwen's), linear
+    "qwen3-yarn": (
+        "Qwen3Config",
+        "qwen3",
+        {
+            "head_dim": 32,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 16.0,
+            },
+        },
+    ),
+    "llama-linear": ("LlamaConfig", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     # Phi-4-mini's: three quarters of each head rotated, longrope, tied embeddings
     "phi3-longrope": (
         "Phi3Config",
@@ -245,6 +268,13 @@ def add_metadata(writer: GGUFWriter, config: ModelConfig, kind: str) -> None:
         writer.add_logit_scale(config.logits_divisor)
     if kind == "glm4":
         writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type") in ("yarn", "linear"):
+        writer.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
     if kind == "exaone4":
         assert config.sliding_window is not None and config.sliding_layers is not None
         writer.add_sliding_window(config.sliding_window)
@@ -269,8 +299,17 @@ def test_a_gguf_computes_as_the_model_it_was_written_from(tmp_path: pathlib.Path
     assert got.shared_expert_intermediate_size == expected.shared_expert_intermediate_size
     assert got.rotary_dim == expected.rotary_dim
     assert [got.sparse(i) for i in range(2)] == [expected.sparse(i) for i in range(2)]
-    for field in ("norm_layout", "qk_norm", "qk_norm_whole", "qkv_bias", "o_bias", "rope_layers"):
+    for field in (
+        "norm_layout",
+        "qk_norm",
+        "qk_norm_whole",
+        "qkv_bias",
+        "o_bias",
+        "rope_layers",
+    ):
         assert getattr(got, field) == getattr(expected, field), field
+    if not kind.startswith("phi3"):  # Phi-3's longrope is read from its factor tensors (below)
+        assert got.rope_scaling == expected.rope_scaling
     assert (got.sliding_window, got.sliding_layers) == (expected.sliding_window, expected.sliding_layers)
     tokens = [(7 * i + 3) % got.vocab_size for i in range(37)]
     generated, steps = ours_greedy(ours, tokens, 12, [5, 9, 11, 2, 40])

@@ -26,7 +26,15 @@ from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, Keys, R
 from gguf.quants import Q4_K
 from tokenizers import processors
 
-from worker_svc.model import LlamaForCausalLM, ModelConfig, load_weights, new_model, quantize_as_loaded
+from worker_svc.model import (
+    LlamaForCausalLM,
+    ModelConfig,
+    RopeScaling,
+    check_rope_scaling,
+    load_weights,
+    new_model,
+    quantize_as_loaded,
+)
 from worker_svc.quantization import INT4_GROUP, Int4Blocks, StoredBlocks
 
 SMOLLM2_NAME = "smollm2"
@@ -65,6 +73,12 @@ NORM_LAYOUTS = {
 }
 WINDOWED = (*GEMMA, "phi3", "exaone4")  # the architectures whose sliding window a file may set
 FUSED_GATE_UP = ("phi3", "glm4")  # whose ffn_up holds the gate's rows, then the up projection's
+# A yarn scaling's settings the file may have, by key -> transformers' name.
+YARN_KEYS = {
+    Keys.Rope.SCALING_YARN_BETA_FAST: "beta_fast",
+    Keys.Rope.SCALING_YARN_BETA_SLOW: "beta_slow",
+    Keys.Rope.SCALING_YARN_ATTN_FACTOR: "attention_factor",
+}
 SMOLLM3_NO_ROPE_STEP = 4  # every fourth SmolLM3 layer has no rotation (llama.cpp's n_no_rope_layer_step)
 # The architectures with a mixture of experts, each with whether llama.cpp's graph renormalises
 # the top k experts' weights to sum to 1 (a file's expert_weights_norm, where it has one, says).
@@ -182,6 +196,8 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         options = _exaone4_options(reader, num_layers)
     if architecture in NORM_LAYOUTS:
         options["norm_layout"] = NORM_LAYOUTS[architecture]
+    if "rope_scaling" not in options and architecture != "gemma3":  # Gemma 3's: its global layers'
+        options["rope_scaling"] = _rope_scaling(reader, architecture)
     return ModelConfig(
         vocab_size=int(arch_or(Keys.LLM.VOCAB_SIZE, len(_required(reader, Keys.Tokenizer.LIST)))),
         hidden_size=hidden,
@@ -298,6 +314,30 @@ def _granite_options(reader: GGUFReader) -> dict[str, Any]:
     }
 
 
+def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
+    """The rotation's scaling as llama.cpp's converter writes a checkpoint's: linear (positions
+    over the factor), or yarn (its factor, original context, and the betas and attention factor
+    where the file has them), as transformers computes each."""
+    kind = _value(reader, Keys.Rope.SCALING_TYPE.format(arch=arch))
+    if kind in (None, "none"):
+        return None
+    factor = float(_required(reader, Keys.Rope.SCALING_FACTOR.format(arch=arch)))
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = int(
+            _required(reader, Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch))
+        )
+        for key, name in YARN_KEYS.items():
+            if (value := _value(reader, key.format(arch=arch))) is not None:
+                scaling[name] = float(value)
+        for key in (Keys.Rope.SCALING_YARN_EXT_FACTOR, Keys.Rope.SCALING_YARN_LOG_MUL):
+            value = _value(reader, key.format(arch=arch))
+            if value not in (None, 1.0 if key == Keys.Rope.SCALING_YARN_EXT_FACTOR else 0.0):
+                raise ValueError(f"{key.format(arch=arch)} {value} is not supported")
+    check_rope_scaling(scaling)
+    return tuple(sorted(scaling.items()))
+
+
 def _exaone4_options(reader: GGUFReader, num_layers: int) -> dict[str, Any]:
     """EXAONE 4's hybrid attention, where the file has a sliding window (the 32B model): the
     windowed layers (the file's pattern, by layer) rotate, the global ones do not."""
@@ -360,7 +400,7 @@ def _factors(tensor: ReaderTensor, rotary_dim: int) -> tuple[float, ...]:
 
 def _check_unsupported_options(reader: GGUFReader, arch: str) -> None:
     scaling = _value(reader, Keys.Rope.SCALING_TYPE.format(arch=arch))
-    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
+    if scaling not in (None, "none", "linear", "yarn") or (arch == "gemma3" and scaling == "yarn"):
         raise ValueError(f"rope scaling {scaling!r} is not supported")
     if isinstance(_value(reader, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)), list):
         raise ValueError("per-layer KV head counts are not supported")
