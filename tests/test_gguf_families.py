@@ -268,7 +268,7 @@ def add_metadata(writer: GGUFWriter, config: ModelConfig, kind: str) -> None:
         writer.add_logit_scale(config.logits_divisor)
     if kind == "glm4":
         writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
-    scaling = dict(config.rope_scaling or ())
+    scaling: dict[str, Any] = dict(config.rope_scaling or ())
     if scaling.get("rope_type") in ("yarn", "linear"):
         writer.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
         writer.add_rope_scaling_factor(float(scaling["factor"]))
