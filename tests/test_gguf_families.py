@@ -111,6 +111,17 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", "smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 4}),
     # norms after each block only, q/k norms over the whole projection
     "olmo2": ("Olmo2Config", "olmo2", {"rope_theta": 5e5}),
+    # OLMo 3, as llama.cpp's converter writes it (an `olmo2` file with a window): three windowed
+    # layers to one global, those rotating unscaled, the global one with the file's yarn
+    "olmo3": (
+        "Olmo3Config",
+        "olmo2",
+        {
+            "num_hidden_layers": 4,
+            "sliding_window": 16,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        },
+    ),
     # norms after each block, per-head q/k norms; windowed layers (the rotating ones) and global
     "exaone4": ("Exaone4Config", "exaone4", {"sliding_window": 16, "sliding_window_pattern": 2}),
     # norms around each block, q/k/v biases, a fused gate/up, half of each head rotated in pairs
@@ -274,8 +285,9 @@ def add_metadata(writer: GGUFWriter, config: ModelConfig, kind: str) -> None:
         writer.add_rope_scaling_factor(float(scaling["factor"]))
     if scaling.get("rope_type") == "yarn":
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
-        writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
-    if kind == "exaone4":
+        if "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+    if kind in ("exaone4", "olmo3"):
         assert config.sliding_window is not None and config.sliding_layers is not None
         writer.add_sliding_window(config.sliding_window)
         writer.add_sliding_window_pattern(list(config.sliding_layers))
@@ -311,6 +323,7 @@ def test_a_gguf_computes_as_the_model_it_was_written_from(tmp_path: pathlib.Path
     if not kind.startswith("phi3"):  # Phi-3's longrope is read from its factor tensors (below)
         assert got.rope_scaling == expected.rope_scaling
     assert (got.sliding_window, got.sliding_layers) == (expected.sliding_window, expected.sliding_layers)
+    assert got.local_rope_theta == expected.local_rope_theta
     tokens = [(7 * i + 3) % got.vocab_size for i in range(37)]
     generated, steps = ours_greedy(ours, tokens, 12, [5, 9, 11, 2, 40])
     reference = hf_logits(written, tokens + generated)[len(tokens) - 1 :]

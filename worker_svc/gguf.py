@@ -1,7 +1,7 @@
 """Models of the Llama family and their tokenizers from GGUF files, llama.cpp's format: the
 `llama` (Llama 2 and 3.x, Mistral, Mixtral; `rope_freqs` included), `qwen2`, `qwen3`, `qwen2moe`,
 `qwen3moe`, `phi3` (Phi-3, Phi-3.5, Phi-4-mini), `granite` (Granite 3.x dense), `gemma2`, `gemma3`,
-`smollm3`, `olmo2` (OLMo 2), `exaone4` and `glm4` (GLM-4-0414) architectures.
+`smollm3`, `olmo2` (OLMo 2 and 3), `exaone4` and `glm4` (GLM-4-0414) architectures.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes its tensors; this module
 maps them onto `LlamaForCausalLM`. The tokenizer the metadata describes (SentencePiece `llama` or
@@ -58,20 +58,23 @@ ARCHITECTURES = {
     "gemma2": "halves",
     "gemma3": "halves",
     "olmo2": "halves",
+    "olmo3": "halves",  # OLMo 3 as some tools name it; llama.cpp's converter writes it as `olmo2`
     "exaone4": "halves",
     "glm4": "pairs",
 }
 GEMMA = ("gemma2", "gemma3")
 # Norms on the blocks' outputs: around each block ("sandwich": Gemma 2/3, GLM-4), or only after
-# it ("post": OLMo 2, EXAONE 4); the others norm each block's input.
+# it ("post": OLMo 2 and 3, EXAONE 4); the others norm each block's input.
 NORM_LAYOUTS = {
     "gemma2": "sandwich",
     "gemma3": "sandwich",
     "glm4": "sandwich",
     "olmo2": "post",
+    "olmo3": "post",
     "exaone4": "post",
 }
-WINDOWED = (*GEMMA, "phi3", "exaone4")  # the architectures whose sliding window a file may set
+OLMO = ("olmo2", "olmo3")
+WINDOWED = (*GEMMA, "phi3", "exaone4", *OLMO)  # the architectures whose sliding window a file may set
 FUSED_GATE_UP = ("phi3", "glm4")  # whose ffn_up holds the gate's rows, then the up projection's
 # A yarn scaling's settings the file may have, by key -> transformers' name.
 YARN_KEYS = {
@@ -194,6 +197,8 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         options = {"rope_layers": tuple((i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(num_layers))}
     elif architecture == "exaone4":
         options = _exaone4_options(reader, num_layers)
+    elif architecture in OLMO:
+        options = _olmo3_options(reader, architecture, num_layers)
     if architecture in NORM_LAYOUTS:
         options["norm_layout"] = NORM_LAYOUTS[architecture]
     if "rope_scaling" not in options and architecture != "gemma3":  # Gemma 3's: its global layers'
@@ -217,7 +222,7 @@ def config_from_gguf(reader: GGUFReader, name: str) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        qk_norm_whole=architecture == "olmo2",  # its q/k norms span the projection, not each head
+        qk_norm_whole=architecture in OLMO,  # their q/k norms span the projection, not each head
         architecture=architecture,
         rope_factors=_rope_factors(tensors.get(ROPE_FREQS_TENSOR), head_dim),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
@@ -338,6 +343,28 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
     return tuple(sorted(scaling.items()))
 
 
+def _olmo3_options(reader: GGUFReader, arch: str, num_layers: int) -> dict[str, Any]:
+    """OLMo 3's windowed layers, where the file has a window (OLMo 2 has none): by the file's
+    pattern (else three in four), each rotating unscaled with the base (the file's windowed base
+    where it has one); the global layers take the file's scaling."""
+    window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch))
+    if window is None:
+        return {}
+    pattern = _value(reader, Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch))
+    if pattern is None:
+        sliding = tuple((i + 1) % 4 != 0 for i in range(num_layers))
+    elif isinstance(pattern, list) and len(pattern) == num_layers:
+        sliding = tuple(bool(x) for x in pattern)
+    else:
+        raise ValueError(
+            f"{arch}.attention.sliding_window_pattern: one boolean a layer ({num_layers}) expected"
+        )
+    base = _value(reader, Keys.Rope.FREQ_BASE_SWA.format(arch=arch))
+    if base is None:
+        base = _required(reader, Keys.Rope.FREQ_BASE.format(arch=arch))
+    return {"sliding_window": int(window), "sliding_layers": sliding, "local_rope_theta": float(base)}
+
+
 def _exaone4_options(reader: GGUFReader, num_layers: int) -> dict[str, Any]:
     """EXAONE 4's hybrid attention, where the file has a sliding window (the 32B model): the
     windowed layers (the file's pattern, by layer) rotate, the global ones do not."""
@@ -405,9 +432,7 @@ def _check_unsupported_options(reader: GGUFReader, arch: str) -> None:
     if isinstance(_value(reader, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)), list):
         raise ValueError("per-layer KV head counts are not supported")
     if _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch)) and arch not in WINDOWED:
-        # NOTE: an `olmo2` file with one is OLMo 3's, whose windowed layers rotate unscaled
-        why = " (OLMo 3's are not supported)" if arch == "olmo2" else ""
-        raise ValueError(f"a sliding window in a {arch!r} GGUF is not supported{why}")
+        raise ValueError(f"a sliding window in a {arch!r} GGUF is not supported")
 
 
 def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
