@@ -18,9 +18,9 @@ them all. The quarantine finds it by halving and ends it alone:
 - a request that fails a step alone twice (once may be a transient fault) is the poison: it ends
   (`SchedulingPolicy.step_failed`), the other suspects are cleared and the quarantine ends.
 
-A poison request in a failed step of n requests costs about log2(n) + 2 failed steps; a transient
-fault costs the probes' recomputes and no request. The steps before the first failure are not
-slowed: the quarantine acts only while a probe runs.
+A poison request in a failed step of n requests costs at most ceil(log2 n) + 2 failed steps; a
+transient fault costs the probes' recomputes and no request. The steps before the first failure
+are not slowed: the quarantine acts only while a probe runs.
 """
 
 from __future__ import annotations
