@@ -43,7 +43,7 @@ from tests.test_gguf import (
     permute_rotary_rows,
     read_by_transformers,
 )
-from worker_svc.gguf import FileBlocks, load_gguf
+from worker_svc.gguf import FileBlocks, load_gguf, tokenizer_from_gguf
 from worker_svc.hf_config import config_from_hf_dict
 from worker_svc.model import ModelConfig
 from worker_svc.quantization import Int4Blocks
@@ -211,6 +211,7 @@ def write_family_gguf(
     gating: ExpertGatingFuncType | None = None,
     matrices_type: GGMLQuantizationType = Q8_0,
     wider: tuple[str, ...] = (),
+    pre: str = "default",
 ) -> tuple[pathlib.Path, Any]:
     """A random `kind` model from transformers, written as a GGUF as llama.cpp converts it:
     matrices `matrices_type` (the experts `experts_type`; those `wider` names Q8_0, as a mixed file
@@ -227,7 +228,7 @@ def write_family_gguf(
     add_metadata(writer, ours, kind)
     if gating is not None:
         writer.add_expert_gating_func(gating)
-    add_tokenizer(writer, json.loads((directory / "tokenizer.json").read_text()), "gpt2", "default")
+    add_tokenizer(writer, json.loads((directory / "tokenizer.json").read_text()), "gpt2", pre)
     writer.add_pad_token_id(config.pad_token_id)  # Phi-3's config class has its own default otherwise
     with torch.no_grad():
         for name, param in model.state_dict().items():
@@ -396,6 +397,22 @@ def test_a_served_glm4_gguf_streams_the_greedy_tokens_of_the_model_it_was_writte
     """GLM-4 (transformers' GGUF reading has no `glm4`): through the services."""
     path, written = write_family_gguf(tmp_path, "glm4")
     assert_served_greedy_equals(path, written, written.config.vocab_size)
+
+
+@pytest.mark.parametrize("pre", ["glm4", "chatglm-bpe"])
+def test_glm4s_byte_level_split_is_its_tokenizers(tmp_path: pathlib.Path, pre: str) -> None:
+    """GLM-4's files name their split `glm4` (older ones `chatglm-bpe`), which transformers' GGUF
+    conversion does not know: it would split as GPT-2 does. Split as GLM-4's tokenizer.json and
+    llama.cpp split it: numbers in threes, contractions of any case apart."""
+    path, _ = write_family_gguf(tmp_path, "glm4", pre=pre)
+    tokenizer = tokenizer_from_gguf(path)
+    assert tokenizer.pre_tokenizer is not None
+    words = [word for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str("In 12345 IT'S")]
+    assert words == ["In", "Ġ", "123", "45", "ĠIT", "'S"]
+    (tmp_path / "gpt2").mkdir()
+    default, _ = write_family_gguf(tmp_path / "gpt2", "glm4")
+    gpt2 = tokenizer_from_gguf(default).pre_tokenizer
+    assert gpt2 is not None and [w for w, _ in gpt2.pre_tokenize_str("In 12345")] == ["In", "Ġ12345"]
 
 
 def test_a_router_other_than_a_softmax_is_refused_by_name(tmp_path: pathlib.Path) -> None:

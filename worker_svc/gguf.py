@@ -24,7 +24,7 @@ import tokenizers
 import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, Keys, ReaderTensor, dequantize
 from gguf.quants import Q4_K
-from tokenizers import processors
+from tokenizers import pre_tokenizers, processors
 
 from worker_svc.model import (
     LlamaForCausalLM,
@@ -739,6 +739,16 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # Tokenizer
 
 
+# The splits of byte-level vocabularies whose `tokenizer.ggml.pre` transformers' GGUF conversion
+# does not know (it would split them as GPT-2 does), as llama.cpp splits them: GLM-4's
+# (`chatglm-bpe`, `glm4`), the split of its tokenizer.json.
+PRE_TOKENIZER_SPLITS = {
+    name: r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    for name in ("glm4", "chatglm-bpe")
+}
+
+
 def tokenizer_from_gguf(path: Path, reader: GGUFReader | None = None) -> tokenizers.Tokenizer:
     """The tokenizer a GGUF's `tokenizer.ggml.*` metadata describes, rebuilt by transformers' GGUF
     conversion (SentencePiece `llama` and byte-level `gpt2` vocabularies, each with the split of
@@ -754,6 +764,13 @@ def tokenizer_from_gguf(path: Path, reader: GGUFReader | None = None) -> tokeniz
         tokenizer, _ = convert_gguf_tokenizer(architecture, described)
     except (ValueError, KeyError) as error:
         raise ValueError(f"its tokenizer: {error}") from error
+    if (split := PRE_TOKENIZER_SPLITS.get(str(described.get("pre_tokenizer_type")))) is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tokens: list[str] = described["tokens"]
     bos = _optional_int(_value(reader, Keys.Tokenizer.BOS_ID)) if named.get("add_bos_token") else None
     eos = _optional_int(_value(reader, Keys.Tokenizer.EOS_ID)) if named.get("add_eos_token") else None
