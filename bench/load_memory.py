@@ -66,8 +66,11 @@ class LoadRow:
     seconds: float
 
 
-def write_model(path: Path, sizes: Sizes, weights: GGMLQuantizationType, seed: int = 0) -> int:
-    """A random model as a GGUF at `path` (its tokenizer: bytes and one merge); returns its parameters."""
+def write_model(
+    path: Path, sizes: Sizes, weights: GGMLQuantizationType, seed: int = 0, tied: bool = False
+) -> int:
+    """A random model as a GGUF at `path` (its tokenizer: bytes and one merge; `tied`: no output
+    layer of its own, its embeddings are its head); returns its parameters."""
     rng = np.random.default_rng(seed)
     head_dim = sizes.hidden // sizes.heads
     tokens = ["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "ab"]
@@ -89,7 +92,8 @@ def write_model(path: Path, sizes: Sizes, weights: GGMLQuantizationType, seed: i
     writer.add_eos_token_id(1)
     kv = sizes.kv_heads * head_dim
     shapes = {"token_embd.weight": (len(tokens), sizes.hidden), "output_norm.weight": (sizes.hidden,)}
-    shapes["output.weight"] = (len(tokens), sizes.hidden)
+    if not tied:
+        shapes["output.weight"] = (len(tokens), sizes.hidden)
     for i in range(sizes.layers):
         block = {
             "attn_norm": (sizes.hidden,),
@@ -140,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=Sizes.hidden)
     p.add_argument("--intermediate", type=int, default=Sizes.intermediate)
     p.add_argument("--vocab", type=int, default=Sizes.vocab)
+    p.add_argument("--tied", action="store_true", help="a tied model: its embeddings are its head")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     started_at = datetime.now(UTC)
@@ -152,14 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[LoadRow] = []
     with tempfile.TemporaryDirectory() as directory:
         model = Path(directory) / "model.gguf"
-        parameters = write_model(model, sizes, TYPES[args.weights])
+        parameters = write_model(model, sizes, TYPES[args.weights], tied=args.tied)
         file_mib = model.stat().st_size / 2**20
         for quantization in args.modes:
             for code, path in codes.items():
                 rows.append(LoadRow(code, quantization, *load_peak(path, model, quantization)))
     lines = [
         f"# Peak memory of a GGUF load ({parameters / 1e6:.0f}M parameters, {args.weights}, "
-        f"file {file_mib:,.0f} MiB)",
+        f"{'tied, ' if args.tied else ''}file {file_mib:,.0f} MiB)",
         "",
         f"`{command_line('bench.load_memory', argv)}`",
         "",
@@ -177,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": asdict(sizes),
         "weights": args.weights,
         "parameters": parameters,
+        "tied": args.tied,
         "file_mib": file_mib,
         "rows": [asdict(r) for r in rows],
     }

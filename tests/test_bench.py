@@ -657,6 +657,21 @@ def test_load_memory_gives_a_peak_and_a_time_per_quantization(tmp_path: Path) ->
     assert document["parameters"] > 0 and document["file_mib"] > 0
 
 
+def test_load_memory_of_a_tied_model_holds_its_8_bit_table_once(tmp_path: Path) -> None:
+    """`--tied`: the embeddings are the head's Q8 blocks (`TiedInt8Embedding`); an untied model of
+    the same sizes holds a second 8-bit table (a byte a weight) beside its head's."""
+    vocab, hidden = 2048, 64
+    small = ["--layers", "1", "--hidden", str(hidden), "--intermediate", "128", "--vocab", str(vocab)]
+    held = {}
+    for tied in (False, True):
+        out = tmp_path / str(tied)
+        load_memory.main([*small, "--modes", "int8", *(["--tied"] if tied else []), "--out", str(out)])
+        document = json.loads((out / "latest-load-memory.json").read_text())
+        assert document["tied"] is tied
+        held[tied] = document["rows"][0]["model_mib"]
+    assert held[False] - held[True] >= vocab * hidden / 2**20
+
+
 # ---- engine core CPU per step ------------------------------------------------------------------
 
 
