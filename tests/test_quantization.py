@@ -26,7 +26,7 @@ from worker_svc.cpu_kernels import BLOCK, GROUP, Q4, Q8
 from worker_svc.dtypes import choose_dtype
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.gguf import SMOLLM2_NAME, dequantize_tensor, int4_blocks, load_gguf, smollm2_path
-from worker_svc.layers import Embedding, Int8Embedding, KVCache, Linear, LlamaDecoderLayer
+from worker_svc.layers import Embedding, Int8Embedding, KVCache, Linear, LlamaDecoderLayer, q8_blocks
 from worker_svc.loading import TINY_CONFIG, load_llama_with_blocks
 from worker_svc.model import LlamaForCausalLM, ModelConfig, new_model, prepare_for_serving
 from worker_svc.quantization import (
@@ -239,6 +239,21 @@ def test_quantized_serving_keeps_the_embeddings_at_8_bits(tied: bool) -> None:
     sizes = {rows * width, -(-rows // GROUP) * GROUP * width}  # a table's codes; the head's, in groups
     tables = [b for b in model.buffers() if b.dtype == torch.int8 and b.numel() in sizes]
     assert len(tables) == (1 if tied else 2)  # the head's codes, and an untied table's own
+
+
+def test_8_bit_blocks_are_the_same_whatever_rows_are_quantized_at_a_time() -> None:
+    """A vocabulary's table is quantized a chunk of rows at a time (no float copy of it made whole):
+    the codes and scales are those of the whole table at once, to the bit."""
+    weight = torch.randn(37, 96) * torch.logspace(-3, 2, 37)[:, None]
+    weight[5] = 0.0  # a row of zeros: scale 0, codes 0
+    whole = q8_blocks(weight, 32, chunk_rows=1 << 20)
+    groups = weight.reshape(37, 3, 32)
+    scale = groups.abs().amax(-1) / 127
+    codes = (groups / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
+    assert torch.equal(whole[0], codes.to(torch.int8).reshape(37, 96)) and torch.equal(whole[1], scale)
+    for chunk in (1, 4, 36):
+        parts = q8_blocks(weight, 32, chunk_rows=chunk)
+        assert torch.equal(parts[0], whole[0]) and torch.equal(parts[1], whole[1])
 
 
 def test_smollm2_int4_blocks_are_its_q4_1_weights() -> None:

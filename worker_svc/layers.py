@@ -298,6 +298,28 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+Q8_CHUNK_ROWS = 4096  # rows quantized at a time: a vocabulary's table has no float copy made whole
+
+
+def q8_blocks(
+    weight: torch.Tensor, group: int, chunk_rows: int = Q8_CHUNK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [rows, width] as signed 8-bit codes [rows, width] and a scale for each group of
+    `group` inputs [rows, width / group]: each group's codes -127..127 over its largest magnitude,
+    as a GGUF's Q8_0. Computed `chunk_rows` rows at a time, so that the temporaries stay small
+    (a 128K-token table of width 2048 is 1 GiB in float32); the result does not depend on it."""
+    rows, width = weight.shape
+    codes = torch.empty(rows, width, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(rows, width // group, dtype=torch.float32, device=weight.device)
+    for start in range(0, rows, chunk_rows):
+        part = weight[start : start + chunk_rows].float().reshape(-1, width // group, group)
+        part_scale = part.abs().amax(-1) / 127
+        part_codes = (part / part_scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round()
+        codes[start : start + chunk_rows] = part_codes.clamp_(-127, 127).reshape(-1, width).to(torch.int8)
+        scale[start : start + chunk_rows] = part_scale
+    return codes, scale
+
+
 class Int8Embedding(nn.Module):
     """Embeddings kept as 8-bit codes, a scale for each group of 32 (of a row, where the width is
     not a multiple of 32): the rows looked up are dequantized, a quarter of float32's room for
@@ -308,15 +330,11 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        rows, width = weight.shape
+        width = weight.shape[1]
         self.group = 32 if width % 32 == 0 else width
         self.dtype = weight.dtype
-        groups = weight.detach().float().reshape(rows, width // self.group, self.group)
-        scale = groups.abs().amax(-1) / 127
-        codes = (
-            (groups / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
-        )
-        self.register_buffer("codes", codes.to(torch.int8).reshape(rows, width))
+        codes, scale = q8_blocks(weight.detach(), self.group)
+        self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

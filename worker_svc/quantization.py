@@ -32,7 +32,15 @@ from torch import nn
 
 from worker_svc import cpu_kernels
 from worker_svc.cpu_kernels import BLOCK, Q4, Q8, DecodeLayers, Kernels, LayerWeights, PackedWeight
-from worker_svc.layers import Embedding, Int8Embedding, Linear, LlamaDecoderLayer, LlamaMLP, use_cpu_kernels
+from worker_svc.layers import (
+    Embedding,
+    Int8Embedding,
+    Linear,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    q8_blocks,
+    use_cpu_kernels,
+)
 
 if TYPE_CHECKING:
     from worker_svc.model import LlamaForCausalLM
@@ -182,13 +190,8 @@ class BlockLinear(nn.Module):
     @classmethod
     def q8(cls, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
         """Each block's codes -127..127 over its largest magnitude, as a GGUF's Q8_0."""
-        out, inputs = weight.shape
-        groups = weight.float().reshape(out, inputs // BLOCK, BLOCK)
-        scale = groups.abs().amax(-1) / 127
-        codes = (
-            (groups / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
-        )
-        return cls(kernels, Q8, codes.to(torch.int8).reshape(out, inputs), scale, None, bias)
+        codes, scale = q8_blocks(weight, BLOCK)
+        return cls(kernels, Q8, codes, scale, None, bias)
 
     def packed(self) -> PackedWeight:
         """The weight as the kernels take it."""
