@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -347,37 +347,42 @@ def _olmo3_options(reader: GGUFReader, arch: str, num_layers: int) -> dict[str, 
     """OLMo 3's windowed layers, where the file has a window (OLMo 2 has none): by the file's
     pattern (else three in four), each rotating unscaled with the base (the file's windowed base
     where it has one); the global layers take the file's scaling."""
-    window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch))
-    if window is None:
+    windowed = _windowed_layers(reader, arch, num_layers, lambda i: (i + 1) % 4 != 0)
+    if windowed is None:
         return {}
-    pattern = _value(reader, Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch))
-    if pattern is None:
-        sliding = tuple((i + 1) % 4 != 0 for i in range(num_layers))
-    elif isinstance(pattern, list) and len(pattern) == num_layers:
-        sliding = tuple(bool(x) for x in pattern)
-    else:
-        raise ValueError(
-            f"{arch}.attention.sliding_window_pattern: one boolean a layer ({num_layers}) expected"
-        )
     base = _value(reader, Keys.Rope.FREQ_BASE_SWA.format(arch=arch))
     if base is None:
         base = _required(reader, Keys.Rope.FREQ_BASE.format(arch=arch))
-    return {"sliding_window": int(window), "sliding_layers": sliding, "local_rope_theta": float(base)}
+    window, sliding = windowed
+    return {"sliding_window": window, "sliding_layers": sliding, "local_rope_theta": float(base)}
 
 
 def _exaone4_options(reader: GGUFReader, num_layers: int) -> dict[str, Any]:
     """EXAONE 4's hybrid attention, where the file has a sliding window (the 32B model): the
     windowed layers (the file's pattern, by layer) rotate, the global ones do not."""
-    window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch="exaone4"))
-    if window is None:
+    windowed = _windowed_layers(reader, "exaone4", num_layers)
+    if windowed is None:
         return {}
-    pattern = _required(reader, Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch="exaone4"))
+    window, sliding = windowed
+    return {"sliding_window": window, "sliding_layers": sliding, "rope_layers": sliding}
+
+
+def _windowed_layers(
+    reader: GGUFReader, arch: str, num_layers: int, default: Callable[[int], bool] | None = None
+) -> tuple[int, tuple[bool, ...]] | None:
+    """The file's sliding window and, by layer, whether it is windowed: the file's pattern (a
+    boolean a layer), else `default` of each layer's index (None: the pattern is required); None
+    where the file has no window."""
+    window = _value(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch))
+    if window is None:
+        return None
+    key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)
+    pattern = _value(reader, key) if default is not None else _required(reader, key)
+    if pattern is None and default is not None:
+        return int(window), tuple(default(i) for i in range(num_layers))
     if not isinstance(pattern, list) or len(pattern) != num_layers:
-        raise ValueError(
-            f"exaone4.attention.sliding_window_pattern: one boolean a layer ({num_layers}) expected"
-        )
-    sliding = tuple(bool(x) for x in pattern)
-    return {"sliding_window": int(window), "sliding_layers": sliding, "rope_layers": sliding}
+        raise ValueError(f"{key}: one boolean a layer ({num_layers}) expected")
+    return int(window), tuple(bool(x) for x in pattern)
 
 
 def _expert_options(

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scheduler_svc.contract import FinishReason
 from scheduler_svc.frontend.openai.protocol import STRICT, ChatCompletionRequest, FieldError, field_path
 from scheduler_svc.frontend.openai.renames import FieldNames
-from scheduler_svc.frontend.openai.responses import CHAT_EXTRAS
+from scheduler_svc.frontend.openai.responses import CHAT_EXTRAS, string_field
 from scheduler_svc.frontend.tools import CallDelta
 
 # Fields only Anthropic's hosted service serves: refused unless absent.
@@ -189,14 +189,14 @@ def _add_message(messages: list[dict[str, Any]], names: MessageFieldNames, messa
         where = f"{at}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_string(block, "text", where))
+            texts.append(string_field(block, "text", where))
         elif kind == "tool_use" and role == "assistant":
             arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
             if not isinstance(block.get("input", {}), dict):
                 raise FieldError(f"{where}.input", "must be an object")
             names.calls[(len(messages), len(calls))] = where
-            call = {"name": _string(block, "name", where), "arguments": arguments}
-            calls.append({"id": _string(block, "id", where), "type": "function", "function": call})
+            call = {"name": string_field(block, "name", where), "arguments": arguments}
+            calls.append({"id": string_field(block, "id", where), "type": "function", "function": call})
         elif kind == "tool_result" and role == "user":
             if texts:  # what came before it, in its place
                 messages.append({"role": "user", "content": "".join(texts)})
@@ -205,7 +205,7 @@ def _add_message(messages: list[dict[str, Any]], names: MessageFieldNames, messa
             result = block.get("content", "")
             text = result if isinstance(result, str) else _text(result, f"{where}.content")
             messages.append(
-                {"role": "tool", "tool_call_id": _string(block, "tool_use_id", where), "content": text}
+                {"role": "tool", "tool_call_id": string_field(block, "tool_use_id", where), "content": text}
             )
             names.messages.append(where)
         else:
@@ -219,13 +219,6 @@ def _add_message(messages: list[dict[str, Any]], names: MessageFieldNames, messa
         names.messages.append(at)
 
 
-def _string(block: dict[str, Any], key: str, at: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise FieldError(f"{at}.{key}", "required, a string")
-    return value
-
-
 def _text(content: Any, at: str) -> str:
     """A string, or text blocks (their `cache_control` accepted): their texts joined."""
     if isinstance(content, str):
@@ -237,7 +230,7 @@ def _text(content: Any, at: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text":
             raise FieldError(f"{at}[{j}].type", f"only text blocks are served here, got {str(kind)[:32]!r}")
-        texts.append(_string(block, "text", f"{at}[{j}]"))
+        texts.append(string_field(block, "text", f"{at}[{j}]"))
     return "".join(texts)
 
 
@@ -255,7 +248,7 @@ def _tool(tool: dict[str, Any], at: str) -> dict[str, Any]:
         raise FieldError(f"{at}.input_examples", "not served: describe the input in the description")
     if tool.get("defer_loading"):
         raise FieldError(f"{at}.defer_loading", "not served: every tool is loaded")
-    function: dict[str, Any] = {"name": _string(tool, "name", at), "parameters": schema}
+    function: dict[str, Any] = {"name": string_field(tool, "name", at), "parameters": schema}
     for key in ("description", "strict"):
         if (value := tool.get(key)) is not None:
             function[key] = value
@@ -268,7 +261,7 @@ def _tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
     if kind == "tool":
         fields["tool_choice"] = {
             "type": "function",
-            "function": {"name": _string(choice, "name", "tool_choice")},
+            "function": {"name": string_field(choice, "name", "tool_choice")},
         }
     elif kind in TOOL_CHOICES:
         fields["tool_choice"] = TOOL_CHOICES[kind]

@@ -257,9 +257,12 @@ def _add_item(messages: list[dict[str, Any]], names: ChatFieldNames, item: dict[
         names.messages.append(at)
     elif kind == "function_call":
         call = {
-            "id": _string(item, "call_id", at),
+            "id": string_field(item, "call_id", at),
             "type": "function",
-            "function": {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)},
+            "function": {
+                "name": string_field(item, "name", at),
+                "arguments": string_field(item, "arguments", at),
+            },
         }
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
@@ -273,7 +276,9 @@ def _add_item(messages: list[dict[str, Any]], names: ChatFieldNames, item: dict[
     elif kind == "function_call_output":
         output = item.get("output")
         content = output if isinstance(output, str) else _text(output, f"{at}.output")
-        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", at), "content": content})
+        messages.append(
+            {"role": "tool", "tool_call_id": string_field(item, "call_id", at), "content": content}
+        )
         names.messages.append(at)
     else:
         raise FieldError(
@@ -282,7 +287,8 @@ def _add_item(messages: list[dict[str, Any]], names: ChatFieldNames, item: dict[
         )
 
 
-def _string(item: dict[str, Any], key: str, at: str) -> str:
+def string_field(item: dict[str, Any], key: str, at: str) -> str:
+    """`item[key]`, a string; FieldError naming `at.key` where it is not one."""
     value = item.get(key)
     if not isinstance(value, str):
         raise FieldError(f"{at}.{key}", "required, a string")
