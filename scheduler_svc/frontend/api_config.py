@@ -27,3 +27,5 @@ class ClientApiConfig:
     # may hold: some 100 bytes of JSON each, so ~26 MB; a stream has no such bound.
     max_whole_logprobs: int = 1 << 18
     access_log: bool = False  # one log line a finished HTTP request (--access-log)
+    # A reasoning model's thinking apart from its answer on the HTTP chat API (--reasoning-parser)
+    separate_reasoning: bool = True

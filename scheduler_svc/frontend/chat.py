@@ -34,6 +34,7 @@ class ChatMessage:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str = ""  # a "tool" turn: the call it answers
+    reasoning_content: str = ""  # an assistant turn's thinking as a reply gave it (Qwen3's template reads it)
 
 
 # Errors a template's own expressions raise on some input (`{{ 1 // 0 }}`, `{{ 'a' + 1 }}`, a macro
@@ -42,10 +43,12 @@ _RENDER_ERRORS = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError,
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+    def __init__(self, source: str, special_tokens: Mapping[str, str], thinks: bool = False) -> None:
         """Compiles `source` once (raises ChatTemplateError when it does not compile). `special_tokens`
         are the template variables transformers passes: bos_token, eos_token, unk_token, pad_token
-        (only the ones the tokenizer has)."""
+        (only the ones the tokenizer has). `thinks`: a reasoning model's, whose replies' thinking
+        can be split from their text (`scheduler_svc/frontend/reasoning.py: thinks`)."""
+        self.thinks = thinks
         self._special_tokens = dict(special_tokens)
         self._source = source
         try:
@@ -127,6 +130,8 @@ def _message(m: ChatMessage) -> dict[str, object]:
         ]
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 
@@ -140,7 +145,12 @@ def tools_fallback(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> li
     (after its own text; a system turn of their own first where there is none), each call of
     the history written out as the model writes calls, after its turn's text."""
     plain = [
-        ChatMessage(m.role, m.content + CALL_SEPARATOR.join(map(render_call, m.tool_calls))) for m in messages
+        ChatMessage(
+            m.role,
+            m.content + CALL_SEPARATOR.join(map(render_call, m.tool_calls)),
+            reasoning_content=m.reasoning_content,
+        )
+        for m in messages
     ]
     if not tools:
         return plain

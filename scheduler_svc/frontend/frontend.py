@@ -36,6 +36,7 @@ from scheduler_svc.contract import (
 )
 from scheduler_svc.frontend.chat import ChatTemplate, ChatTemplateError
 from scheduler_svc.frontend.pacing import StreamPacer
+from scheduler_svc.frontend.reasoning import ReasoningSplit, thinks
 from scheduler_svc.frontend.streams import ClientRequest, Completions, OutputStream
 from scheduler_svc.frontend.telemetry import FrontendTelemetry
 from scheduler_svc.frontend.text import RequestText
@@ -172,7 +173,9 @@ class Frontend:
                 if check is not None:
                     check(valid)
                 rid = request.request_id or uuid.uuid4().hex
-                completions = self.submit(rid, valid.prompt_ids, valid.params, valid.n, valid.calls, ready)
+                completions = self.submit(
+                    rid, valid.prompt_ids, valid.params, valid.n, valid.calls, ready, valid.reasoning
+                )
                 self.telemetry.admitted(valid.params)
                 return completions
 
@@ -191,22 +194,30 @@ class Frontend:
         n: int = 1,
         calls: CallFormat | None = None,
         ready: asyncio.Event | None = None,
+        reasoning: bool | None = None,
     ) -> Completions:
         """A validated request: `n` completions, fanned out into one core request each (with
         seeds of their own); the core may still refuse one (the call then fails). With `calls`,
         each completion's text is parsed for tool calls in that format; `ready`: the event its
-        reader waits on, when several requests are read as one (an HTTP list of prompts)."""
+        reader waits on, when several requests are read as one (an HTTP list of prompts);
+        `reasoning` (None: not split): each completion's thinking is split from its text, the
+        reply starting inside it if True (`scheduler_svc/frontend/reasoning.py`)."""
         if rid in self._by_rid:
             raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already live")
         completions = Completions(rid, prompt_ids, ready or asyncio.Event())
         self._by_rid[rid] = completions
         for index in range(n):
             seeded = dataclasses.replace(params, seed=completion_seed(params.seed, index))
-            completions.clients.append(self._submit_one(completions, index, seeded, calls))
+            completions.clients.append(self._submit_one(completions, index, seeded, calls, reasoning))
         return completions
 
     def _submit_one(
-        self, completions: Completions, index: int, params: SamplingParams, calls: CallFormat | None
+        self,
+        completions: Completions,
+        index: int,
+        params: SamplingParams,
+        calls: CallFormat | None,
+        reasoning: bool | None,
     ) -> ClientRequest:
         assert self.core is not None and self.tokenizer is not None
         rid, prompt_ids = completions.rid, completions.prompt_ids
@@ -214,7 +225,8 @@ class Frontend:
         text = RequestText(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str)
         client = ClientRequest(next(self._handles), rid, prompt_ids, params, text, stream, index)
         client.calls = None if calls is None else CallStream(calls)
-        if client.calls is None and not text.has_stops:
+        client.reasoning = None if reasoning is None else ReasoningSplit(reasoning)
+        if client.calls is None and client.reasoning is None and not text.has_stops:
             stream.decode_later(text.push_ids)
         self.clients[client.handle] = client
         self.pacer.watch()
@@ -275,7 +287,7 @@ class Frontend:
         if not source:
             return None
         try:
-            return ChatTemplate(source, tokenizer.special_tokens())
+            return ChatTemplate(source, tokenizer.special_tokens(), thinks(source, tokenizer))
         except ChatTemplateError:
             log.exception("the chat template does not compile; serving without chat")
             return None
@@ -394,7 +406,15 @@ class Frontend:
     # ---- endings ---------------------------------------------------------------------------
 
     def _content(self, client: ClientRequest, text: str) -> str:
-        """Of a completion's new text, what is content; its calls' pieces go to the stream."""
+        """Of a completion's new text, what is content; its reasoning and its calls' pieces go to
+        the stream."""
+        if client.reasoning is not None:
+            thought, text = client.reasoning.push(text)
+            client.stream.put_reasoning(thought)
+        return self._calls_of(client, text)
+
+    def _calls_of(self, client: ClientRequest, text: str) -> str:
+        """Of a completion's content, what is not its calls' (whose pieces go to the stream)."""
         if client.calls is None:
             return text
         content, deltas = client.calls.push(text)
@@ -405,6 +425,10 @@ class Frontend:
         client.stream.catch_up()  # the text of tokens put before, ahead of what the finish flushes
         if not (reason == FinishReason.STOP and client.text.stopped):
             client.stream.put_text(self._content(client, client.text.finish()))
+        if client.reasoning is not None:
+            thought, rest = client.reasoning.finish()
+            client.stream.put_reasoning(thought)
+            client.stream.put_text(self._calls_of(client, rest))
         if client.calls is not None:
             client.stream.put_text(client.calls.finish())
             if reason == FinishReason.STOP and client.calls.complete:

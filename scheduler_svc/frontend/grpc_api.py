@@ -159,6 +159,8 @@ def _fill(
         response.prompt_logprobs.extend(_logprob_to_proto(token, lp) for token, lp in pairs)
     for d in chunk.tool_calls:
         response.tool_calls.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+    if chunk.reasoning:
+        response.reasoning_text = chunk.reasoning
 
 
 class Unparsable(Exception):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from scheduler_svc.contract import FinishReason, SamplingParams, TokenLogprob
+from scheduler_svc.frontend.reasoning import ReasoningSplit
 from scheduler_svc.frontend.text import RequestText
 from scheduler_svc.frontend.tools import CallDelta, CallStream
 
@@ -30,6 +31,9 @@ class OutputChunk:
     # With a STOP finish: the stop string or stop token id that ended the text (vLLM's
     # stop_reason); None for an EOS token, a grammar's end and every other finish.
     stop_reason: str | int | None = None
+    # With separate_reasoning, of a reasoning model: the thinking new since the last chunk
+    # (never in `text`).
+    reasoning: str = ""
 
 
 class OutputStream:
@@ -43,6 +47,7 @@ class OutputStream:
     def __init__(self, interval: int = 1, ready: asyncio.Event | None = None) -> None:
         self._ids: list[int] = []
         self._text: list[str] = []
+        self._reasoning: list[str] = []
         self._logprobs: list[TokenLogprob] = []
         self._calls: list[CallDelta] = []
         self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
@@ -67,7 +72,9 @@ class OutputStream:
 
     @property
     def has_news(self) -> bool:
-        return not self.done and bool(self._ids or self._text or self._calls or self._finish is not None)
+        return not self.done and bool(
+            self._ids or self._text or self._reasoning or self._calls or self._finish is not None
+        )
 
     def put(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> bool:
         """Whether the stream is due a wake (its reader is the pacer's to wake, `StreamPacer`).
@@ -106,6 +113,10 @@ class OutputStream:
         if text:
             self._text.append(text)
 
+    def put_reasoning(self, text: str) -> None:
+        if text:
+            self._reasoning.append(text)
+
     def put_calls(self, deltas: list[CallDelta]) -> None:
         self._calls += deltas
 
@@ -136,8 +147,9 @@ class OutputStream:
             self._calls,
             self._prompt_logprobs,
             self._stop_reason if self._finish is not None else None,
+            "".join(self._reasoning),
         )
-        self._ids, self._text, self._logprobs, self._calls = [], [], [], []
+        self._ids, self._text, self._reasoning, self._logprobs, self._calls = [], [], [], [], []
         self._prompt_logprobs = None
         self._decoded = 0
         self.done = self._finish is not None
@@ -161,6 +173,7 @@ class ClientRequest:
     num_generated: int = 0
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     calls: CallStream | None = None  # with tools: its text split into content and calls
+    reasoning: ReasoningSplit | None = None  # of a reasoning model: its thinking apart from its text
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from scheduler_svc.contract import (
     SamplingParams,
 )
 from scheduler_svc.frontend.chat import RESERVED_VARIABLES, ChatMessage, ChatTemplate, ChatTemplateError
+from scheduler_svc.frontend.reasoning import starts_inside
 from scheduler_svc.frontend.tokenizer import Tokenizer
 from scheduler_svc.frontend.tools import (
     ANY_ARGUMENTS,
@@ -99,6 +100,8 @@ class ValidRequest:
     n: int = 1  # completions of the prompt
     compiled: Compiled | None = None  # None: unconstrained
     calls: CallFormat | None = None  # replies are parsed for tool calls in this format (None: not)
+    # Replies' thinking split from their text, starting inside it if True (None: not split)
+    reasoning: bool | None = None
 
 
 def validate_request(
@@ -118,7 +121,7 @@ def validate_request(
     max_prompt_tokens = limits.max_prompt_tokens or info.max_context_len
     source = PromptSource(tokenizer, chat, limits.max_text_bytes, max_prompt_tokens)
     tools = tool_request(request)  # checked once: they are rendered, then compiled
-    prompt_ids = _prompt_ids(request, source, info.vocab_size, tools)
+    prompt_ids, rendered = _prompt(request, source, info.vocab_size, tools)
     sampling = request.sampling
     if (open_ended and sampling.max_new_tokens == 0) or capped:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
@@ -133,7 +136,25 @@ def validate_request(
         )
     compiled = None if requested is None else _compile(requested)  # the costliest check, last
     calls = fmt if requested is not None and requested.tools is not None else None
-    return ValidRequest(prompt_ids, params, n, compiled, calls)
+    reasoning = _reasoning(request, chat, rendered, requested)
+    return ValidRequest(prompt_ids, params, n, compiled, calls, reasoning)
+
+
+def _reasoning(
+    request: generation_pb2.GenerateRequest,
+    chat: ChatTemplate | None,
+    rendered: str,
+    requested: RequestedConstraint | None,
+) -> bool | None:
+    """Whether a chat reply's thinking is split from its text, and whether it starts inside it
+    (None: not split). A reply whose grammar holds it from the first token (a structured output,
+    calls required) does not think, and a prompt that opened a `<think>` would make all of it
+    reasoning; tool choice `auto` leaves it free text until a call opens."""
+    if not rendered or chat is None or not chat.thinks or not request.messages.separate_reasoning:
+        return None
+    if requested is not None and (requested.tools is None or requested.tools.choice.mode != "auto"):
+        return None
+    return starts_inside(rendered)
 
 
 def prompt_ids(
@@ -147,7 +168,7 @@ def prompt_ids(
     checked as a generation's are; its sampling is not looked at (/tokenize)."""
     max_prompt_tokens = limits.max_prompt_tokens or info.max_context_len
     source = PromptSource(tokenizer, chat, limits.max_text_bytes, max_prompt_tokens)
-    return _prompt_ids(request, source, info.vocab_size, tool_request(request))
+    return _prompt(request, source, info.vocab_size, tool_request(request))[0]
 
 
 def _with_room_left(
@@ -180,14 +201,15 @@ class PromptSource:
     max_prompt_tokens: int
 
 
-def _prompt_ids(
+def _prompt(
     request: generation_pb2.GenerateRequest, source: PromptSource, vocab: int, tools: ToolRequest | None
-) -> list[int]:
+) -> tuple[list[int], str]:
+    """The prompt's ids, and its text as the chat template rendered it ("" for other inputs)."""
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidRequest("input: set text, input_ids or messages")
     if which == "text":
-        return _text_ids(request.text, source)
+        return _text_ids(request.text, source), ""
     if which == "messages":
         return _chat_ids(request.messages, source, () if tools is None else tools.tools)
     if not request.input_ids.ids:
@@ -195,7 +217,7 @@ def _prompt_ids(
     _check_prompt_length(len(request.input_ids.ids), "input.input_ids.ids", source.max_prompt_tokens)
     ids = list(request.input_ids.ids)
     _check_in_vocab(ids, "input.input_ids.ids", vocab)
-    return ids
+    return ids, ""
 
 
 def _text_ids(text: str, source: PromptSource) -> list[int]:
@@ -230,8 +252,9 @@ def _template_kwargs(text: str, max_bytes: int) -> dict[str, object]:
 
 def _chat_ids(
     chat: generation_pb2.ChatMessages, source: PromptSource, tools: tuple[Tool, ...] = ()
-) -> list[int]:
-    """Checked before rendering: the sizes bound what the template is given."""
+) -> tuple[list[int], str]:
+    """The ids and the rendered text; checked before rendering: the sizes bound what the
+    template is given."""
     if source.chat is None:
         raise NoChatTemplate(
             "input.messages: the model has no chat template: send a prompt (gRPC text or input_ids; "
@@ -261,7 +284,7 @@ def _chat_ids(
     if not ids:
         raise InvalidRequest("input.messages: renders to no tokens")
     _check_prompt_length(len(ids), "input.messages", source.max_prompt_tokens)
-    return ids
+    return ids, text
 
 
 def _check_chat_messages(messages: list[generation_pb2.ChatMessage], max_bytes: int) -> list[ChatMessage]:
@@ -277,10 +300,19 @@ def _check_chat_messages(messages: list[generation_pb2.ChatMessage], max_bytes: 
             raise InvalidRequest(
                 f"{field}[{i}].tool_calls: only an assistant turn makes calls, not {m.role!r}"
             )
-    size = sum(len(m.content.encode()) + sum(c.ByteSize() for c in m.tool_calls) for m in messages)
+    size = sum(
+        len(m.content.encode()) + len(m.reasoning_content.encode()) + sum(c.ByteSize() for c in m.tool_calls)
+        for m in messages
+    )
     _check_text_size(size, field, max_bytes)
     return [
-        ChatMessage(m.role, m.content, _history_calls(m.tool_calls, f"{field}[{i}]"), m.tool_call_id)
+        ChatMessage(
+            m.role,
+            m.content,
+            _history_calls(m.tool_calls, f"{field}[{i}]"),
+            m.tool_call_id,
+            m.reasoning_content,
+        )
         for i, m in enumerate(messages)
     ]
 

@@ -19,6 +19,7 @@ from scheduler_svc.engine.policy import PolicyConfig
 from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import FrontendConfig
 from scheduler_svc.frontend.openai.config import HttpLimits, allowed_hosts
+from scheduler_svc.frontend.reasoning import REASONING_PARSERS
 from scheduler_svc.frontend.validation import RequestLimits
 from scheduler_svc.process.app import serve
 from scheduler_svc.process.config import (
@@ -108,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             args.allowed_hosts,
             limits,
             access_log=args.access_log,
+            separate_reasoning=args.reasoning_parser != "none",
         ),
         frontends=args.frontends,
         frontend_nice=args.frontend_nice,
@@ -284,6 +286,15 @@ def add_client_api_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log a line for each HTTP request once its response has ended (logger stepahead.access, "
         "INFO): client, method, path, status, time, X-Request-Id",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="a reasoning model's thinking on the HTTP chat API: auto (default) splits it from the "
+        "answer, as reasoning_content, where the chat template writes </think> (Qwen3, QwQ, "
+        "DeepSeek-R1's distills, SmolLM3); deepseek_r1 and qwen3, vLLM's names for the same <think> "
+        "split, are taken as auto; none leaves it in the content",
     )
     p.add_argument(
         "--served-model-name",

@@ -72,11 +72,16 @@ class ChatMessage(_message.Message):
     CONTENT_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "user", "assistant" or "tool"."""
     content: _builtins.str
     tool_call_id: _builtins.str
     """A "tool" turn: the id of the call whose result it carries."""
+    reasoning_content: _builtins.str
+    """An assistant turn's thinking, as a reply's reasoning_text gave it (templates that show the
+    latest turns' thinking, as Qwen3's, read it).
+    """
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """An assistant turn's calls (its content may then be empty)."""
@@ -88,10 +93,11 @@ class ChatMessage(_message.Message):
         content: _builtins.str = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str = ...,
+        reasoning_content: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -198,6 +204,7 @@ class ChatMessages(_message.Message):
     TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
+    SEPARATE_REASONING_FIELD_NUMBER: _builtins.int
     parallel_tool_calls: _builtins.bool
     """Unset: true. False: one call at most."""
     template_kwargs: _builtins.str
@@ -209,6 +216,12 @@ class ChatMessages(_message.Message):
     continue_final_message: _builtins.bool
     """True (with add_generation_prompt false): the prompt ends with the last message's content,
     its turn left open, so the reply continues it (an assistant turn prefilled by the client).
+    """
+    separate_reasoning: _builtins.bool
+    """True, with a reasoning model (its template writes `</think>`, and its tokenizer's text keeps
+    the tags): the reply's thinking comes back in GenerateResponse.reasoning_text, not in `text`.
+    Not with a structured output (its grammar holds the reply from the first token: it does not
+    think). False: the thinking is text, tags and all.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
@@ -233,10 +246,11 @@ class ChatMessages(_message.Message):
         template_kwargs: _builtins.str = ...,
         add_generation_prompt: _builtins.bool | None = ...,
         continue_final_message: _builtins.bool = ...,
+        separate_reasoning: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_parallel_tool_calls", b"_parallel_tool_calls", "add_generation_prompt", b"add_generation_prompt", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_parallel_tool_calls", b"_parallel_tool_calls", "add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "template_kwargs", b"template_kwargs", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_parallel_tool_calls", b"_parallel_tool_calls", "add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "separate_reasoning", b"separate_reasoning", "template_kwargs", b"template_kwargs", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
@@ -592,6 +606,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     STOP_STRING_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """Their decoded text; never half a UTF-8 character, never part of a stop string (but the
@@ -610,6 +625,8 @@ class GenerateResponse(_message.Message):
     """Of prompt_tokens, those found in the prefix cache (their KV was reused, not computed)."""
     stop_string: _builtins.str
     stop_token_id: _builtins.int
+    reasoning_text: _builtins.str
+    """With messages.separate_reasoning: the thinking new since the previous message."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens new since the previous message (several when the client lagged)."""
@@ -644,10 +661,11 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         stop_string: _builtins.str = ...,
         stop_token_id: _builtins.int = ...,
+        reasoning_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "reasoning_text", b"reasoning_text", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_string", "stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015

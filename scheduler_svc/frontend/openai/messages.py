@@ -19,7 +19,8 @@ input_schema, strict) and `tool_choice` (`auto`, `any`, `tool`, `none`;
 (`temperature` 0-1, `top_p`, `top_k`). Accepted as hints that change no output: `cache_control`
 (top-level or on any block: the prefix cache needs no marks), `metadata.user_id`, `service_tier`,
 `speed`, `inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`, and `thinking` of type
-`disabled` or `adaptive` (these models do not think). Refused by name: images and documents,
+`disabled` or `adaptive` (no thinking budget is steered here; a reasoning model's thinking stays in the
+text). Refused by name: images and documents,
 server tools, thinking `enabled`, `output_config.effort`, `container`, `mcp_servers`, `max_tokens`
 0 (pre-warming a cache). The sampling extras of the chat body (`seed`, `ignore_eos`, ...) pass on
 as they are.
@@ -50,7 +51,7 @@ NOT_SERVED = {
 }
 # Fields that change no output here: accepted, whatever their value.
 HINTS = ("cache_control", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id")
-THINKING_SERVED = ("disabled", "adaptive")  # adaptive: the model decides, and these models do not think
+THINKING_SERVED = ("disabled", "adaptive")  # adaptive: the model decides (no budget is steered here)
 SERVED_BLOCKS = {
     "assistant": "an assistant turn: only text and tool_use",
     "user": "a user turn: only text and tool_result",
@@ -79,7 +80,7 @@ class OutputConfig(BaseModel):
     model_config = STRICT
 
     format: OutputFormat | None = None
-    effort: str | None = None  # refused unless absent: these models do not think
+    effort: str | None = None  # refused unless absent: no effort is steered here
 
 
 class MessagesRequest(BaseModel):
@@ -115,7 +116,12 @@ class MessagesRequest(BaseModel):
             names.messages.append("system")
         for i, message in enumerate(self.messages):
             _add_message(messages, names, message, f"messages[{i}]")
-        body: dict[str, Any] = {"messages": messages, "stream": self.stream and not count_only}
+        body: dict[str, Any] = {
+            "messages": messages,
+            # a reasoning model's thinking stays in the text: this API's thinking blocks are not served
+            "separate_reasoning": False,
+            "stream": self.stream and not count_only,
+        }
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
             body.update(add_generation_prompt=False, continue_final_message=True)  # Anthropic's prefill
@@ -154,10 +160,10 @@ class MessagesRequest(BaseModel):
         if self.thinking is not None and self.thinking.get("type") not in THINKING_SERVED:
             raise FieldError(
                 "thinking.type",
-                "only disabled or adaptive is served: the models this server runs do not think",
+                "only disabled or adaptive is served: no thinking budget is steered here",
             )
         if self.output_config is not None and self.output_config.effort is not None:
-            raise FieldError("output_config.effort", "not served: the models this server runs do not think")
+            raise FieldError("output_config.effort", "not served: no effort is steered here")
 
     def unknown_fields(self) -> list[str]:
         """Fields of the body no API documents (ignored, as the chat endpoint ignores them)."""

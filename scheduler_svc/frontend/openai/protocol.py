@@ -512,6 +512,9 @@ class ChatMessageIn(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's thinking as a response gave it (vLLM's newer name: `reasoning`)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(BaseModel):
@@ -560,6 +563,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false and true, the last (assistant) message is continued, its turn left open
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # SGLang's: false leaves a reasoning model's thinking in the content (tags and all)
+    separate_reasoning: bool = True
     functions: list[Any] | None = None  # OpenAI's deprecated forms of tools: refused
     function_call: Any = None
 
@@ -589,6 +594,7 @@ class ChatCompletionRequest(SamplingFields):
         chat = request.messages
         chat_input(chat, self.messages, self.tools, self.chat_template_kwargs)
         prefill(chat, self.add_generation_prompt, self.continue_final_message)
+        chat.separate_reasoning = self.separate_reasoning
         if isinstance(self.tool_choice, NamedToolChoice):
             chat.tool_choice.function = self.tool_choice.function.name
         elif self.tool_choice is not None:
@@ -623,7 +629,11 @@ def _message(m: ChatMessageIn, index: int) -> pb.ChatMessage:
         pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []
     ]
     return pb.ChatMessage(
-        role=_role(m.role), content=_content(m, index), tool_calls=calls, tool_call_id=m.tool_call_id or ""
+        role=_role(m.role),
+        content=_content(m, index),
+        tool_calls=calls,
+        tool_call_id=m.tool_call_id or "",
+        reasoning_content=m.reasoning_content or m.reasoning or "",
     )
 
 
@@ -773,9 +783,13 @@ class ResponseIds:
         logprobs: dict[str, Any] | None = None,
         calls: Sequence[CallDelta] = (),
         stop_reason: str | int | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         """A choice of a body (`calls`: all its calls' deltas) or of a chunk (those new);
-        `stop_reason` (vLLM's): the stop string or stop token id that ended it, else null."""
+        `stop_reason` (vLLM's): the stop string or stop token id that ended it, else null;
+        `reasoning`: a reasoning model's thinking (all of it, or that new), as
+        `reasoning_content` (DeepSeek's, SGLang's and vLLM's older name) and `reasoning` (vLLM's
+        newer) on a message or delta that has any."""
         choice: dict[str, Any] = {
             "index": index,
             "logprobs": logprobs,
@@ -786,13 +800,18 @@ class ResponseIds:
             choice["text"] = text
         elif chunk:
             delta: dict[str, Any] = {"content": text} if text else {}
+            if reasoning:
+                delta.update(reasoning_content=reasoning, reasoning=reasoning)
             if calls:
                 delta["tool_calls"] = chunk_calls(calls)
             choice["delta"] = delta
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if calls:  # OpenAI's reply that only calls has content null
+            if calls or reasoning:  # OpenAI's reply that only calls has content null
                 message["content"] = text or None
+            if reasoning:
+                message.update(reasoning_content=reasoning, reasoning=reasoning)
+            if calls:
                 message["tool_calls"] = [whole_call(c) for c in merge_deltas(calls)]
             choice["message"] = message
         return choice

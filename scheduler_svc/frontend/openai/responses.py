@@ -102,7 +102,7 @@ class TextConfig(BaseModel):
 class Reasoning(BaseModel):
     model_config = STRICT
 
-    effort: str | None = None  # this server's models do not reason: an effort is refused by name
+    effort: str | None = None  # no effort is steered here: one is refused by name
     summary: str | None = None
 
 
@@ -141,7 +141,7 @@ class ResponsesRequest(BaseModel):
             if extra.get(name, served) not in (served, None):
                 raise FieldError(name, why)
         if self.reasoning is not None and self.reasoning.effort not in (None, "none"):
-            raise FieldError("reasoning.effort", "not served: the models this server runs do not reason")
+            raise FieldError("reasoning.effort", "not served: no reasoning effort is steered here")
         for i, name in enumerate(self.include or []):
             if name != LOGPROBS_INCLUDE:
                 raise FieldError(f"include[{i}]", f"only {LOGPROBS_INCLUDE!r} is served, got {name[:64]!r}")
@@ -165,7 +165,12 @@ class ResponsesRequest(BaseModel):
         else:
             for i, item in enumerate(self.input):
                 _add_item(messages, names, item, f"input[{i}]")
-        body: dict[str, Any] = {"messages": messages, "stream": self.stream}
+        body: dict[str, Any] = {
+            "messages": messages,
+            # a reasoning model's thinking stays in the text: this API's reasoning items are not served
+            "separate_reasoning": False,
+            "stream": self.stream,
+        }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         extra = self.model_extra or {}

@@ -489,6 +489,10 @@ class OpenAIApi:
         except FieldError as exc:
             raise HttpError(400, str(exc), exc.field) from exc
         check = None if body.stream else functools.partial(self._check_whole_size, body)
+        if not self._config.separate_reasoning:
+            for generate in generates:
+                if generate.WhichOneof("input") == "messages":
+                    generate.messages.separate_reasoning = False  # --reasoning-parser none
         if len(generates) == 1:
             generates[0].request_id = rid
             try:
@@ -788,6 +792,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None: a prompt's first
     calls: list[CallDelta] = field(default_factory=list)  # its tool calls' pieces
+    reasoning: list[str] = field(default_factory=list)  # its thinking, split from its text
     finish: FinishReason | None = None
     stop_reason: str | int | None = None  # what ended it, with a STOP finish (vLLM's)
     completion_tokens: int = 0
@@ -805,6 +810,8 @@ class Choice:
                 self.finish = FinishReason.LENGTH
             return
         self.texts.append(chunk.text)
+        if chunk.reasoning:
+            self.reasoning.append(chunk.reasoning)
         self.token_ids += chunk.token_ids
         self.token_logprobs += chunk.logprobs
         self.calls += chunk.tool_calls
@@ -813,7 +820,7 @@ class Choice:
 
     @property
     def sendable(self) -> bool:
-        return any(self.texts) or bool(self.calls) or self.finish is not None
+        return any(self.texts) or bool(self.calls or self.reasoning) or self.finish is not None
 
     def pending(self) -> tuple[str, list[int], list[TokenLogprob | None], list[CallDelta]]:
         """What is pending (text, its tokens and their log-probabilities, call deltas), taken."""
@@ -824,8 +831,9 @@ class Choice:
     def take(self, ids: ResponseIds, chunk: bool) -> dict[str, Any]:
         """What is pending, as the choice of a body or of a chunk."""
         text, token_ids, token_logprobs, calls = self.pending()
+        reasoning, self.reasoning = "".join(self.reasoning), []
         logprobs = None if self.logprobs is None else self.logprobs.format(token_ids, token_logprobs)
-        return ids.choice(self.index, text, self.finish, chunk, logprobs, calls, self.stop_reason)
+        return ids.choice(self.index, text, self.finish, chunk, logprobs, calls, self.stop_reason, reasoning)
 
 
 SLICE_ENTRIES = 4096  # log-probabilities formatted between turns of the event loop (~25 ms)
@@ -840,8 +848,9 @@ async def _whole_body(ids: ResponseIds, choices: list[Choice], counts: tuple[int
     for choice in choices:
         marker = f"{nonce}-{choice.index}"
         text = "".join(choice.texts)
+        reasoning, stop_reason = "".join(choice.reasoning), choice.stop_reason
         bodies.append(
-            ids.choice(choice.index, text, choice.finish, False, None, choice.calls, choice.stop_reason)
+            ids.choice(choice.index, text, choice.finish, False, None, choice.calls, stop_reason, reasoning)
         )
         if choice.logprobs is not None:
             bodies[-1]["logprobs"] = marker

@@ -1,0 +1,308 @@
+"""A reasoning model's thinking apart from its answer (scheduler_svc/frontend/reasoning.py): the
+split itself, however the text is cut into pieces; and through a frontend whose core is scripted
+(tests/test_openai_sampling.py), what the official `openai` client gets: `reasoning_content` (and
+vLLM's newer `reasoning`) beside `content`, whole and streamed, with tool calls after the
+thinking, and where the split does not apply (a structured output, `separate_reasoning: false`,
+--reasoning-parser none, a template that does not think, the Responses API). gRPC clients get
+`reasoning_text`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFRawTokenizer
+
+from scheduler_svc.contract import FinishReason, StepOutputs
+from scheduler_svc.frontend.api_config import ClientApiConfig
+from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
+from scheduler_svc.frontend.grpc_api import _response
+from scheduler_svc.frontend.openai.routes import build_app
+from scheduler_svc.frontend.reasoning import ReasoningSplit, starts_inside, thinks
+from scheduler_svc.frontend.tokenizer import ByteTokenizer, HFTokenizer
+from scheduler_svc.process.cli import parse_args
+from stepahead.protocol import TokenizerSpec
+from stepahead.v1 import generation_pb2 as pb
+from tests.live import CALL_TIMEOUT_S
+from tests.test_openai_sampling import EOS, SCRIPTED_INFO, Scripted, ScriptedCore, steps_of
+from tests.test_tokenizer import byte_level_bpe_json
+from tests.test_tools_api import PARIS, TOOLS, calls_text, check_call
+
+pytestmark = pytest.mark.anyio
+
+# Qwen3's way: the reply opens its own <think>; a history turn's thinking is shown when given.
+THINKS = (
+    "{% for m in messages %}[{{ m.role }}] "
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+# DeepSeek-R1's way: the prompt opens the reasoning, the reply closes it.
+OPENS = THINKS + "{% if add_generation_prompt %}<think>\n{% endif %}"
+PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
+DEFAULT_API = ClientApiConfig()
+
+REPLY = "<think>\nThe user greets me.\nBe kind.\n</think>\n\nHello there!"
+THOUGHT, ANSWER = "The user greets me.\nBe kind.", "Hello there!"
+
+
+# ---- the split ------------------------------------------------------------------------------
+
+
+def split(text: str, inside: bool, cuts: list[int]) -> tuple[list[str], list[str]]:
+    """The pieces `ReasoningSplit` gives for `text` pushed in the pieces `cuts` make, then finished."""
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    splitter, thoughts, contents = ReasoningSplit(inside), [], []
+    for part in [*parts, None]:
+        thought, content = splitter.push(part) if part is not None else splitter.finish()
+        thoughts.append(thought)
+        contents.append(content)
+    return thoughts, contents
+
+
+CASES = [
+    (REPLY, False, THOUGHT, ANSWER),
+    ("  <think>a</think>b", False, "a", "b"),
+    ("\nThe user greets me.\n</think>\n\nHello there!", True, "The user greets me.", "Hello there!"),
+    ("<think>\nstill thinking when cut", False, "still thinking when cut", ""),
+    ("no thinking <think> here</think> at all", False, "", "no thinking <think> here</think> at all"),
+    ("  plain, leading spaces kept", False, "", "  plain, leading spaces kept"),
+    ("<thi", False, "", "<thi"),  # only the start of a tag, at the end
+    ("<think></think>", False, "", ""),
+    ("<think>a </thinker> b</think>c </think> d", False, "a </thinker> b", "c </think> d"),
+    ("a < b </think", True, "a < b </think", ""),  # inside, cut mid-tag
+    ("", True, "", ""),
+]
+
+
+@pytest.mark.parametrize(("text", "inside", "thought", "answer"), CASES)
+def test_the_split_is_the_same_however_the_text_is_cut(
+    text: str, inside: bool, thought: str, answer: str
+) -> None:
+    whole = split(text, inside, [])
+    assert ("".join(whole[0]), "".join(whole[1])) == (thought, answer)
+    rng = random.Random(len(text))
+    for cuts in [[i] for i in range(1, len(text))] + [
+        sorted(rng.sample(range(1, len(text)), k=len(text) // 3))
+    ]:
+        thoughts, contents = split(text, inside, cuts)
+        assert ("".join(thoughts), "".join(contents)) == (thought, answer), cuts
+
+
+def test_text_is_held_only_while_it_may_be_a_tag_or_the_reasoning_s_last_whitespace() -> None:
+    splitter = ReasoningSplit(False)
+    assert splitter.push("<th") == ("", "")
+    assert splitter.push("ink>\nStep one") == ("Step one", "")
+    assert splitter.push(".\n\n") == (".", "")  # the newlines may be the reasoning's end
+    assert splitter.push("Step two</th") == ("\n\nStep two", "")
+    assert splitter.push("ink>\n\nDone") == ("", "Done") and not splitter.reasoning
+
+
+def test_which_templates_think_and_where_a_reply_starts() -> None:
+    tokenizer = ByteTokenizer()
+    assert thinks(THINKS, tokenizer) and thinks(OPENS, tokenizer) and not thinks(PLAIN, tokenizer)
+    assert starts_inside("[user] hi|[assistant] <think>\n")
+    assert not starts_inside("[user] hi|[assistant] <think>\n\n</think>\n\n")  # thinking disabled
+    assert not starts_inside("[assistant] <think>a</think>b|[user] hi|[assistant] ")
+
+
+class DropsTags(ByteTokenizer):
+    """A tokenizer whose text drops the tags (as special tokens skipped)."""
+
+    def new_decoder(self, skip_special_tokens: bool = True) -> Any:
+        inner = super().new_decoder(skip_special_tokens)
+
+        class Decoder:
+            def push(self, ids: Any) -> str:
+                return str(inner.push(ids)).replace("<think>", "").replace("</think>", "")
+
+            def flush(self) -> str:
+                return str(inner.flush())
+
+        return Decoder()
+
+
+def test_a_tokenizer_that_drops_the_tags_does_not_think() -> None:
+    assert not thinks(THINKS, DropsTags())
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_tokenizer_s_added_tags_think_unless_special(special: bool) -> None:
+    """Qwen3's tags are added tokens that are not special: its replies' text keeps them. Special
+    ones are skipped from the text, which then has no tag to split on."""
+    raw = HFRawTokenizer.from_str(byte_level_bpe_json().decode())
+    tags = [AddedToken("<think>", special=special), AddedToken("</think>", special=special)]
+    (raw.add_special_tokens if special else raw.add_tokens)(tags)
+    tokenizer = HFTokenizer(raw.to_str().encode())
+    assert len(tokenizer.encode("<think>a</think>", add_special_tokens=False)) == 3
+    assert thinks(THINKS, tokenizer) is not special
+
+
+# ---- through the client API -------------------------------------------------------------------
+
+
+@pytest.fixture
+async def s() -> AsyncIterator[Scripted]:
+    """A scripted frontend serving a template that thinks."""
+    async with scripted_with(THINKS) as served:
+        yield served
+
+
+class scripted_with:
+    """A scripted frontend whose model has the chat template `template`, with the API `config`."""
+
+    def __init__(self, template: str, config: ClientApiConfig = DEFAULT_API) -> None:
+        core = ScriptedCore()
+        self.frontend = Frontend(FrontendConfig())
+        self.frontend.core = core
+        spec = TokenizerSpec("byte", chat_template=template)
+        self.frontend.worker_state(
+            dataclasses.replace(SCRIPTED_INFO, max_context_len=4096, tokenizer=spec), True
+        )
+        self.http = httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=build_app(self.frontend, config)), base_url="http://scripted"
+        )
+        self.client = openai.AsyncOpenAI(
+            base_url="http://scripted/v1", api_key="unchecked", max_retries=0, http_client=self.http
+        )
+        self.core = core
+
+    async def __aenter__(self) -> Scripted:
+        return Scripted(self.frontend, self.core, self.client)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+        await self.http.aclose()
+
+
+async def served(s: Scripted, create: Any, reply: str, finish: FinishReason = FinishReason.STOP) -> Any:
+    """`create`'s result once its completion generated `reply` (a byte a token) then EOS."""
+    call = asyncio.ensure_future(create)
+    ids = list(reply.encode()) + ([EOS] if finish == FinishReason.STOP else [])
+    await s.play(call, 1, steps_of(ids, finish))
+    return await call
+
+
+def chat(**more: Any) -> dict[str, Any]:
+    return {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, **more}
+
+
+async def test_the_thinking_is_reasoning_content_and_the_answer_content(s: Scripted) -> None:
+    done = await served(s, s.client.chat.completions.create(**chat()), REPLY)
+    message = done.choices[0].message
+    assert message.content == ANSWER and done.choices[0].finish_reason == "stop"
+    extra = message.model_extra or {}
+    assert extra["reasoning_content"] == THOUGHT and extra["reasoning"] == THOUGHT
+    assert done.usage is not None and done.usage.completion_tokens == len(REPLY.encode()) + 1
+
+
+async def test_streamed_pieces_join_into_the_whole_reply(s: Scripted) -> None:
+    stream = await served(s, s.client.chat.completions.create(**chat(stream=True)), REPLY)
+    deltas = [chunk.choices[0].delta async for chunk in stream if chunk.choices]
+    thoughts = [(d.model_extra or {}).get("reasoning_content") for d in deltas]
+    assert "".join(t for t in thoughts if t) == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    # the thinking streams as it comes, before any of the answer
+    first_answer = next(i for i, d in enumerate(deltas) if d.content)
+    assert sum(1 for t in thoughts[:first_answer] if t) > 3 and not any(thoughts[first_answer:])
+
+
+async def test_a_reply_cut_while_thinking_has_no_content() -> None:
+    async with scripted_with(OPENS) as s:  # the prompt opened the thinking
+        create = s.client.chat.completions.create(**chat())
+        done = await served(s, create, "Let me see: 2 + 2", FinishReason.LENGTH)
+        prompt = s.core.specs[-1].prompt_ids
+    assert bytes(prompt).decode().endswith("[assistant] <think>\n")
+    message = done.choices[0].message
+    assert message.content is None and (message.model_extra or {})["reasoning_content"] == "Let me see: 2 + 2"
+    assert done.choices[0].finish_reason == "length"
+
+
+async def test_text_held_at_the_end_is_not_lost(s: Scripted) -> None:
+    """Held as the possible start of a tag, it is the reply's at its finish."""
+    done = await served(s, s.client.chat.completions.create(**chat()), "<thin")
+    assert done.choices[0].message.content == "<thin"
+    async with scripted_with(OPENS) as opened:
+        done = await served(
+            opened, opened.client.chat.completions.create(**chat()), "a </thi", FinishReason.LENGTH
+        )
+    assert (done.choices[0].message.model_extra or {})["reasoning_content"] == "a </thi"
+
+
+async def test_a_call_after_the_thinking_is_a_tool_call(s: Scripted) -> None:
+    reply = "<think>The weather tool answers this.</think>\n" + calls_text(PARIS)
+    done = await served(s, s.client.chat.completions.create(**chat(tools=TOOLS)), reply)
+    message = done.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == "The weather tool answers this."
+    assert (
+        message.content is None
+        and message.tool_calls is not None
+        and done.choices[0].finish_reason == "tool_calls"
+    )
+    check_call(message.tool_calls[0], PARIS)
+
+
+async def test_where_the_split_does_not_apply_the_text_is_whole(s: Scripted) -> None:
+    for more in (
+        {"extra_body": {"separate_reasoning": False}},
+        {"response_format": {"type": "json_object"}},
+        {"tools": TOOLS, "tool_choice": "required"},
+    ):
+        done = await served(s, s.client.chat.completions.create(**chat(**more)), REPLY)
+        message = done.choices[0].message
+        assert message.content == REPLY and "reasoning_content" not in (message.model_extra or {}), more
+    for template, config in ((PLAIN, DEFAULT_API), (THINKS, ClientApiConfig(separate_reasoning=False))):
+        async with scripted_with(template, config) as other:
+            done = await served(other, other.client.chat.completions.create(**chat()), REPLY)
+        assert done.choices[0].message.content == REPLY and not done.choices[0].message.model_extra
+
+
+async def test_the_responses_api_keeps_the_thinking_in_its_text(s: Scripted) -> None:
+    create = s.client.responses.create(model="scripted", input="Hi", max_output_tokens=200)
+    done = await served(s, create, REPLY)
+    assert done.output_text == REPLY
+
+
+async def test_a_turn_s_reasoning_content_reaches_the_template(s: Scripted) -> None:
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+        {"role": "user", "content": "Bye"},
+    ]
+    await served(s, s.client.chat.completions.create(**chat(messages=history)), "Bye!")
+    prompt = bytes(s.core.specs[-1].prompt_ids).decode()
+    assert prompt == "[user] Hi|[assistant] <think>Greet back.</think>Hello!|[user] Bye|[assistant] "
+
+
+async def test_grpc_clients_get_reasoning_text(s: Scripted) -> None:
+    chat_input = pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="Hi")], separate_reasoning=True
+    )
+    completions = await s.frontend.admit(
+        pb.GenerateRequest(messages=chat_input, sampling=pb.SamplingParams(max_new_tokens=200))
+    )
+    handle = s.core.specs[-1].handle
+    for step in steps_of([*REPLY.encode(), EOS]):
+        outputs = StepOutputs()
+        for _, token, finish in step:
+            outputs.add(handle, token, finish)
+        s.frontend.send(outputs)
+    responses = []
+    async with asyncio.timeout(CALL_TIMEOUT_S):
+        while not completions.done:
+            await completions.ready.wait()
+            responses += [_response(completions, i, chunk) for i, chunk in completions.take()]
+    assert "".join(r.reasoning_text for r in responses) == THOUGHT
+    assert "".join(r.text for r in responses) == ANSWER
+
+
+def test_the_reasoning_parser_flag() -> None:
+    assert parse_args([]).api.separate_reasoning
+    assert parse_args(["--reasoning-parser", "qwen3"]).api.separate_reasoning
+    assert not parse_args(["--reasoning-parser", "none"]).api.separate_reasoning
