@@ -3,6 +3,12 @@ bad one before admission with a reason naming it, and by the worker, whose match
 
 A constraint is JSON Schema, a regex, a choice among strings, or a Lark grammar (llguidance's
 dialect); its compiled form is cached by content, as clients repeat their schemas.
+
+A reasoning model's reply thinks first, free, and only its answer is held to the constraint
+(`thinking_constraint`): the grammar itself allows a `<think>` ... `</think>` block before the
+answer (or, where the prompt opened it, requires the rest of one), so whether a row's next token
+is free or masked follows from its tokens so far inside the matcher, on the worker beside the
+sampler, like any other state of a grammar the scheduler has not seen yet.
 """
 
 from __future__ import annotations
@@ -13,11 +19,11 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import llguidance
 
-from stepahead.protocol import Constraint
+from stepahead.protocol import Constraint, ConstraintKind
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -27,8 +33,10 @@ __all__ = [
     "JSON_LAYOUT",
     "CompileStats",
     "GrammarError",
+    "answer_kind",
     "compile_constraint",
     "is_cached",
+    "thinking_constraint",
 ]
 
 GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept, by content
@@ -40,6 +48,17 @@ JSON_LAYOUT: JsonCompileOptions = {
     "key_separator": ": ",
 }
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object
+# The thinking before an answer (`@answer`, the constraint's own grammar): one block, free text
+# up to the first `</think>` (a lazy lexeme), then up to two newlines. A reply may open it, or
+# answer at once; one whose prompt opened it is inside it from its first token.
+MAY_THINK = """start: @answer | thought @answer | thought GAP @answer
+thought[lazy]: /<think>(.|\\n)*<\\/think>/
+GAP: /\\n\\n?/
+"""
+THINKING = """start: thought @answer | thought GAP @answer
+thought[lazy]: /(.|\\n)*<\\/think>/
+GAP: /\\n\\n?/
+"""
 
 
 class GrammarError(ValueError):
@@ -94,10 +113,37 @@ def compile_constraint(constraint: Constraint) -> str:
     return grammar
 
 
+def thinking_constraint(answer: Constraint, inside: bool) -> Constraint:
+    """`answer` held after a reasoning model's thinking: a reply that may open a `<think>` block
+    first, or (`inside`: its prompt opened one) is in one from its first token."""
+    return Constraint("thinking", f"{int(inside)} {answer.kind}\n{answer.text}")
+
+
+def answer_kind(constraint: Constraint) -> ConstraintKind:
+    """The client's kind of constraint: a thinking constraint's answer's."""
+    if constraint.kind != "thinking":
+        return constraint.kind
+    return cast(ConstraintKind, constraint.text.partition("\n")[0].partition(" ")[2])
+
+
+def _thinking(text: str) -> str:
+    """The grammar of a `thinking_constraint`: its answer's grammar, named, after the thought."""
+    header, _, body = text.partition("\n")
+    inside, kind = header.split(" ")
+    if kind not in ("json", "regex", "choice", "grammar"):
+        raise ValueError(f"a thinking constraint's answer is json, regex, choice or grammar, not {kind!r}")
+    answer = compile_constraint(Constraint(cast(ConstraintKind, kind), body))
+    entry = {"lark_grammar": answer} if kind == "grammar" else json.loads(answer)["grammars"][0]
+    wrapper = THINKING if inside == "1" else MAY_THINK
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, {**entry, "name": "answer"}]})
+
+
 def _compile(constraint: Constraint) -> str:
     kind, text = constraint.kind, constraint.text
     try:
-        if kind == "json":
+        if kind == "thinking":
+            grammar = _thinking(text)
+        elif kind == "json":
             schema = json.loads(text)
             if isinstance(schema, bool):  # true: any JSON value, false: none (refused below)
                 schema = {} if schema else {"not": {}}

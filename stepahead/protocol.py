@@ -79,9 +79,13 @@ class LogitsProcessing:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-ConstraintKind = Literal["json", "regex", "choice", "grammar"]
-CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json", "regex", "choice", "grammar")
+ConstraintKind = Literal["json", "regex", "choice", "grammar", "thinking"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json", "regex", "choice", "grammar")  # a client's
+# On the worker link also "thinking": a client's constraint after a reasoning model's thinking
+# (`stepahead.grammars.thinking_constraint`), its text that constraint's behind a short header.
+WIRE_CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = (*CONSTRAINT_KINDS, "thinking")
 MAX_CONSTRAINT_BYTES = 64 * 1024  # a constraint's text (a schema, regex, choices or grammar)
+MAX_THINKING_HEADER_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -393,8 +397,8 @@ def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequest:
 
 def constraint_of(kind: str, text: str) -> Constraint:
     """A constraint read off the wire; ValueError for a kind it does not know."""
-    if kind not in CONSTRAINT_KINDS:
-        raise ValueError(f"constraint kind {kind!r}: one of {', '.join(CONSTRAINT_KINDS)}")
+    if kind not in WIRE_CONSTRAINT_KINDS:
+        raise ValueError(f"constraint kind {kind!r}: one of {', '.join(WIRE_CONSTRAINT_KINDS)}")
     return Constraint(kind, text)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from stepahead.protocol import (
     MAX_CONSTRAINT_BYTES,
+    MAX_THINKING_HEADER_BYTES,
     Constraint,
     GrammarConstraint,
     Launch,
@@ -219,12 +220,17 @@ BAD_GRAMMARS: list[tuple[str, dict[str, object], str]] = [
     (
         "unknown kind",
         constrained("xml", "<a/>"),
-        GRAMMAR + r"kind: one of json, regex, choice, grammar, got 'xml'",
+        GRAMMAR + r"kind: one of json, regex, choice, grammar, thinking, got 'xml'",
     ),
     (
         "text over 64 KiB",
         constrained("regex", "a" * (MAX_CONSTRAINT_BYTES + 1)),
         GRAMMAR + r"text: at most 65536",
+    ),
+    (
+        "a thinking constraint over 64 KiB and its header",
+        constrained("thinking", "0 regex\n" + "a" * (MAX_CONSTRAINT_BYTES + MAX_THINKING_HEADER_BYTES)),
+        GRAMMAR + r"text: at most 65600",
     ),
     (
         "replay past the vocab",

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx2
 import openai
 import pytest
+import torch
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFRawTokenizer
 
@@ -27,13 +29,18 @@ from scheduler_svc.frontend.grpc_api import _response
 from scheduler_svc.frontend.openai.routes import build_app
 from scheduler_svc.frontend.reasoning import ReasoningSplit, starts_inside, thinks
 from scheduler_svc.frontend.tokenizer import ByteTokenizer, HFTokenizer
+from scheduler_svc.frontend.tools import Tool, ToolChoice, tool_constraint
 from scheduler_svc.process.cli import parse_args
-from stepahead.protocol import TokenizerSpec
+from stepahead.grammars import GrammarError, answer_kind, compile_constraint, thinking_constraint
+from stepahead.processes import Service, serving_pair
+from stepahead.protocol import Constraint, TokenizerSpec
 from stepahead.v1 import generation_pb2 as pb
-from tests.live import CALL_TIMEOUT_S
+from tests.live import CALL_TIMEOUT_S, unused_port
 from tests.test_openai_sampling import EOS, SCRIPTED_INFO, Scripted, ScriptedCore, steps_of
 from tests.test_tokenizer import byte_level_bpe_json
 from tests.test_tools_api import PARIS, TOOLS, calls_text, check_call
+from worker_svc.backends import SIM_EOS_EVERY, _mix32
+from worker_svc.grammar import MatcherTable, allowed, grammar_tokenizer, new_bitmask
 
 pytestmark = pytest.mark.anyio
 
@@ -48,6 +55,7 @@ OPENS = THINKS + "{% if add_generation_prompt %}<think>\n{% endif %}"
 PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
 DEFAULT_API = ClientApiConfig()
 
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 REPLY = "<think>\nThe user greets me.\nBe kind.\n</think>\n\nHello there!"
 THOUGHT, ANSWER = "The user greets me.\nBe kind.", "Hello there!"
 
@@ -142,6 +150,62 @@ def test_a_tokenizer_s_added_tags_think_unless_special(special: bool) -> None:
     tokenizer = HFTokenizer(raw.to_str().encode())
     assert len(tokenizer.encode("<think>a</think>", add_special_tokens=False)) == 3
     assert thinks(THINKS, tokenizer) is not special
+
+
+# ---- the grammar: the thinking free, the answer held -----------------------------------------
+
+TABLE = MatcherTable(grammar_tokenizer(TokenizerSpec("byte"), 258, (EOS,)), 258)
+REQUIRED_CALL = tool_constraint([Tool("add", parameters=json.dumps(SCHEMA))], ToolChoice("required"))
+assert REQUIRED_CALL is not None
+ANSWERS = [
+    (Constraint("json", json.dumps(SCHEMA)), '{"a": 12}'),
+    (Constraint("regex", "[0-9]{2}"), "42"),
+    (Constraint("choice", '["yes", "no"]'), "no"),
+    (REQUIRED_CALL, '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'),
+]
+
+
+def allowed_bytes(slot: int) -> set[int]:
+    mask = new_bitmask(1, 258)
+    TABLE.fill_mask(slot, mask, 0)
+    bits = allowed(mask, 258)[0]
+    return {i for i in range(256) if bits[i]}
+
+
+def walk(slot: int, text: str) -> bool:
+    """Whether the grammar takes `text` (a byte a token); True: it finished with its last."""
+    done = False
+    for byte in text.encode():
+        assert byte in allowed_bytes(slot), (text, chr(byte))
+        done = TABLE.advance(slot, byte)
+    return done
+
+
+@pytest.mark.parametrize(("answer", "text"), ANSWERS, ids=lambda a: getattr(a, "kind", ""))
+def test_the_thinking_is_free_and_the_answer_held(answer: Constraint, text: str) -> None:
+    TABLE.start(0, answer)
+    plain_start = allowed_bytes(0)
+    TABLE.start(1, thinking_constraint(answer, inside=False))
+    assert allowed_bytes(1) == plain_start | {ord("<")}  # think first, or answer at once
+    walk(1, "<think>")
+    assert allowed_bytes(1) >= set(range(32, 127))  # free: any printable byte
+    walk(1, "It needs { and } and a <tool_call> or two.\n</think>\n\n")
+    assert allowed_bytes(1) == plain_start  # the answer, held from its start
+    assert walk(1, text) == walk(0, text)  # finishes where the plain answer does
+    TABLE.start(2, thinking_constraint(answer, inside=False))
+    walk(2, text)  # no thinking at all
+    TABLE.start(3, thinking_constraint(answer, inside=True))
+    assert allowed_bytes(3) >= set(range(32, 127))  # the prompt opened it: free from the start
+    walk(3, text + "</think>\n\n")
+    assert allowed_bytes(3) == plain_start
+    for slot in range(4):
+        TABLE.release(slot)
+
+
+def test_a_thinking_constraint_is_checked_as_its_answer() -> None:
+    with pytest.raises(GrammarError):
+        compile_constraint(thinking_constraint(Constraint("regex", "(unclosed"), inside=False))
+    assert answer_kind(thinking_constraint(Constraint("choice", '["a"]'), inside=True)) == "choice"
 
 
 # ---- through the client API -------------------------------------------------------------------
@@ -251,16 +315,35 @@ async def test_a_call_after_the_thinking_is_a_tool_call(s: Scripted) -> None:
 async def test_where_the_split_does_not_apply_the_text_is_whole(s: Scripted) -> None:
     for more in (
         {"extra_body": {"separate_reasoning": False}},
-        {"response_format": {"type": "json_object"}},
-        {"tools": TOOLS, "tool_choice": "required"},
+        {"extra_body": {"separate_reasoning": False}, "response_format": {"type": "json_object"}},
     ):
         done = await served(s, s.client.chat.completions.create(**chat(**more)), REPLY)
         message = done.choices[0].message
         assert message.content == REPLY and "reasoning_content" not in (message.model_extra or {}), more
+        constraint = s.core.specs[-1].params.constraint
+        assert constraint is None or constraint.kind == "json"  # held from the first token
     for template, config in ((PLAIN, DEFAULT_API), (THINKS, ClientApiConfig(separate_reasoning=False))):
         async with scripted_with(template, config) as other:
             done = await served(other, other.client.chat.completions.create(**chat()), REPLY)
         assert done.choices[0].message.content == REPLY and not done.choices[0].message.model_extra
+
+
+@pytest.mark.parametrize("template", [THINKS, OPENS])
+async def test_a_structured_answer_after_the_thinking(template: str) -> None:
+    """The reply's grammar lets it think first (or, where the prompt opened the thinking, think
+    on), then holds its answer: the core gets the thinking constraint around the schema."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    reply = ("<think>" if template == THINKS else "") + "\nOne field, a.\n</think>\n\n" + '{"a": 7}'
+    async with scripted_with(template) as s:
+        create = s.client.chat.completions.create(**chat(response_format=response_format))
+        done = await served(s, create, reply)
+        constraint = s.core.specs[-1].params.constraint
+    inside = template == OPENS
+    assert constraint == thinking_constraint(Constraint("json", json.dumps(SCHEMA)), inside)
+    message = done.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == "One field, a." and json.loads(
+        message.content
+    ) == {"a": 7}
 
 
 async def test_the_responses_api_keeps_the_thinking_in_its_text(s: Scripted) -> None:
@@ -306,3 +389,68 @@ def test_the_reasoning_parser_flag() -> None:
     assert parse_args([]).api.separate_reasoning
     assert parse_args(["--reasoning-parser", "qwen3"]).api.separate_reasoning
     assert not parse_args(["--reasoning-parser", "none"]).api.separate_reasoning
+
+
+# ---- over the services: the worker's matcher holds the answer, not the thinking ---------------
+
+SIM = ["--model", "sim", "--sim-step-ms", "1", "--kv-slots", "4096", "--check-invariants"]
+YES_NO: dict[str, Any] = {"enum": ["yes", "no"]}
+
+
+@pytest.fixture(scope="module")
+def thinking_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    template = tmp_path_factory.mktemp("chat") / "thinks.jinja"
+    template.write_text(THINKS)
+    with serving_pair(SIM, ["--http-port", str(unused_port()), "--chat-template", str(template)]) as (
+        _,
+        scheduler,
+    ):
+        yield scheduler
+
+
+def sim_first_token(prompt: bytes, allowed_ids: list[int]) -> int:
+    """The sim's first token after `prompt` under a mask allowing `allowed_ids` (its draw:
+    worker_svc/backends.py, `SimDraw`)."""
+    h = sim_hash(prompt[-1], len(prompt))
+    free = EOS if h % SIM_EOS_EVERY == 0 else 32 + h % 95
+    return free if free in allowed_ids else sorted(allowed_ids)[h % len(allowed_ids)]
+
+
+def sim_hash(last: int, position: int) -> int:
+    return int(_mix32(torch.tensor([last * 65536 + position]))[0])
+
+
+def test_over_the_services_a_reply_thinks_or_answers_as_its_grammar_allows(thinking_sim: Service) -> None:
+    """The sim draws its own token where the row's mask allows it, else one the mask allows: at
+    its first token that is the thinking's `<` or the answer's `"`, and which one it is follows
+    from the prompt. Either way the worker (checking every draw against its mask) serves it: an
+    answer held to the schema, or thinking, free, until max_tokens."""
+    answer = Constraint("json", json.dumps(YES_NO))
+    TABLE.start(0, thinking_constraint(answer, inside=False))
+    start = sorted(allowed_bytes(0))
+    TABLE.release(0)
+    assert start == [ord('"'), ord("<")]
+    client = openai.OpenAI(base_url=f"{thinking_sim.http_url}/v1", api_key="unused", max_retries=0)
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}
+    seen = set()
+    for k in range(1, 12):
+        content = "a" * k
+        first = sim_first_token(f"[user] {content}|[assistant] ".encode(), start)
+        reply = client.chat.completions.create(
+            model="sim",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=24,
+            response_format=response_format,
+            timeout=CALL_TIMEOUT_S,
+        )
+        choice, extra = reply.choices[0], reply.choices[0].message.model_extra or {}
+        if first == ord("<"):
+            assert choice.finish_reason == "length" and choice.message.content is None
+            assert extra["reasoning_content"] and "</think>" not in extra["reasoning_content"]
+        else:
+            assert (
+                choice.finish_reason == "stop" and json.loads(choice.message.content or "") in YES_NO["enum"]
+            )
+            assert "reasoning_content" not in extra
+        seen.add(first)
+    assert seen == set(start)  # both ways were taken

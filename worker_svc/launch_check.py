@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stepahead.protocol import (
-    CONSTRAINT_KINDS,
     IN_ROW,
     MAX_CONSTRAINT_BYTES,
+    MAX_THINKING_HEADER_BYTES,
     NOT_SCORED,
+    WIRE_CONSTRAINT_KINDS,
     GrammarConstraint,
     Launch,
     LogitsProcessing,
@@ -84,11 +85,13 @@ def _check_grammar(field: str, g: GrammarConstraint, limits: LaunchLimits) -> No
     """Its kind and size; the worker compiles it on its grammar thread (the frontend that
     admitted the request compiled it already)."""
     kind = g.constraint.kind
-    if kind not in CONSTRAINT_KINDS:
-        raise LaunchError(f"{field}.kind: one of {', '.join(CONSTRAINT_KINDS)}, got {kind!r}")
-    size = len(g.constraint.text.encode())
-    if size > MAX_CONSTRAINT_BYTES:
-        raise LaunchError(f"{field}.text: at most {MAX_CONSTRAINT_BYTES} bytes, got {size}")
+    if kind not in WIRE_CONSTRAINT_KINDS:
+        raise LaunchError(f"{field}.kind: one of {', '.join(WIRE_CONSTRAINT_KINDS)}, got {kind!r}")
+    size, most = len(g.constraint.text.encode()), MAX_CONSTRAINT_BYTES
+    if kind == "thinking":
+        most += MAX_THINKING_HEADER_BYTES
+    if size > most:
+        raise LaunchError(f"{field}.text: at most {most} bytes, got {size}")
     _check_count(f"{field}.replay_ids", len(g.replay_ids), limits.max_context_len, "ids")
     _check_range(f"{field}.replay_ids[{{}}]", g.replay_ids, limits.vocab_size, "the vocabulary")
 

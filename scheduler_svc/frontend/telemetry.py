@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from scheduler_svc.contract import SamplingParams
 from scheduler_svc.frontend.validation import Compiled
+from stepahead.grammars import answer_kind
 from stepahead.loop_metrics import LoopHistogram, LoopHistogramChild
 from stepahead.metrics import FINISH_REASONS, LATENCY_BUCKETS, STEP_BUCKETS
 from stepahead.protocol import CONSTRAINT_KINDS
@@ -91,7 +92,7 @@ class FrontendTelemetry:
 
     def admitted(self, params: SamplingParams) -> None:
         if params.constraint is not None:
-            self.constrained[params.constraint.kind].inc()
+            self.constrained[answer_kind(params.constraint)].inc()
 
 
 class _FrontendCpu(Collector):

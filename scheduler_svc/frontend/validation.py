@@ -8,6 +8,7 @@ costliest one (milliseconds, up to seconds for a large schema).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -38,7 +39,13 @@ from scheduler_svc.frontend.tools import (
     compile_tools,
     tool_constraint,
 )
-from stepahead.grammars import ANY_JSON_OBJECT, GrammarError, compile_constraint, is_cached
+from stepahead.grammars import (
+    ANY_JSON_OBJECT,
+    GrammarError,
+    compile_constraint,
+    is_cached,
+    thinking_constraint,
+)
 from stepahead.protocol import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind, WorkerInfo
 from stepahead.v1 import generation_pb2
 
@@ -136,25 +143,29 @@ def validate_request(
         )
     compiled = None if requested is None else _compile(requested)  # the costliest check, last
     calls = fmt if requested is not None and requested.tools is not None else None
-    reasoning = _reasoning(request, chat, rendered, requested)
+    reasoning = _reasoning(request, chat, rendered)
+    if reasoning is not None and params.constraint is not None and not _free_until_a_call(requested):
+        # the answer is held to the constraint, the thinking before it free (compiled: the
+        # answer's grammar is cached, and the worker compiles the same)
+        thinking = thinking_constraint(params.constraint, reasoning)
+        compile_constraint(thinking)
+        params = dataclasses.replace(params, constraint=thinking)
     return ValidRequest(prompt_ids, params, n, compiled, calls, reasoning)
 
 
 def _reasoning(
-    request: generation_pb2.GenerateRequest,
-    chat: ChatTemplate | None,
-    rendered: str,
-    requested: RequestedConstraint | None,
+    request: generation_pb2.GenerateRequest, chat: ChatTemplate | None, rendered: str
 ) -> bool | None:
     """Whether a chat reply's thinking is split from its text, and whether it starts inside it
-    (None: not split). A reply whose grammar holds it from the first token (a structured output,
-    calls required) does not think, and a prompt that opened a `<think>` would make all of it
-    reasoning; tool choice `auto` leaves it free text until a call opens."""
+    (None: not split)."""
     if not rendered or chat is None or not chat.thinks or not request.messages.separate_reasoning:
         return None
-    if requested is not None and (requested.tools is None or requested.tools.choice.mode != "auto"):
-        return None
     return starts_inside(rendered)
+
+
+def _free_until_a_call(requested: RequestedConstraint | None) -> bool:
+    """Tool choice `auto`: the reply is free text until a call opens, its thinking included."""
+    return requested is not None and requested.tools is not None and requested.tools.choice.mode == "auto"
 
 
 def prompt_ids(

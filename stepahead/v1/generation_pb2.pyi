@@ -219,9 +219,9 @@ class ChatMessages(_message.Message):
     """
     separate_reasoning: _builtins.bool
     """True, with a reasoning model (its template writes `</think>`, and its tokenizer's text keeps
-    the tags): the reply's thinking comes back in GenerateResponse.reasoning_text, not in `text`.
-    Not with a structured output (its grammar holds the reply from the first token: it does not
-    think). False: the thinking is text, tags and all.
+    the tags): the reply's thinking comes back in GenerateResponse.reasoning_text, not in `text`,
+    and a structured output or required call holds the answer after it, not the thinking. False:
+    the thinking is text, tags and all, and a constraint holds the reply from its first token.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
