@@ -336,7 +336,7 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
     ),
     ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, 400, "tool_choice.name"),
     ({"tool_choice": {"type": "sometimes"}}, 400, "tool_choice.type"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "thinking.type"),
+    ({"thinking": {"type": "always"}}, 400, "thinking.type"),
     ({"output_config": {"effort": "high"}}, 400, "output_config.effort"),
     (
         {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},

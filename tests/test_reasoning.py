@@ -2,9 +2,11 @@
 split itself, however the text is cut into pieces; and through a frontend whose core is scripted
 (tests/test_openai_sampling.py), what the official `openai` client gets: `reasoning_content` (and
 vLLM's newer `reasoning`) beside `content`, whole and streamed, with tool calls after the
-thinking, and where the split does not apply (a structured output, `separate_reasoning: false`,
---reasoning-parser none, a template that does not think, the Responses API). gRPC clients get
-`reasoning_text`."""
+thinking, a structured answer after it, and where the split does not apply
+(`separate_reasoning: false`, --reasoning-parser none, a template that does not think); the
+Responses API's reasoning items and the Messages API's thinking blocks, given back in the next
+turn. gRPC clients get `reasoning_text`. The grammar that lets a reply think before a held answer
+is walked on the matcher, and served over the services with the sim's checked masks."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import random
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anthropic
 import httpx2
 import openai
 import pytest
@@ -346,10 +349,94 @@ async def test_a_structured_answer_after_the_thinking(template: str) -> None:
     ) == {"a": 7}
 
 
-async def test_the_responses_api_keeps_the_thinking_in_its_text(s: Scripted) -> None:
+async def test_the_responses_api_gives_a_reasoning_item_before_the_answer(s: Scripted) -> None:
     create = s.client.responses.create(model="scripted", input="Hi", max_output_tokens=200)
     done = await served(s, create, REPLY)
-    assert done.output_text == REPLY
+    assert [item.type for item in done.output] == ["reasoning", "message"] and done.output_text == ANSWER
+    reasoning = done.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", THOUGHT)]
+    stream = await served(s, s.client.responses.create(model="scripted", input="Hi", stream=True), REPLY)
+    events = [event async for event in stream]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == THOUGHT and len(deltas) > 3
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [i.model_dump(exclude={"id"}) for i in final.response.output] == [
+        i.model_dump(exclude={"id"}) for i in done.output
+    ]
+    # the output given back as the next input: its thinking reaches the template with its answer
+    history = [{"role": "user", "content": "Hi"}, *[i.model_dump(exclude_none=True) for i in done.output]]
+    history.append({"role": "user", "content": "Bye"})
+    await served(s, s.client.responses.create(model="scripted", input=history), "Bye!")
+    prompt = bytes(s.core.specs[-1].prompt_ids).decode()
+    assert prompt == f"[user] Hi|[assistant] <think>{THOUGHT}</think>{ANSWER}|[user] Bye|[assistant] "
+
+
+async def test_a_responses_reply_cut_while_thinking_is_an_incomplete_reasoning_item(s: Scripted) -> None:
+    create = s.client.responses.create(model="scripted", input="Hi", max_output_tokens=200)
+    done = await served(s, create, "<think>Still", FinishReason.LENGTH)
+    assert done.status == "incomplete" and [i.type for i in done.output] == ["reasoning"]
+    assert done.output[0].status == "incomplete" and done.output_text == ""
+
+
+def claude_of(s: Scripted) -> anthropic.AsyncAnthropic:
+    """An Anthropic client of the scripted frontend."""
+    http = httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=build_app(s.frontend)), base_url="http://scripted"
+    )
+    return anthropic.AsyncAnthropic(base_url="http://scripted", api_key="-", max_retries=0, http_client=http)
+
+
+async def test_the_messages_api_gives_a_thinking_block_before_the_answer(s: Scripted) -> None:
+    async with claude_of(s) as claude:
+        ask: dict[str, Any] = {
+            "model": "scripted",
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
+        done = await served(s, claude.messages.create(**ask), REPLY)
+        assert [b.type for b in done.content] == ["thinking", "text"]
+        thinking, text = done.content
+        assert thinking.type == "thinking" and thinking.thinking == THOUGHT and thinking.signature == ""
+        assert text.type == "text" and text.text == ANSWER and done.stop_reason == "end_turn"
+
+        async def read() -> tuple[list[Any], Any]:
+            async with claude.messages.stream(**ask) as stream:
+                return [event async for event in stream], await stream.get_final_message()
+
+        events, final = await served(s, read(), REPLY)
+        deltas = [e.delta for e in events if e.type == "content_block_delta"]
+        assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == THOUGHT
+        assert [d.type for d in deltas].count("signature_delta") == 1
+        assert final.model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+        # the thinking given back reaches the template; `thinking` reaches it as enable_thinking
+        turns = [*ask["messages"], {"role": "assistant", "content": [b.model_dump() for b in done.content]}]
+        turns.append({"role": "user", "content": "Bye"})
+        later = {**ask, "messages": turns, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        await served(s, claude.messages.create(**later), "Bye!")
+        prompt = bytes(s.core.specs[-1].prompt_ids).decode()
+        assert prompt == f"[user] Hi|[assistant] <think>{THOUGHT}</think>{ANSWER}|[user] Bye|[assistant] "
+
+
+async def test_the_messages_api_s_thinking_reaches_the_template_as_enable_thinking() -> None:
+    template = THINKS + "{% if enable_thinking is defined %}{{ enable_thinking }}{% endif %}"
+    async with (
+        scripted_with(template) as s,
+        anthropic.AsyncAnthropic(
+            base_url="http://scripted", api_key="-", max_retries=0, http_client=s.client._client
+        ) as claude,
+    ):
+        for thinking, shown in (
+            ({"type": "enabled", "budget_tokens": 1024}, "True"),
+            ({"type": "disabled"}, "False"),
+            ({"type": "adaptive"}, ""),
+        ):
+            ask: dict[str, Any] = {"model": "scripted", "max_tokens": 200, "thinking": thinking}
+            await served(s, claude.messages.create(**ask, messages=[{"role": "user", "content": "Hi"}]), "ok")
+            assert bytes(s.core.specs[-1].prompt_ids).decode() == "[user] Hi|[assistant] " + shown
 
 
 async def test_a_turn_s_reasoning_content_reaches_the_template(s: Scripted) -> None:

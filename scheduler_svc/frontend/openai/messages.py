@@ -1,29 +1,30 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), served over
 the chat path as the Responses API is: a body is checked and mapped onto a chat completion's
 (`MessagesRequest.to_chat`), which the frontend admits as any other, and its one completion is
-shaped as a Message: content blocks (the text, then one `tool_use` block per tool call), Anthropic's
-stop reasons and usage, and, streamed, its events (`message_start`, `content_block_start`,
-`content_block_delta` with `text_delta` or `input_json_delta`, `content_block_stop`,
-`message_delta`, `message_stop`). `max_tokens` is a cap, as Anthropic's: a request is admitted
-with at most what the context leaves, and an answer the full context ended says
-`model_context_window_exceeded`. Errors have Anthropic's body (`{"type": "error", "error":
-{"type", "message"}}`), and the API key may come as `x-api-key`, as its clients send it.
+shaped as a Message: content blocks (a reasoning model's `thinking`, the text, then one `tool_use`
+block per tool call), Anthropic's stop reasons and usage, and, streamed, its events
+(`message_start`, `content_block_start`, `content_block_delta` with `thinking_delta` and
+`signature_delta`, `text_delta` or `input_json_delta`, `content_block_stop`, `message_delta`,
+`message_stop`). `max_tokens` is a cap, as Anthropic's: a request is admitted with at most what
+the context leaves, and an answer the full context ended says `model_context_window_exceeded`.
+Errors have Anthropic's body (`{"type": "error", "error": {"type", "message"}}`), and the API key
+may come as `x-api-key`, as its clients send it.
 
-Mapped: `system` (a string or text blocks), the `messages` (text, `tool_use` in an assistant turn,
-a system turn's text blocks,
-`tool_result` in a user turn: a tool message each; a last assistant turn is continued, as chat's
-`continue_final_message`), `stop_sequences`, `tools` (client tools: name, description,
-input_schema, strict) and `tool_choice` (`auto`, `any`, `tool`, `none`;
-`disable_parallel_tool_use`), `output_config.format` (a JSON schema the output is held to: chat's
-`response_format`), and the sampling settings Anthropic's API had and local servers keep
-(`temperature` 0-1, `top_p`, `top_k`). Accepted as hints that change no output: `cache_control`
-(top-level or on any block: the prefix cache needs no marks), `metadata.user_id`, `service_tier`,
-`speed`, `inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`, and `thinking` of type
-`disabled` or `adaptive` (no thinking budget is steered here; a reasoning model's thinking stays in the
-text). Refused by name: images and documents,
-server tools, thinking `enabled`, `output_config.effort`, `container`, `mcp_servers`, `max_tokens`
-0 (pre-warming a cache). The sampling extras of the chat body (`seed`, `ignore_eos`, ...) pass on
-as they are.
+Mapped: `system` (a string or text blocks), the `messages` (text, `tool_use` and `thinking` in an
+assistant turn (its thinking reaches the template as the turn's `reasoning_content`;
+`redacted_thinking` is dropped), a system turn's text blocks, `tool_result` in a user turn: a
+tool message each; a last assistant turn is continued, as chat's `continue_final_message`),
+`stop_sequences`, `tools` (client tools: name, description, input_schema, strict) and
+`tool_choice` (`auto`, `any`, `tool`, `none`; `disable_parallel_tool_use`), `output_config.format`
+(a JSON schema the answer is held to: chat's `response_format`), `thinking` (`enabled` and
+`disabled` reach the template as `enable_thinking`, which a reasoning model's reads; `adaptive`
+leaves it to the model; no budget is steered, and thinking blocks carry an empty signature), and
+the sampling settings Anthropic's API had and local servers keep (`temperature` 0-1, `top_p`,
+`top_k`). Accepted as hints that change no output: `cache_control` (top-level or on any block:
+the prefix cache needs no marks), `metadata.user_id`, `service_tier`, `speed`, `inference_geo`,
+`diagnostics`, `user_profile_id`, `workspace_id`. Refused by name: images and documents, server
+tools, `output_config.effort`, `container`, `mcp_servers`, `max_tokens` 0 (pre-warming a cache).
+The sampling extras of the chat body (`seed`, `ignore_eos`, ...) pass on as they are.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ NOT_SERVED = {
 }
 # Fields that change no output here: accepted, whatever their value.
 HINTS = ("cache_control", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id")
-THINKING_SERVED = ("disabled", "adaptive")  # adaptive: the model decides (no budget is steered here)
+# adaptive: the model decides; enabled and disabled reach the template as `enable_thinking` (a
+# reasoning model's that reads it, as Qwen3's); no budget is steered here
+THINKING_SERVED = ("disabled", "adaptive", "enabled")
 SERVED_BLOCKS = {
-    "assistant": "an assistant turn: only text and tool_use",
+    "assistant": "an assistant turn: only text, thinking and tool_use",
     "user": "a user turn: only text and tool_result",
 }
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named one
@@ -118,8 +121,6 @@ class MessagesRequest(BaseModel):
             _add_message(messages, names, message, f"messages[{i}]")
         body: dict[str, Any] = {
             "messages": messages,
-            # a reasoning model's thinking stays in the text: this API's thinking blocks are not served
-            "separate_reasoning": False,
             "stream": self.stream and not count_only,
         }
         last = messages[-1] if messages else None
@@ -144,6 +145,13 @@ class MessagesRequest(BaseModel):
             body["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
             body.update(_tool_choice(self.tool_choice))
+        thinking = None if self.thinking is None else self.thinking.get("type")
+        if thinking in ("enabled", "disabled"):
+            kwargs = body.get("chat_template_kwargs")
+            body["chat_template_kwargs"] = {
+                "enable_thinking": thinking == "enabled",
+                **(kwargs if isinstance(kwargs, dict) else {}),
+            }
         try:
             return ChatCompletionRequest.model_validate(body), names
         except ValidationError as exc:
@@ -158,10 +166,7 @@ class MessagesRequest(BaseModel):
             if extra.get(name) is not None:
                 raise FieldError(name, why)
         if self.thinking is not None and self.thinking.get("type") not in THINKING_SERVED:
-            raise FieldError(
-                "thinking.type",
-                "only disabled or adaptive is served: no thinking budget is steered here",
-            )
+            raise FieldError("thinking.type", f"must be one of {', '.join(THINKING_SERVED)}")
         if self.output_config is not None and self.output_config.effort is not None:
             raise FieldError("output_config.effort", "not served: no effort is steered here")
 
@@ -190,12 +195,17 @@ def _add_message(messages: list[dict[str, Any]], names: MessageFieldNames, messa
     if not isinstance(content, list):
         raise FieldError(f"{at}.content", "must be a string or a list of content blocks")
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         where = f"{at}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(string_field(block, "text", where))
+        elif kind == "thinking" and role == "assistant":  # a reply's, given back: its reasoning
+            thoughts.append(string_field(block, "thinking", where))
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # another server's, encrypted: nothing to show the template
         elif kind == "tool_use" and role == "assistant":
             arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
             if not isinstance(block.get("input", {}), dict):
@@ -217,10 +227,12 @@ def _add_message(messages: list[dict[str, Any]], names: MessageFieldNames, messa
         else:
             served = SERVED_BLOCKS[role]
             raise FieldError(f"{where}.type", f"{str(kind)[:32]!r} is not served in {served} blocks are")
-    if texts or calls or not content:
+    if texts or calls or thoughts or not content:
         turn: dict[str, Any] = {"role": role, "content": "".join(texts) if texts or not calls else None}
         if calls:
             turn["tool_calls"] = calls
+        if thoughts:
+            turn["reasoning_content"] = "".join(thoughts)
         messages.append(turn)
         names.messages.append(at)
 
@@ -329,7 +341,7 @@ def stop(
 @dataclass
 class OpenBlock:
     index: int
-    kind: str  # "text" or "tool_use"
+    kind: str  # "thinking", "text" or "tool_use"
 
 
 class MessageShape:
@@ -370,9 +382,13 @@ class MessageShape:
         finish: FinishReason | None,
         stop_reason: str | int | None,
         counts: tuple[int, int, int],
+        thinking: str = "",
     ) -> dict[str, Any]:
-        """The whole message; `calls`: (call id, name, arguments) of each call made."""
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        """The whole message; `calls`: (call id, name, arguments) of each call made; `thinking`:
+        a reasoning model's, a thinking block before the rest."""
+        content: list[dict[str, Any]] = [_thinking(thinking)] if thinking else []
+        if text:
+            content.append({"type": "text", "text": text})
         for call_id, name, arguments in calls:
             content.append(_tool_use(call_id, name, arguments))
         short = counts[1] < self.max_tokens
@@ -384,15 +400,23 @@ class MessageShape:
         message = self.message([], None, None, usage(prompt_tokens, 0, cached_tokens))
         return [{"type": "message_start", "message": message}]
 
+    def thinking(self, delta: str) -> list[dict[str, Any]]:
+        """A piece of the thinking: in a thinking block, before the answer's."""
+        return self._piece("thinking", delta)
+
     def text(self, delta: str) -> list[dict[str, Any]]:
+        return self._piece("text", delta)
+
+    def _piece(self, kind: Literal["thinking", "text"], delta: str) -> list[dict[str, Any]]:
+        """A piece of a `kind` block's text: the open one's, or a new one's."""
         if not delta:
             return []
         events = []
-        if self._open is None or self._open.kind != "text":
+        if self._open is None or self._open.kind != kind:
             events += self._close()
-            events += self._start("text", {"type": "text", "text": ""})
+            events += self._start(kind, _thinking("") if kind == "thinking" else {"type": "text", "text": ""})
         assert self._open is not None
-        events.append(_delta(self._open.index, {"type": "text_delta", "text": delta}))
+        events.append(_delta(self._open.index, {"type": f"{kind}_delta", kind: delta}))
         return events
 
     def calls(self, deltas: Sequence[CallDelta]) -> list[dict[str, Any]]:
@@ -432,8 +456,20 @@ class MessageShape:
         return [{"type": "content_block_start", "index": self._open.index, "content_block": block}]
 
     def _close(self) -> list[dict[str, Any]]:
+        """The open block's end; a thinking block's signature first (none is made here: "")."""
         block, self._open = self._open, None
-        return [] if block is None else [{"type": "content_block_stop", "index": block.index}]
+        if block is None:
+            return []
+        stop = {"type": "content_block_stop", "index": block.index}
+        if block.kind == "thinking":
+            return [_delta(block.index, {"type": "signature_delta", "signature": ""}), stop]
+        return [stop]
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    """A thinking block; its signature is empty: none is made here, and none is checked when a
+    turn gives its thinking back."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:

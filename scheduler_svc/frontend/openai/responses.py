@@ -167,8 +167,6 @@ class ResponsesRequest(BaseModel):
                 _add_item(messages, names, item, f"input[{i}]")
         body: dict[str, Any] = {
             "messages": messages,
-            # a reasoning model's thinking stays in the text: this API's reasoning items are not served
-            "separate_reasoning": False,
             "stream": self.stream,
         }
         if self.stream:
@@ -250,15 +248,33 @@ class ResponsesRequest(BaseModel):
 
 def _add_item(messages: list[dict[str, Any]], names: ChatFieldNames, item: dict[str, Any], at: str) -> None:
     """One input item as chat messages: a message; a function call, joined to the assistant
-    turn just before it (a reply's calls are one chat message); a call's output, a tool message."""
+    turn just before it (a reply's calls are one chat message); a call's output, a tool message;
+    a reasoning item (a reply's thinking, as this API returned it), an assistant turn's
+    `reasoning_content`, which the message or calls after it join."""
     kind = item.get("type", "message")
+    last = messages[-1] if messages else None
+    thinking = (
+        last is not None
+        and last["role"] == "assistant"
+        and last["content"] is None
+        and "tool_calls" not in last
+    )
     if kind == "message":
         role = item.get("role")
         if role not in MESSAGE_ROLES:
             raise FieldError(
                 f"{at}.role", f"must be one of {', '.join(MESSAGE_ROLES)}, got {str(role)[:32]!r}"
             )
-        messages.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+        content = _text(item.get("content"), f"{at}.content")
+        if role == "assistant" and thinking and last is not None:
+            last["content"] = content  # the answer its thinking led to
+            return
+        messages.append({"role": role, "content": content})
+        names.messages.append(at)
+    elif kind == "reasoning":
+        messages.append(
+            {"role": "assistant", "content": None, "reasoning_content": _reasoning_text(item, at)}
+        )
         names.messages.append(at)
     elif kind == "function_call":
         call = {
@@ -269,7 +285,6 @@ def _add_item(messages: list[dict[str, Any]], names: ChatFieldNames, item: dict[
                 "arguments": string_field(item, "arguments", at),
             },
         }
-        last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             calls = last.setdefault("tool_calls", [])
         else:
@@ -288,8 +303,23 @@ def _add_item(messages: list[dict[str, Any]], names: ChatFieldNames, item: dict[
     else:
         raise FieldError(
             f"{at}.type",
-            f"not served: {str(kind)[:32]!r} (only message, function_call and function_call_output items)",
+            f"not served: {str(kind)[:32]!r} (only message, reasoning, function_call and "
+            "function_call_output items)",
         )
+
+
+def _reasoning_text(item: dict[str, Any], at: str) -> str:
+    """A reasoning item's thinking: its `reasoning_text` parts (else its summary's text)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise FieldError(f"{at}.content", "must be a list of reasoning_text parts")
+    texts = []
+    for j, part in enumerate(parts):
+        text = part.get("text") if isinstance(part, dict) else None
+        if not isinstance(text, str):
+            raise FieldError(f"{at}.content[{j}].text", "required, a string")
+        texts.append(text)
+    return "".join(texts)
 
 
 def string_field(item: dict[str, Any], key: str, at: str) -> str:
@@ -405,10 +435,16 @@ class ResponseShape:
         calls: Sequence[tuple[str, str, str]],
         finish: FinishReason | None,
         counts: tuple[int, int, int],
+        reasoning: str = "",
     ) -> dict[str, Any]:
-        """The whole response; `calls`: (call id, name, arguments) of each call made."""
+        """The whole response; `calls`: (call id, name, arguments) of each call made;
+        `reasoning`: a reasoning model's thinking, a reasoning item before the rest."""
         status, incomplete = _status(finish)
-        if text or not calls:
+        if reasoning:
+            self._output.append(
+                _reasoning(f"rs_{_hex()}", status if not (text or calls) else "completed", reasoning)
+            )
+        if text or not (calls or reasoning):
             self._output.append(_message(f"msg_{_hex()}", status, text, logprobs))
         for i, (call_id, name, arguments) in enumerate(calls):  # the last may be cut by the length
             self._output.append(
@@ -445,6 +481,31 @@ class ResponseShape:
         self._open.logprobs += logprobs
         where = self._where()
         events.append(self.event("response.output_text.delta", **where, delta=delta, logprobs=logprobs))
+        return events
+
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        """A piece of the thinking: in a reasoning item, before the answer."""
+        if not delta:
+            return []
+        events = []
+        if self._open is None or self._open.item["type"] != "reasoning":
+            events += self._close()
+            item = {
+                "id": f"rs_{_hex()}",
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+            self._open = OpenItem(len(self._output), item)
+            self._output.append(item)
+            events += [
+                self.event("response.output_item.added", output_index=self._open.index, item=item),
+                self.event("response.content_part.added", **self._where(), part=_reasoning_part("")),
+            ]
+        assert self._open is not None
+        self._open.text.append(delta)
+        events.append(self.event("response.reasoning_text.delta", **self._where(), delta=delta))
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
@@ -526,6 +587,15 @@ class ResponseShape:
                 ),
                 self.event("response.output_item.done", output_index=item.index, item=done),
             ]
+        if item.item["type"] == "reasoning":
+            done = _reasoning(item.item["id"], status, text)
+            self._output[item.index] = done
+            where = {**self._where_of(item), "content_index": 0}
+            return [
+                self.event("response.reasoning_text.done", **where, text=text),
+                self.event("response.content_part.done", **where, part=_reasoning_part(text)),
+                self.event("response.output_item.done", output_index=item.index, item=done),
+            ]
         message = _message(item.item["id"], status, text, item.logprobs)
         self._output[item.index] = message
         where = {**self._where_of(item), "content_index": 0}
@@ -553,6 +623,20 @@ def _status(finish: FinishReason | None) -> tuple[str, str | None]:
 def _message(item_id: str, status: str, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+
+def _reasoning(item_id: str, status: str, text: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [_reasoning_part(text)],
+        "status": status,
+    }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _function_call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

@@ -352,10 +352,11 @@ class OpenAIApi:
         shape = ResponseShape(rid, served, body)
 
         def whole(choice: Choice) -> dict[str, Any]:
+            thought = choice.take_reasoning()
             text, token_ids, token_logprobs, calls = choice.pending()
             logprobs = _text_logprobs(choice, token_ids, token_logprobs)
             made = [(c.id, c.name, c.arguments) for c in merge_deltas(calls)]
-            return shape.whole(text, logprobs, made, choice.finish, _counts(completions, [choice]))
+            return shape.whole(text, logprobs, made, choice.finish, _counts(completions, [choice]), thought)
 
         messages = self._frontend.telemetry.messages
         return await self._one_choice(
@@ -374,10 +375,11 @@ class OpenAIApi:
         shape = anthropic.MessageShape(rid, served, body.max_tokens)
 
         def whole(choice: Choice) -> dict[str, Any]:
+            thought = choice.take_reasoning()
             text, _, _, calls = choice.pending()
             made = [(c.id, c.name, c.arguments) for c in merge_deltas(calls)]
             counts = _counts(completions, [choice])
-            return shape.whole(text, made, choice.finish, choice.stop_reason, counts)
+            return shape.whole(text, made, choice.finish, choice.stop_reason, counts, thought)
 
         messages = self._frontend.telemetry.messages
         return await self._one_choice(
@@ -828,10 +830,15 @@ class Choice:
         self.texts, self.token_ids, self.token_logprobs, self.calls = [], [], [], []
         return pending
 
+    def take_reasoning(self) -> str:
+        """The thinking pending, taken."""
+        reasoning, self.reasoning = "".join(self.reasoning), []
+        return reasoning
+
     def take(self, ids: ResponseIds, chunk: bool) -> dict[str, Any]:
         """What is pending, as the choice of a body or of a chunk."""
+        reasoning = self.take_reasoning()
         text, token_ids, token_logprobs, calls = self.pending()
-        reasoning, self.reasoning = "".join(self.reasoning), []
         logprobs = None if self.logprobs is None else self.logprobs.format(token_ids, token_logprobs)
         return ids.choice(self.index, text, self.finish, chunk, logprobs, calls, self.stop_reason, reasoning)
 
@@ -958,8 +965,9 @@ async def _response_events(
     """A response's stream: the Responses API's typed events, each named by its `event:` line."""
 
     def pending(choice: Choice) -> list[dict[str, Any]]:
+        events = shape.reasoning(choice.take_reasoning())
         text, token_ids, token_logprobs, calls = choice.pending()
-        events = shape.text(text, _text_logprobs(choice, token_ids, token_logprobs)) + shape.calls(calls)
+        events += shape.text(text, _text_logprobs(choice, token_ids, token_logprobs)) + shape.calls(calls)
         if choice.finish is not None:
             events += shape.finished(choice.finish, _counts(completions, [choice]))
         return events
@@ -978,8 +986,9 @@ async def _message_events(
     of the engine after the first event ends it with an `error` event."""
 
     def pending(choice: Choice) -> list[dict[str, Any]]:
+        events = shape.thinking(choice.take_reasoning())
         text, _, _, calls = choice.pending()
-        events = shape.text(text) + shape.calls(calls)
+        events += shape.text(text) + shape.calls(calls)
         if choice.finish is not None:
             events += shape.finished(choice.finish, choice.stop_reason, _counts(completions, [choice]))
         return events
