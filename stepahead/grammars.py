@@ -48,16 +48,18 @@ JSON_LAYOUT: JsonCompileOptions = {
     "key_separator": ": ",
 }
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object
-# The thinking before an answer (`@answer`, the constraint's own grammar): one block, free text
-# up to the first `</think>` (a lazy lexeme), then up to two newlines. A reply may open it, or
-# answer at once; one whose prompt opened it is inside it from its first token.
-MAY_THINK = """start: @answer | thought @answer | thought GAP @answer
-thought[lazy]: /<think>(.|\\n)*<\\/think>/
-GAP: /\\n\\n?/
-"""
-THINKING = """start: thought @answer | thought GAP @answer
-thought[lazy]: /(.|\\n)*<\\/think>/
-GAP: /\\n\\n?/
+# The thinking before an answer (`@answer`, the constraint's own grammar): one block, then up to
+# two newlines. A reply may open it, or answer at once; one whose prompt opened it is inside it
+# from its first token. Written as text (free text up to the first `</think>`: a lazy lexeme),
+# or, where the tags are tokens added to the vocabulary (Qwen3's), as those tokens, which the
+# grammar engine takes as special: named by id, and never part of a text lexeme.
+THOUGHT_AS_TEXT = {
+    False: r"thought[lazy]: /<think>(.|\n)*<\/think>/",
+    True: r"thought[lazy]: /(.|\n)*<\/think>/",
+}
+THOUGHT_AS_TOKENS = {False: "thought: <[{open}]> THOUGHT? <[{close}]>", True: "thought: THOUGHT? <[{close}]>"}
+THOUGHT_RULES = r"""THOUGHT: /(.|\n)+/
+GAP: /\n\n?/
 """
 
 
@@ -113,28 +115,36 @@ def compile_constraint(constraint: Constraint) -> str:
     return grammar
 
 
-def thinking_constraint(answer: Constraint, inside: bool) -> Constraint:
+def thinking_constraint(answer: Constraint, inside: bool, tags: tuple[int, int] | None = None) -> Constraint:
     """`answer` held after a reasoning model's thinking: a reply that may open a `<think>` block
-    first, or (`inside`: its prompt opened one) is in one from its first token."""
-    return Constraint("thinking", f"{int(inside)} {answer.kind}\n{answer.text}")
+    first, or (`inside`: its prompt opened one) is in one from its first token. `tags`: the ids
+    of `<think>` and `</think>` where they are tokens added to the vocabulary (None: text)."""
+    opening, closing = tags or (-1, -1)
+    return Constraint("thinking", f"{int(inside)} {answer.kind} {opening} {closing}\n{answer.text}")
 
 
 def answer_kind(constraint: Constraint) -> ConstraintKind:
     """The client's kind of constraint: a thinking constraint's answer's."""
     if constraint.kind != "thinking":
         return constraint.kind
-    return cast(ConstraintKind, constraint.text.partition("\n")[0].partition(" ")[2])
+    return cast(ConstraintKind, constraint.text.partition("\n")[0].split(" ")[1])
 
 
 def _thinking(text: str) -> str:
     """The grammar of a `thinking_constraint`: its answer's grammar, named, after the thought."""
     header, _, body = text.partition("\n")
-    inside, kind = header.split(" ")
+    inside_flag, kind, opening, closing = header.split(" ")
     if kind not in ("json", "regex", "choice", "grammar"):
         raise ValueError(f"a thinking constraint's answer is json, regex, choice or grammar, not {kind!r}")
     answer = compile_constraint(Constraint(cast(ConstraintKind, kind), body))
     entry = {"lark_grammar": answer} if kind == "grammar" else json.loads(answer)["grammars"][0]
-    wrapper = THINKING if inside == "1" else MAY_THINK
+    inside = inside_flag == "1"
+    if int(closing) >= 0:
+        thought = THOUGHT_AS_TOKENS[inside].format(open=int(opening), close=int(closing))
+    else:
+        thought = THOUGHT_AS_TEXT[inside]
+    start = "start: thought @answer | thought GAP @answer" + ("" if inside else " | @answer")
+    wrapper = f"{start}\n{thought}\n{THOUGHT_RULES}"
     return json.dumps({"grammars": [{"lark_grammar": wrapper}, {**entry, "name": "answer"}]})
 
 

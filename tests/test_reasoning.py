@@ -30,7 +30,7 @@ from scheduler_svc.frontend.api_config import ClientApiConfig
 from scheduler_svc.frontend.frontend import Frontend, FrontendConfig
 from scheduler_svc.frontend.grpc_api import _response
 from scheduler_svc.frontend.openai.routes import build_app
-from scheduler_svc.frontend.reasoning import ReasoningSplit, starts_inside, thinks
+from scheduler_svc.frontend.reasoning import ReasoningSplit, starts_inside, tag_tokens, thinks
 from scheduler_svc.frontend.tokenizer import ByteTokenizer, HFTokenizer
 from scheduler_svc.frontend.tools import Tool, ToolChoice, tool_constraint
 from scheduler_svc.process.cli import parse_args
@@ -153,6 +153,45 @@ def test_a_tokenizer_s_added_tags_think_unless_special(special: bool) -> None:
     tokenizer = HFTokenizer(raw.to_str().encode())
     assert len(tokenizer.encode("<think>a</think>", add_special_tokens=False)) == 3
     assert thinks(THINKS, tokenizer) is not special
+
+
+def test_the_grammar_takes_a_tokenizer_s_added_tags_as_one_token_each() -> None:
+    """Qwen3's tags are tokens added to the vocabulary, which the grammar engine takes as special
+    (never text of a lexeme): the grammar names them by id (`tag_tokens`), so the reply may open
+    the thinking with its `<think>` token and leave it with `</think>`, as the model writes them."""
+    raw = HFRawTokenizer.from_str(byte_level_bpe_json().decode())
+    raw.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tags = tag_tokens(HFTokenizer(raw.to_str().encode()))
+    assert tags is not None and tag_tokens(ByteTokenizer()) is None
+    opening, closing = tags
+    vocab = raw.get_vocab_size()
+    table = MatcherTable(
+        grammar_tokenizer(TokenizerSpec("hf", hf_json=raw.to_str().encode()), vocab, (0,)), vocab
+    )
+
+    def free(slot: int) -> set[int]:
+        mask = new_bitmask(1, vocab)
+        table.fill_mask(slot, mask, 0)
+        return {i for i in range(vocab) if allowed(mask, vocab)[0, i]}
+
+    digits = Constraint("regex", "[0-9]+")
+    table.start(0, digits)
+    answer_start = free(0)
+    for slot, inside in ((1, False), (2, True)):
+        table.start(slot, thinking_constraint(digits, inside, tags))
+        if not inside:
+            assert free(slot) == answer_start | {opening}
+            table.advance(slot, opening)
+        assert closing in free(slot) and opening not in free(slot)
+        for token in raw.encode("I think 4 < 5, so: </thi", add_special_tokens=False).ids:
+            table.advance(slot, token)
+        table.advance(slot, closing)
+        assert free(slot) - answer_start == set(raw.encode("\n", add_special_tokens=False).ids)
+        for token in raw.encode("\n\n42", add_special_tokens=False).ids:
+            table.advance(slot, token)
+    # as text, the tags would not match the added tokens: the reply could not think
+    table.start(3, thinking_constraint(digits, False))
+    assert opening not in free(3)
 
 
 # ---- the grammar: the thinking free, the answer held -----------------------------------------

@@ -11,8 +11,12 @@ import random
 
 import jsonschema
 import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFRawTokenizer
 
+from scheduler_svc.frontend.tokenizer import ByteTokenizer, HFTokenizer
 from scheduler_svc.frontend.tools import (
+    CALL_CLOSE,
     CALL_OPEN,
     DEFAULT_FORMAT,
     HERMES_FORMAT,
@@ -24,6 +28,7 @@ from scheduler_svc.frontend.tools import (
     ToolCall,
     ToolChoice,
     ToolError,
+    call_tags,
     check_tools,
     compile_tools,
     merge_deltas,
@@ -32,7 +37,9 @@ from scheduler_svc.frontend.tools import (
     tool_constraint,
     tools_system_prompt,
 )
+from stepahead.grammars import GrammarError
 from stepahead.protocol import Constraint, TokenizerSpec
+from tests.test_tokenizer import byte_level_bpe_json
 from worker_svc.grammar import MatcherTable, allowed, grammar_tokenizer, new_bitmask
 
 VOCAB, EOS = 258, 257
@@ -249,3 +256,50 @@ def test_a_template_that_writes_hermes_calls_gets_their_layout(table: MatcherTab
             reply = parse_reply(word, HERMES_FORMAT)
             assert reply.calls, word
             check_calls(reply.calls, set(SCHEMAS))
+
+
+def test_a_vocabulary_s_call_tags_are_taken_as_the_tokens_the_model_writes() -> None:
+    """Qwen's `<tool_call>` and `</tool_call>` are tokens added to its vocabulary, which the
+    grammar engine takes as special (never text): the grammar allows them by id (`call_tags`),
+    beside their text, so a call may open and close with the tokens the model was tuned on."""
+    raw = HFRawTokenizer.from_str(byte_level_bpe_json().decode())
+    raw.add_tokens([AddedToken(CALL_OPEN, special=False), AddedToken(CALL_CLOSE, special=False)])
+    tokenizer = HFTokenizer(raw.to_str().encode())
+    tags = call_tags(HERMES_FORMAT, tokenizer)
+    assert tags is not None and call_tags(HERMES_FORMAT, ByteTokenizer()) is None
+    opening, closing = tags
+    vocab = raw.get_vocab_size()
+    tokens = MatcherTable(
+        grammar_tokenizer(TokenizerSpec("hf", hf_json=raw.to_str().encode()), vocab, (0,)), vocab
+    )
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+    def ids(text: str) -> list[int]:
+        return list(raw.encode(text, add_special_tokens=False).ids)
+
+    def takes(constraint: Constraint | None, reply: list[int]) -> bool:
+        assert constraint is not None
+        tokens.start(0, constraint)
+        try:
+            for token in reply:
+                mask = new_bitmask(1, vocab)
+                tokens.fill_mask(0, mask, 0)
+                if not allowed(mask, vocab)[0, token]:
+                    return False
+                tokens.advance(0, token)  # as text only, the mask offers the tag's token, which it refuses
+            return True
+        except GrammarError:
+            return False
+        finally:
+            tokens.release(0)
+
+    as_tokens = [opening, *ids("\n" + call + "\n"), closing]
+    for mode, before in (("required", []), ("auto", ids("Let me add. "))):
+        choice = ToolChoice(mode)  # type: ignore[arg-type]
+        reply = before + as_tokens
+        assert takes(tool_constraint(TOOLS, choice, True, HERMES_FORMAT, tags), reply), mode
+        assert not takes(tool_constraint(TOOLS, choice, True, HERMES_FORMAT), reply), mode  # as text only
+        spelled = before + ids(HERMES_FORMAT.open + call + HERMES_FORMAT.close)
+        assert takes(tool_constraint(TOOLS, choice, True, HERMES_FORMAT, tags), spelled), mode
+        parsed = parse_reply(raw.decode(reply, skip_special_tokens=True), HERMES_FORMAT)
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 1, "b": 2})]

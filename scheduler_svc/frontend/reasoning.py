@@ -33,6 +33,13 @@ def thinks(template: str, tokenizer: Tokenizer) -> bool:
     return THINK_CLOSE in template and all(_round_trip(tokenizer, tag) == tag for tag in tags)
 
 
+def tag_tokens(tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` where both are tokens added to the vocabulary (as
+    Qwen3's are), which a grammar names by id; None: they are text."""
+    opening, closing = tokenizer.added_token(THINK_OPEN), tokenizer.added_token(THINK_CLOSE)
+    return None if opening is None or closing is None else (opening, closing)
+
+
 def _round_trip(tokenizer: Tokenizer, text: str) -> str:
     decoder = tokenizer.new_decoder()
     return decoder.push(tokenizer.encode(text, add_special_tokens=False)) + decoder.flush()

@@ -60,6 +60,11 @@ class Tokenizer(Protocol):
         an id with no text. The log-probabilities name tokens by them."""
         ...
 
+    def added_token(self, text: str) -> int | None:
+        """The id of the token added to the vocabulary as `text` (the grammar engine takes such
+        a token as special: a grammar names it by id, not by its text); None: there is none."""
+        ...
+
 
 class Utf8ByteDecoder:
     """Decoder for byte ids: ids 0..255 are UTF-8 bytes, every other id decodes to nothing."""
@@ -118,6 +123,9 @@ class ByteTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes((token_id,)) if 0 <= token_id < NUM_BYTE_IDS else b""
+
+    def added_token(self, text: str) -> int | None:
+        return None
 
 
 class WindowedTokenDecoder:
@@ -238,6 +246,9 @@ class HFTokenizer:
         if known is None:
             known = self._bytes[token_id] = self._own_bytes(token_id)
         return known
+
+    def added_token(self, text: str) -> int | None:
+        return next((i for i, content in self._added.items() if content == text), None)
 
     def _own_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:

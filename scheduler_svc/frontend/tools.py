@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from scheduler_svc.frontend.tokenizer import Tokenizer
 from stepahead.grammars import JSON_LAYOUT, GrammarError, compile_constraint
 from stepahead.protocol import Constraint
 
@@ -149,25 +150,63 @@ def compile_tools(tools: list[Tool], constraint: Constraint, prefix: str = "") -
 
 
 def tool_constraint(
-    tools: list[Tool], choice: ToolChoice, parallel: bool = True, fmt: CallFormat | None = None
+    tools: list[Tool],
+    choice: ToolChoice,
+    parallel: bool = True,
+    fmt: CallFormat | None = None,
+    tags: tuple[int, int] | None = None,
 ) -> Constraint | None:
-    """The grammar a reply is held to (None: `none`, or no tools with `auto`)."""
+    """The grammar a reply is held to (None: `none`, or no tools with `auto`). `tags`: the ids of
+    `<tool_call>` and `</tool_call>` where they are tokens added to the vocabulary (Qwen's, with
+    Hermes' format): the grammar engine takes such tokens as special, never as text, so the
+    grammar allows them by id beside the tags' text, or the model could not write its own."""
     if choice.mode == "none" or not tools:
         return None
     fmt = fmt or DEFAULT_FORMAT
     allowed = [t for t in tools if choice.mode != "named" or t.name == choice.name]
-    body = f"call_body: %json {json.dumps(_call_schema(allowed))} {json.dumps(fmt.close)}"
-    more = f"({json.dumps(fmt.separator + fmt.open)} call_body)*" if parallel else ""
+    opening, closing = json.dumps(fmt.open), json.dumps(fmt.close)
+    token_opening = ""
+    if tags is not None:
+        token_opening = _around(f"<[{tags[0]}]>", "", fmt.open.removeprefix(CALL_OPEN))
+        opening += f" | {token_opening}"
+        closing += f" | {_around(f'<[{tags[1]}]>', fmt.close.removesuffix(CALL_CLOSE), '')}"
+    separator = f"{json.dumps(fmt.separator)} " if fmt.separator else ""
+    more = f"({separator}opening call_body)*" if parallel else ""
+    rules = [
+        f"call_body: %json {json.dumps(_call_schema(allowed))} closing",
+        f"opening: {opening}",
+        f"closing: {closing}",
+    ]
     if choice.mode == "auto":
-        opening = _lark_regex(fmt.open)
+        text_opening = _lark_regex(fmt.open)
+        starts = ["TEXT", f"head call_body {more}"]
+        if token_opening:  # text (never the tag's text) up to the tag's token
+            starts.append(f"TEXT? {token_opening} call_body {more}")
         rules = [
-            f"start: TEXT | head call_body {more}",
-            f"TEXT: /(.|\\n)*/ & ~/(?s:.*){opening}(?s:.*)/",
-            f"head[lazy]: /(.|\\n)*{opening}/",
+            f"start: {' | '.join(starts)}",
+            f"TEXT: /(.|\\n)*/ & ~/(?s:.*){text_opening}(?s:.*)/",
+            f"head[lazy]: /(.|\\n)*{text_opening}/",
+            *rules,
         ]
     else:
-        rules = [f"start: {json.dumps(fmt.open)} call_body {more}"]
-    return Constraint("grammar", "\n".join([*rules, body]) + "\n")
+        rules = [f"start: opening call_body {more}", *rules]
+    return Constraint("grammar", "\n".join(rules) + "\n")
+
+
+def call_tags(fmt: CallFormat, tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """The ids of the format's tags (`<tool_call>`, `</tool_call>`) where both are tokens added to
+    the vocabulary (None: they are text)."""
+    opening, closing = tokenizer.added_token(CALL_OPEN), tokenizer.added_token(CALL_CLOSE)
+    if opening is None or closing is None or not fmt.open.startswith(CALL_OPEN):
+        return None
+    return opening, closing
+
+
+def _around(token: str, before: str, after: str) -> str:
+    """A token between two literals (either may be empty), as a Lark sequence."""
+    return " ".join(
+        [*([json.dumps(before)] if before else []), token, *([json.dumps(after)] if after else [])]
+    )
 
 
 def _lark_regex(literal: str) -> str:

@@ -26,7 +26,7 @@ from scheduler_svc.contract import (
     SamplingParams,
 )
 from scheduler_svc.frontend.chat import RESERVED_VARIABLES, ChatMessage, ChatTemplate, ChatTemplateError
-from scheduler_svc.frontend.reasoning import starts_inside
+from scheduler_svc.frontend.reasoning import starts_inside, tag_tokens
 from scheduler_svc.frontend.tokenizer import Tokenizer
 from scheduler_svc.frontend.tools import (
     ANY_ARGUMENTS,
@@ -35,6 +35,7 @@ from scheduler_svc.frontend.tools import (
     ToolCall,
     ToolChoice,
     ToolError,
+    call_tags,
     check_tools,
     compile_tools,
     tool_constraint,
@@ -133,7 +134,8 @@ def validate_request(
     if (open_ended and sampling.max_new_tokens == 0) or capped:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
     fmt = chat.call_format if chat is not None else None
-    requested = _one_constraint(requested_constraint(sampling), tools, fmt)
+    tags = None if fmt is None else call_tags(fmt, tokenizer)
+    requested = _one_constraint(requested_constraint(sampling), tools, fmt, tags)
     params = _sampling_params(sampling, info.vocab_size, seed, requested)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)
     n = _completions(sampling)
@@ -147,7 +149,7 @@ def validate_request(
     if reasoning is not None and params.constraint is not None and not _free_until_a_call(requested):
         # the answer is held to the constraint, the thinking before it free (compiled: the
         # answer's grammar is cached, and the worker compiles the same)
-        thinking = thinking_constraint(params.constraint, reasoning)
+        thinking = thinking_constraint(params.constraint, reasoning, tag_tokens(tokenizer))
         compile_constraint(thinking)
         params = dataclasses.replace(params, constraint=thinking)
     return ValidRequest(prompt_ids, params, n, compiled, calls, reasoning)
@@ -599,11 +601,16 @@ def _tool_choice(chat: generation_pb2.ChatMessages) -> ToolChoice:
 
 
 def _one_constraint(
-    structured: RequestedConstraint | None, tools: ToolRequest | None, fmt: CallFormat | None
+    structured: RequestedConstraint | None,
+    tools: ToolRequest | None,
+    fmt: CallFormat | None,
+    tags: tuple[int, int] | None = None,
 ) -> RequestedConstraint | None:
     """The constraint the reply is held to: its `structured` one, or its tools' calls (one per
-    request: a reply is either)."""
-    calls = None if tools is None else tool_constraint(list(tools.tools), tools.choice, tools.parallel, fmt)
+    request: a reply is either); `tags`: the call tags' token ids (`call_tags`)."""
+    calls = (
+        None if tools is None else tool_constraint(list(tools.tools), tools.choice, tools.parallel, fmt, tags)
+    )
     if calls is None:
         return structured
     if structured is not None:
