@@ -17,11 +17,12 @@ from typing import Any
 import openai
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken
 
 from stepahead.processes import Service, serving_pair
 from tests.live import CALL_TIMEOUT_S, unused_port
 from tests.test_architectures import COMMON, FAMILY, transformers
+from tests.test_tokenizer import trained_byte_level_bpe
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: bos 1, eos 2 (COMMON's)
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -47,19 +48,10 @@ TOOLS: Any = [{"type": "function", "function": {"name": "temperature", "paramete
 
 def write_checkpoint(directory: pathlib.Path) -> None:
     """A byte-level BPE tokenizer (as Qwen's), its tags added, and a random Qwen3 of its size."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIALS,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(TRAINING, trainer)
+    tokenizer = trained_byte_level_bpe(SPECIALS, TRAINING)
     tokenizer.add_tokens([AddedToken(t, special=False) for t in ADDED])
     assert [tokenizer.token_to_id(t) for t in SPECIALS] == [0, 1, 2]
-    qwen3_ids.update({t: tokenizer.token_to_id(t) for t in ADDED})
+    qwen3_ids.update({t: tokenizer.token_to_id(t) or 0 for t in ADDED})
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "chat_template.jinja").write_text(TEMPLATE)
     config_class, extra = FAMILY["qwen3"]

@@ -76,18 +76,25 @@ def assert_whole_characters(chunks: Sequence[str]) -> None:
 # ---------------------------------------------------------------- test tokenizers
 
 
-def byte_level_bpe_json() -> bytes:
-    """Small byte-level BPE with a BOS post-processor; rare characters span several tokens."""
+def trained_byte_level_bpe(special_tokens: list[str], texts: list[str]) -> HFRawTokenizer:
+    """A small byte-level BPE (as GPT-2's and Qwen's) of 300 ids, trained on `texts`, its
+    `special_tokens` first."""
     tokenizer = HFRawTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<s>", "</s>"],
+        special_tokens=special_tokens,
         show_progress=False,
     )
-    tokenizer.train_from_iterator([*ASCII_TRAINING_TEXT, PARTLY_MERGED_TEXT], trainer)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def byte_level_bpe_json() -> bytes:
+    """Small byte-level BPE with a BOS post-processor; rare characters span several tokens."""
+    tokenizer = trained_byte_level_bpe(["<s>", "</s>"], [*ASCII_TRAINING_TEXT, PARTLY_MERGED_TEXT])
     bos_id = tokenizer.token_to_id("<s>")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", bos_id)]
