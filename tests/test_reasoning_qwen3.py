@@ -104,6 +104,20 @@ def test_a_required_call_is_written_with_the_vocabulary_s_tags(qwen3: Service) -
         )
 
 
+def test_under_tool_choice_auto_the_reply_may_think_then_call(qwen3: Service) -> None:
+    """The `<think>` token is no text, so `auto`'s free text alone would not allow it: the
+    thinking grammar goes before `auto`'s as before any other (forced by logit_bias)."""
+    weights = {"<think>": 100, "</think>": 100, "<tool_call>": 50}  # think first, then call
+    bias = {str(qwen3_ids[tag]): weight for tag, weight in weights.items()}
+    reply = ask(qwen3, tools=TOOLS, parallel_tool_calls=False, logit_bias=bias, logprobs=True)
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert [t.token for t in choice.logprobs.content[:3]] == ["<think>", "</think>", "<tool_call>"]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert json.loads(call.function.arguments)["unit"] in ("C", "F")
+
+
 def test_a_structured_answer_comes_after_the_thinking(qwen3: Service) -> None:
     """Forced by logit_bias (the grammar masks first, so only the tokens it allows can win): the
     reply opens its thinking with the `<think>` token; with `</think>` biased too it closes it at

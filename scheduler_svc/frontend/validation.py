@@ -146,9 +146,10 @@ def validate_request(
     compiled = None if requested is None else _compile(requested)  # the costliest check, last
     calls = fmt if requested is not None and requested.tools is not None else None
     reasoning = _reasoning(request, chat, rendered)
-    if reasoning is not None and params.constraint is not None and not _free_until_a_call(requested):
+    if reasoning is not None and params.constraint is not None:
         # the answer is held to the constraint, the thinking before it free (compiled: the
-        # answer's grammar is cached, and the worker compiles the same)
+        # answer's grammar is cached, and the worker compiles the same). Tool choice `auto` too:
+        # its free text is text, and the thinking's tags may be tokens (Qwen3's), never text.
         thinking = thinking_constraint(params.constraint, reasoning, tag_tokens(tokenizer))
         compile_constraint(thinking)
         params = dataclasses.replace(params, constraint=thinking)
@@ -163,11 +164,6 @@ def _reasoning(
     if not rendered or chat is None or not chat.thinks or not request.messages.separate_reasoning:
         return None
     return starts_inside(rendered)
-
-
-def _free_until_a_call(requested: RequestedConstraint | None) -> bool:
-    """Tool choice `auto`: the reply is free text until a call opens, its thinking included."""
-    return requested is not None and requested.tools is not None and requested.tools.choice.mode == "auto"
 
 
 def prompt_ids(
