@@ -107,10 +107,10 @@ async def measure(quick: bool, repeats: int) -> list[tuple[str, Stall, Stall]]:
                 at_once_choice, sliced_choice = whole_choice(tokens, rng), whole_choice(tokens, rng)
 
                 async def at_once(c: openai_api.Choice = at_once_choice) -> object:
-                    return json.dumps(ids.body([c.take(ids, chunk=False)], (1, tokens, 0))).encode()
+                    return json.dumps(ids.body([c.take(ids, chunk=False)], (1, tokens, 0, 0))).encode()
 
                 async def sliced(c: openai_api.Choice = sliced_choice) -> object:
-                    return await openai_api._whole_body(ids, [c], (1, tokens, 0))
+                    return await openai_api._whole_body(ids, [c], (1, tokens, 0, 0))
 
                 b, a = await stalls(at_once), await stalls(sliced)
                 del at_once_choice, sliced_choice

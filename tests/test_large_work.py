@@ -190,7 +190,7 @@ async def test_a_whole_body_built_in_slices_is_the_body_built_at_once(
             made.append(choice)
         return made
 
-    at_once = ids.body([choice.take(ids, chunk=False) for choice in choices()], (3, 2 * len(tokens), 0))
+    at_once = ids.body([choice.take(ids, chunk=False) for choice in choices()], (3, 2 * len(tokens), 0, 0))
     turns = 0
 
     async def count_turns() -> None:
@@ -200,7 +200,7 @@ async def test_a_whole_body_built_in_slices_is_the_body_built_at_once(
             await asyncio.sleep(0)
 
     counter = asyncio.ensure_future(count_turns())
-    sliced = await openai_api._whole_body(ids, choices(), (3, 2 * len(tokens), 0))
+    sliced = await openai_api._whole_body(ids, choices(), (3, 2 * len(tokens), 0, 0))
     counter.cancel()
     assert json.loads(sliced) == json.loads(json.dumps(at_once))
     assert turns >= len(tokens)  # tokens of 4 entries each: one a slice, a turn of the loop after each

@@ -61,6 +61,7 @@ DEFAULT_API = ClientApiConfig()
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 REPLY = "<think>\nThe user greets me.\nBe kind.\n</think>\n\nHello there!"
 THOUGHT, ANSWER = "The user greets me.\nBe kind.", "Hello there!"
+THINKING_BYTES = len(REPLY) - len("<think>") + 1 - len("\n\nHello there!")
 
 
 # ---- the split ------------------------------------------------------------------------------
@@ -306,6 +307,9 @@ async def test_the_thinking_is_reasoning_content_and_the_answer_content(s: Scrip
     extra = message.model_extra or {}
     assert extra["reasoning_content"] == THOUGHT and extra["reasoning"] == THOUGHT
     assert done.usage is not None and done.usage.completion_tokens == len(REPLY.encode()) + 1
+    # a byte a token: the thinking's, from the opening tag's last to the closing tag's
+    assert done.usage.completion_tokens_details is not None
+    assert done.usage.completion_tokens_details.reasoning_tokens == THINKING_BYTES
 
 
 async def test_streamed_pieces_join_into_the_whole_reply(s: Scripted) -> None:
@@ -392,6 +396,7 @@ async def test_the_responses_api_gives_a_reasoning_item_before_the_answer(s: Scr
     create = s.client.responses.create(model="scripted", input="Hi", max_output_tokens=200)
     done = await served(s, create, REPLY)
     assert [item.type for item in done.output] == ["reasoning", "message"] and done.output_text == ANSWER
+    assert done.usage is not None and done.usage.output_tokens_details.reasoning_tokens == THINKING_BYTES
     reasoning = done.output[0]
     assert reasoning.type == "reasoning" and reasoning.content is not None
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", THOUGHT)]
@@ -508,6 +513,7 @@ async def test_grpc_clients_get_reasoning_text(s: Scripted) -> None:
             await completions.ready.wait()
             responses += [_response(completions, i, chunk) for i, chunk in completions.take()]
     assert "".join(r.reasoning_text for r in responses) == THOUGHT
+    assert responses[-1].reasoning_tokens == THINKING_BYTES
     assert "".join(r.text for r in responses) == ANSWER
 
 

@@ -132,6 +132,8 @@ def test_a_structured_answer_comes_after_the_thinking(qwen3: Service) -> None:
     assert choice.finish_reason == "stop" and json.loads(choice.message.content or "")["unit"] in ("C", "F")
     assert choice.logprobs is not None and choice.logprobs.content is not None
     assert [t.token for t in choice.logprobs.content[:2]] == ["<think>", "</think>"]  # one token each
+    assert closed.usage is not None and closed.usage.completion_tokens_details is not None
+    assert closed.usage.completion_tokens_details.reasoning_tokens == 2  # the tags, an empty thought
     thinking = ask(qwen3, response_format=response_format, logit_bias={opening: 100}, max_tokens=40)
     choice, extra = thinking.choices[0], thinking.choices[0].message.model_extra or {}
     assert choice.finish_reason == "length" and choice.message.content is None and extra["reasoning_content"]

@@ -406,11 +406,15 @@ class Frontend:
     # ---- endings ---------------------------------------------------------------------------
 
     def _content(self, client: ClientRequest, text: str) -> str:
-        """Of a completion's new text, what is content; its reasoning and its calls' pieces go to
-        the stream."""
-        if client.reasoning is not None:
-            thought, text = client.reasoning.push(text)
+        """Of a completion's new text (a token's), what is content; its reasoning and its calls'
+        pieces go to the stream. A token is the thinking's while the reply is inside its
+        reasoning before or after it (the tags' tokens count)."""
+        split = client.reasoning
+        if split is not None:
+            before = split.thinking
+            thought, text = split.push(text)
             client.stream.put_reasoning(thought)
+            client.stream.reasoning_tokens += before or split.thinking
         return self._calls_of(client, text)
 
     def _calls_of(self, client: ClientRequest, text: str) -> str:

@@ -161,6 +161,8 @@ def _fill(
         response.tool_calls.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
     if chunk.reasoning:
         response.reasoning_text = chunk.reasoning
+    if chunk.reasoning_tokens:
+        response.reasoning_tokens = chunk.reasoning_tokens
 
 
 class Unparsable(Exception):

@@ -65,6 +65,11 @@ class ReasoningSplit:
         """Whether the reply is still in its reasoning (or may yet open it)."""
         return self._state != "content"
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply is inside its reasoning block."""
+        return self._state == "reasoning"
+
     def push(self, text: str) -> tuple[str, str]:
         """(reasoning, content) now sure of `text` and what was held."""
         held = self._held + text

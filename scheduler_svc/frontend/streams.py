@@ -32,8 +32,9 @@ class OutputChunk:
     # stop_reason); None for an EOS token, a grammar's end and every other finish.
     stop_reason: str | int | None = None
     # With separate_reasoning, of a reasoning model: the thinking new since the last chunk
-    # (never in `text`).
+    # (never in `text`), and of completion_tokens, the thinking's so far.
     reasoning: str = ""
+    reasoning_tokens: int = 0
 
 
 class OutputStream:
@@ -57,6 +58,7 @@ class OutputStream:
         self._decode: Callable[[list[int]], str] | None = None
         self._sent = 0
         self._interval = interval
+        self.reasoning_tokens = 0  # of the tokens put, those of the thinking (its tags included)
         self.done = False  # the finish has been taken
         self.error: tuple[grpc.StatusCode, str] | None = None
         self.ready = ready or asyncio.Event()
@@ -148,6 +150,7 @@ class OutputStream:
             self._prompt_logprobs,
             self._stop_reason if self._finish is not None else None,
             "".join(self._reasoning),
+            self.reasoning_tokens,
         )
         self._ids, self._text, self._reasoning, self._logprobs, self._calls = [], [], [], [], []
         self._prompt_logprobs = None

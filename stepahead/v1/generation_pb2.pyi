@@ -607,6 +607,7 @@ class GenerateResponse(_message.Message):
     STOP_STRING_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """Their decoded text; never half a UTF-8 character, never part of a stop string (but the
@@ -627,6 +628,8 @@ class GenerateResponse(_message.Message):
     stop_token_id: _builtins.int
     reasoning_text: _builtins.str
     """With messages.separate_reasoning: the thinking new since the previous message."""
+    reasoning_tokens: _builtins.int
+    """Of completion_tokens, those of the thinking (its tags' tokens included), so far."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens new since the previous message (several when the client lagged)."""
@@ -662,10 +665,11 @@ class GenerateResponse(_message.Message):
         stop_string: _builtins.str = ...,
         stop_token_id: _builtins.int = ...,
         reasoning_text: _builtins.str = ...,
+        reasoning_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "reasoning_text", b"reasoning_text", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "reasoning_text", b"reasoning_text", "reasoning_tokens", b"reasoning_tokens", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_string", "stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015

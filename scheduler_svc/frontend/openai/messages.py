@@ -39,7 +39,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler_svc.contract import FinishReason
-from scheduler_svc.frontend.openai.protocol import STRICT, ChatCompletionRequest, FieldError, field_path
+from scheduler_svc.frontend.openai.protocol import (
+    STRICT,
+    ChatCompletionRequest,
+    Counts,
+    FieldError,
+    field_path,
+)
 from scheduler_svc.frontend.openai.renames import FieldNames
 from scheduler_svc.frontend.openai.responses import CHAT_EXTRAS, string_field
 from scheduler_svc.frontend.tools import CallDelta
@@ -313,7 +319,9 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 # ---- the Message -----------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, _reasoning: int = 0
+) -> dict[str, int]:
     """Anthropic's usage: the prompt's tokens found in the prefix cache are `cache_read_input_tokens`,
     the others `input_tokens` (nothing is written to a cache on request)."""
     return {
@@ -381,7 +389,7 @@ class MessageShape:
         calls: Sequence[tuple[str, str, str]],
         finish: FinishReason | None,
         stop_reason: str | int | None,
-        counts: tuple[int, int, int],
+        counts: Counts,
         thinking: str = "",
     ) -> dict[str, Any]:
         """The whole message; `calls`: (call id, name, arguments) of each call made; `thinking`:
@@ -436,7 +444,7 @@ class MessageShape:
         return events
 
     def finished(
-        self, finish: FinishReason | None, stop_reason: str | int | None, counts: tuple[int, int, int]
+        self, finish: FinishReason | None, stop_reason: str | int | None, counts: Counts
     ) -> list[dict[str, Any]]:
         reason, sequence = stop(finish, stop_reason, counts[1] < self.max_tokens)
         end = usage(*counts)

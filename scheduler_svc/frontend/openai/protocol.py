@@ -747,14 +747,25 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens whose KV was reused."""
-    return {
+# A response's token counts: prompt, completion, prompt found cached, completion of the thinking
+Counts = tuple[int, int, int, int]
+
+
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens whose KV was reused;
+    `completion_tokens_details.reasoning_tokens`: of the completion, a reasoning model's thinking
+    (where it thought)."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
 def finish_name(reason: FinishReason | None) -> str | None:
@@ -816,7 +827,7 @@ class ResponseIds:
             choice["message"] = message
         return choice
 
-    def body(self, choices: list[dict[str, Any]], counts: tuple[int, int, int]) -> dict[str, Any]:
+    def body(self, choices: list[dict[str, Any]], counts: Counts) -> dict[str, Any]:
         return {**self.head(False), "choices": choices, "usage": usage(*counts)}
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -827,7 +838,7 @@ class ResponseIds:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         return {**self.head(True), "choices": [{**choice, "finish_reason": None, "stop_reason": None}]}
 
-    def usage_chunk(self, counts: tuple[int, int, int]) -> dict[str, Any]:
+    def usage_chunk(self, counts: Counts) -> dict[str, Any]:
         return {**self.head(True), "choices": [], "usage": usage(*counts)}
 
 

@@ -32,6 +32,7 @@ from scheduler_svc.contract import FinishReason
 from scheduler_svc.frontend.openai.protocol import (
     STRICT,
     ChatCompletionRequest,
+    Counts,
     FieldError,
     FunctionDef,
     field_path,
@@ -434,7 +435,7 @@ class ResponseShape:
         logprobs: list[dict[str, Any]],
         calls: Sequence[tuple[str, str, str]],
         finish: FinishReason | None,
-        counts: tuple[int, int, int],
+        counts: Counts,
         reasoning: str = "",
     ) -> dict[str, Any]:
         """The whole response; `calls`: (call id, name, arguments) of each call made;
@@ -548,7 +549,7 @@ class ResponseShape:
                 )
         return events
 
-    def finished(self, finish: FinishReason | None, counts: tuple[int, int, int]) -> list[dict[str, Any]]:
+    def finished(self, finish: FinishReason | None, counts: Counts) -> list[dict[str, Any]]:
         status, incomplete = _status(finish)
         events = [] if self._output else self._open_message()  # an empty answer is an empty message
         events += self._close(status)
@@ -650,11 +651,13 @@ def _function_call(call_id: str, name: str, arguments: str, status: str) -> dict
     }
 
 
-def responses_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def responses_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
     }

@@ -43,6 +43,7 @@ from scheduler_svc.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionRequest,
+    Counts,
     FieldError,
     ResponseIds,
     error_body,
@@ -798,6 +799,7 @@ class Choice:
     finish: FinishReason | None = None
     stop_reason: str | int | None = None  # what ended it, with a STOP finish (vLLM's)
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, the thinking's
     # echo with logprobs: the prompt, whose tokens (and log-probabilities: none for the first)
     # come before the first output token's in `logprobs`.
     prompt_ids: list[int] | None = None
@@ -819,6 +821,7 @@ class Choice:
         self.calls += chunk.tool_calls
         self.finish, self.stop_reason = chunk.finish_reason, chunk.stop_reason
         self.completion_tokens = chunk.completion_tokens
+        self.reasoning_tokens = chunk.reasoning_tokens
 
     @property
     def sendable(self) -> bool:
@@ -846,7 +849,7 @@ class Choice:
 SLICE_ENTRIES = 4096  # log-probabilities formatted between turns of the event loop (~25 ms)
 
 
-async def _whole_body(ids: ResponseIds, choices: list[Choice], counts: tuple[int, int, int]) -> bytes:
+async def _whole_body(ids: ResponseIds, choices: list[Choice], counts: Counts) -> bytes:
     """A whole response's JSON, built a slice of log-probabilities at a time with the event
     loop's other work in between: formatting and encoding 100,000 of them takes near a second.
     Each choice's `logprobs` is written into the body in place of a marker no text can hold."""
@@ -899,10 +902,12 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def _counts(completions: Read, choices: list[Choice]) -> tuple[int, int, int]:
-    """(prompt tokens, completion tokens of every choice, prompt tokens found cached)."""
+def _counts(completions: Read, choices: list[Choice]) -> Counts:
+    """(prompt tokens, completion tokens of every choice, prompt tokens found cached, of the
+    completion tokens those of a reasoning model's thinking)."""
     completion_tokens = sum(choice.completion_tokens for choice in choices)
-    return completions.prompt_tokens, completion_tokens, completions.cached_tokens
+    reasoning_tokens = sum(choice.reasoning_tokens for choice in choices)
+    return completions.prompt_tokens, completion_tokens, completions.cached_tokens, reasoning_tokens
 
 
 async def _collect(completions: Read, choices: list[Choice]) -> None:
