@@ -332,6 +332,8 @@ async def test_a_reply_cut_while_thinking_has_no_content() -> None:
     message = done.choices[0].message
     assert message.content is None and (message.model_extra or {})["reasoning_content"] == "Let me see: 2 + 2"
     assert done.choices[0].finish_reason == "length"
+    assert done.usage is not None and done.usage.completion_tokens_details is not None
+    assert done.usage.completion_tokens_details.reasoning_tokens == done.usage.completion_tokens  # all of it
 
 
 async def test_text_held_at_the_end_is_not_lost(s: Scripted) -> None:

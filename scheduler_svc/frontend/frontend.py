@@ -375,7 +375,7 @@ class Frontend:
             return
         match_stops = client.params.stop_finishes(client.num_generated - 1)
         text, stopped = client.text.push(token, match_stops)
-        if client.stream.put(token, self._content(client, text), logprob):
+        if client.stream.put(token, self._content(client, text, token=True), logprob):
             if client.num_generated == 1:
                 client.stream.ready.set()  # a first token is never held
             else:
@@ -405,16 +405,16 @@ class Frontend:
 
     # ---- endings ---------------------------------------------------------------------------
 
-    def _content(self, client: ClientRequest, text: str) -> str:
-        """Of a completion's new text (a token's), what is content; its reasoning and its calls'
-        pieces go to the stream. A token is the thinking's while the reply is inside its
-        reasoning before or after it (the tags' tokens count)."""
+    def _content(self, client: ClientRequest, text: str, token: bool = False) -> str:
+        """Of a completion's new text (with `token`: a token's), what is content; its reasoning
+        and its calls' pieces go to the stream. A token is the thinking's while the reply is
+        inside its reasoning before or after it (the tags' tokens count)."""
         split = client.reasoning
         if split is not None:
             before = split.thinking
             thought, text = split.push(text)
             client.stream.put_reasoning(thought)
-            client.stream.reasoning_tokens += before or split.thinking
+            client.stream.reasoning_tokens += token and (before or split.thinking)
         return self._calls_of(client, text)
 
     def _calls_of(self, client: ClientRequest, text: str) -> str:
