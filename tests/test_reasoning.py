@@ -113,7 +113,7 @@ def test_text_is_held_only_while_it_may_be_a_tag_or_the_reasoning_s_last_whitesp
     assert splitter.push("ink>\nStep one") == ("Step one", "")
     assert splitter.push(".\n\n") == (".", "")  # the newlines may be the reasoning's end
     assert splitter.push("Step two</th") == ("\n\nStep two", "")
-    assert splitter.push("ink>\n\nDone") == ("", "Done") and not splitter.reasoning
+    assert splitter.push("ink>\n\nDone") == ("", "Done") and not splitter.thinking
 
 
 def test_which_templates_think_and_where_a_reply_starts() -> None:

@@ -61,11 +61,6 @@ class ReasoningSplit:
         self._leading = True  # no non-whitespace of the current part sent yet
 
     @property
-    def reasoning(self) -> bool:
-        """Whether the reply is still in its reasoning (or may yet open it)."""
-        return self._state != "content"
-
-    @property
     def thinking(self) -> bool:
         """Whether the reply is inside its reasoning block."""
         return self._state == "reasoning"

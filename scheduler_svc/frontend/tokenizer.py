@@ -210,6 +210,7 @@ class HFTokenizer:
         self.eos_ids = tuple(eos_ids)
         self._spell = piece_spelling(_decoder_config(self._tokenizer))
         self._added = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items()}
+        self._added_ids = {content: i for i, content in self._added.items()}
         self._bytes: dict[int, bytes] = {}
 
     @property
@@ -248,7 +249,7 @@ class HFTokenizer:
         return known
 
     def added_token(self, text: str) -> int | None:
-        return next((i for i, content in self._added.items() if content == text), None)
+        return self._added_ids.get(text)
 
     def _own_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:

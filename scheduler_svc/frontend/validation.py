@@ -134,7 +134,7 @@ def validate_request(
     if (open_ended and sampling.max_new_tokens == 0) or capped:
         sampling = _with_room_left(sampling, len(prompt_ids), info)
     fmt = chat.call_format if chat is not None else None
-    tags = None if fmt is None else call_tags(fmt, tokenizer)
+    tags = None if fmt is None or tools is None else call_tags(fmt, tokenizer)
     requested = _one_constraint(requested_constraint(sampling), tools, fmt, tags)
     params = _sampling_params(sampling, info.vocab_size, seed, requested)
     _check_fits(len(prompt_ids), params.max_new_tokens, info)

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler_svc.contract import FinishReason
 from scheduler_svc.frontend.openai.protocol import (
@@ -44,10 +44,9 @@ from scheduler_svc.frontend.openai.protocol import (
     ChatCompletionRequest,
     Counts,
     FieldError,
-    field_path,
 )
 from scheduler_svc.frontend.openai.renames import FieldNames
-from scheduler_svc.frontend.openai.responses import CHAT_EXTRAS, string_field
+from scheduler_svc.frontend.openai.responses import CHAT_EXTRAS, chat_body, chat_request, string_field
 from scheduler_svc.frontend.tools import CallDelta
 
 # Fields only Anthropic's hosted service serves: refused unless absent.
@@ -125,20 +124,6 @@ class MessagesRequest(BaseModel):
             names.messages.append("system")
         for i, message in enumerate(self.messages):
             _add_message(messages, names, message, f"messages[{i}]")
-        body: dict[str, Any] = {
-            "messages": messages,
-            "stream": self.stream and not count_only,
-        }
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
-            body.update(add_generation_prompt=False, continue_final_message=True)  # Anthropic's prefill
-        if self.output_config is not None and self.output_config.format is not None:
-            schema = {"name": "output", "schema": self.output_config.format.schema_}
-            body["response_format"] = {"type": "json_schema", "json_schema": schema}
-        if body["stream"]:
-            body["stream_options"] = {"include_usage": True}
-        extra = self.model_extra or {}
-        body.update({name: extra[name] for name in CHAT_EXTRAS if name in extra})
         optional = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -146,7 +131,13 @@ class MessagesRequest(BaseModel):
             "top_k": self.top_k,
             "stop": self.stop_sequences,
         }
-        body.update({name: value for name, value in optional.items() if value is not None})
+        body = chat_body(messages, self.stream and not count_only, self.model_extra, optional)
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
+            body.update(add_generation_prompt=False, continue_final_message=True)  # Anthropic's prefill
+        if self.output_config is not None and self.output_config.format is not None:
+            schema = {"name": "output", "schema": self.output_config.format.schema_}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         if self.tools:
             body["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -158,11 +149,7 @@ class MessagesRequest(BaseModel):
                 "enable_thinking": thinking == "enabled",
                 **(kwargs if isinstance(kwargs, dict) else {}),
             }
-        try:
-            return ChatCompletionRequest.model_validate(body), names
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise FieldError(names.rename(field_path(first["loc"])), first["msg"]) from exc
+        return chat_request(body, names), names
 
     def _check_served(self, count_only: bool) -> None:
         if self.max_tokens is None and not count_only:

@@ -166,21 +166,13 @@ class ResponsesRequest(BaseModel):
         else:
             for i, item in enumerate(self.input):
                 _add_item(messages, names, item, f"input[{i}]")
-        body: dict[str, Any] = {
-            "messages": messages,
-            "stream": self.stream,
-        }
-        if self.stream:
-            body["stream_options"] = {"include_usage": True}
-        extra = self.model_extra or {}
-        body.update({name: extra[name] for name in CHAT_EXTRAS if name in extra})
         optional = {
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
-        body.update({name: value for name, value in optional.items() if value is not None})
+        body = chat_body(messages, self.stream, self.model_extra, optional)
         if self.tools:
             body["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(self.tools)]
         if isinstance(self.tool_choice, FunctionChoice):
@@ -192,11 +184,7 @@ class ResponsesRequest(BaseModel):
             body["top_logprobs"] = self.top_logprobs or 0
         if (fmt := self.text_format) is not None:
             body["response_format"] = fmt
-        try:
-            return ChatCompletionRequest.model_validate(body), names
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise FieldError(names.rename(field_path(first["loc"])), first["msg"]) from exc
+        return chat_request(body, names), names
 
     def unknown_fields(self) -> list[str]:
         """Fields of the body no API documents (ignored, as the chat endpoint ignores them)."""
@@ -321,6 +309,30 @@ def _reasoning_text(item: dict[str, Any], at: str) -> str:
             raise FieldError(f"{at}.content[{j}].text", "required, a string")
         texts.append(text)
     return "".join(texts)
+
+
+def chat_body(
+    messages: list[dict[str, Any]], stream: bool, extra: dict[str, Any] | None, optional: dict[str, Any]
+) -> dict[str, Any]:
+    """The chat body of a body mapped onto chat: its messages, the stream with its usage, the chat
+    extras it passes on (`extra`, its fields beyond its own API's), and the `optional` fields it
+    sets (None: not)."""
+    body: dict[str, Any] = {"messages": messages, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    extra = extra or {}
+    body.update({name: extra[name] for name in CHAT_EXTRAS if name in extra})
+    body.update({name: value for name, value in optional.items() if value is not None})
+    return body
+
+
+def chat_request(body: dict[str, Any], names: FieldNames) -> ChatCompletionRequest:
+    """`body` checked as a chat completion's; FieldError naming the mapped body's field."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise FieldError(names.rename(field_path(first["loc"])), first["msg"]) from exc
 
 
 def string_field(item: dict[str, Any], key: str, at: str) -> str:
