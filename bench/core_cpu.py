@@ -6,13 +6,19 @@ policy, under the loop's telemetry phases), serialize its launch as the worker l
 parse the result of batch k-1 as the link receives it, and apply it (the policy's update, the
 outbox flush, each frontend's message serialized as the frontend link sends it). A host-side
 worker executes every launch at once, outside the timed parts: a FutureMap per request slot,
-one token per sampled row. Requests never finish, so every measured step decodes the whole batch.
-A batch of at most `PolicyConfig.small_batch` rows, which the policy picks and applies a row at a
-time, is also run a column at a time (`small_batch=0`), beside it. Some batch sizes are run again
-with `idle_ms` between steps, as the served core waits through a device step while its result is
-computed: the same work then finds the caches cold, and takes several times as long as back to
-back. `--idle spin` spends that time spinning instead of asleep: if the steps are as slow, it is
-not this thread's sleep that costs, but what else the host ran on the core meanwhile.
+one token per sampled row. Steady rows: requests never finish, so every measured step decodes the
+whole batch. A batch of at most `PolicyConfig.small_batch` rows, which the policy picks and
+applies a row at a time, is also run a column at a time (`small_batch=0`), beside it. Turnover
+rows add the requests that start and end: each generates exactly `output_len` tokens, and those
+that ended are replaced, the step after, by new ones that arrive as the frontend link carries
+them (a `RequestBatch` of `NewCoreRequest`s, parsed and added under the `arrive` phase), with
+prompts of random tokens, so each is looked up in and kept by the prefix cache as a served
+request is; the arrivals are staggered, so about batch / output_len requests start and end each
+step. Some batch sizes are run again with `idle_ms` between steps, as the served core waits
+through a device step while its result is computed: the same work then finds the caches cold,
+and takes several times as long as back to back. `--idle spin` spends that time spinning instead
+of asleep: if the steps are as slow, it is not this thread's sleep that costs, but what else the
+host ran on the core meanwhile.
 Writes bench/results/<UTC date-time>-core-cpu.{json,md} and prints the table.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -31,13 +38,14 @@ from typing import Any, Literal, get_args
 from bench.envelope import Envelope, begin, load_clause
 from bench.machine import Machine, loop_calibration
 from bench.save import RESULTS, command_line, publish
-from scheduler_svc.contract import SamplingParams, StepOutputs
+from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.telemetry import SchedulerTelemetry
-from scheduler_svc.process.link.codec import outputs_to_proto
+from scheduler_svc.process.link.codec import outputs_to_proto, spec_from_proto, spec_to_proto
+from scheduler_svc.process.link.core_side import core_request
 from stepahead.protocol import (
     Launch,
     StepResult,
@@ -55,7 +63,9 @@ IDLE_BATCH_SIZES = (4, 64, 256)  # run again, each step after `idle_ms` idle
 IDLE_MS = (20.0,)  # a device step of the benchmarks' sim at batch 256
 IdleWay = Literal["sleep", "spin"]  # how a step's idle time passes: asleep, or in a loop of clock reads
 IDLE_WAYS: tuple[IdleWay, ...] = get_args(IdleWay)
-PHASES = ("schedule", "launch", "result", "process")
+TURNOVER_OUTPUTS = (128, 16)  # output_len of the turnover rows' requests
+TURNOVER_BATCH_SIZES = (256,)
+PHASES = ("arrive", "schedule", "launch", "result", "process")
 TARGET_BATCH = 256
 TARGET_US_PER_TOKEN = 15.0
 KV_SLOTS = 1 << 20
@@ -75,12 +85,15 @@ class CoreCpuConfig:
     idle_batch_sizes: tuple[int, ...] = IDLE_BATCH_SIZES
     idle_ms: tuple[float, ...] = IDLE_MS
     idle: IdleWay = IDLE_WAYS[0]
+    turnover_outputs: tuple[int, ...] = TURNOVER_OUTPUTS
+    turnover_batch_sizes: tuple[int, ...] = TURNOVER_BATCH_SIZES
 
 
 @dataclass(frozen=True)
 class StepTimes:
     phase_ns: tuple[int, ...]  # in PHASES order
     tokens: int  # sampled ids applied by this step's process phase
+    arrived: int  # requests added under the arrive phase
     launch_bytes: int
     outputs_bytes: int
 
@@ -102,6 +115,8 @@ class CoreCpuRow:
     launch_bytes: float  # serialized launch per step (median)
     outputs_bytes: float  # serialized frontend messages per step (median)
     idle_ms: float = 0.0  # idle before each step (0: back to back)
+    output_len: int = 0  # turnover: each request's exact output (0: requests never end)
+    arrivals_per_step: float = 0.0  # turnover: requests that started (and ended) per step, mean
 
 
 @dataclass(frozen=True)
@@ -175,9 +190,10 @@ def worker_info(batch_size: int) -> WorkerInfo:
 
 class CorePath:
     """`batch_size` requests through the policy in overlap order: pick and launch k, then
-    process k-1."""
+    process k-1. With `output_len`, each request ends after that many tokens, and new ones
+    arrive (`Arrivals`) to keep `batch_size` live."""
 
-    def __init__(self, config: CoreCpuConfig, batch_size: int, small_batch: int) -> None:
+    def __init__(self, config: CoreCpuConfig, batch_size: int, small_batch: int, output_len: int = 0) -> None:
         self.batch_size = batch_size
         self.telemetry = SchedulerTelemetry("overlap")
         self.outbox = Outbox()
@@ -189,10 +205,18 @@ class CorePath:
         self.sink = WireSink()
         self.worker = HostWorker()
         self.in_flight: tuple[ScheduledBatch, bytes] | None = None
-        for i in range(batch_size):
-            self.policy.add_request(request(i, config.prompt_len, self.sink))
+        self.arrivals = Arrivals(config.prompt_len, output_len) if output_len else None
+        if self.arrivals is None:
+            for i in range(batch_size):
+                self.policy.add_request(request(i, config.prompt_len, self.sink))
 
-    def step(self) -> tuple[ScheduledBatch, StepTimes]:
+    def step(self, arriving: int = 0) -> tuple[ScheduledBatch, StepTimes]:
+        """One step; first, with turnover, up to `arriving` new requests (no more than the batch
+        has room for)."""
+        arrive_ns = arrived = 0
+        if self.arrivals is not None:
+            arrived = min(arriving, self.batch_size - len(self.policy.requests))
+            arrive_ns = self._arrive(self.arrivals.wire(arrived)) if arrived > 0 else 0
         t0 = time.perf_counter_ns()
         batch = self._pick()
         t1 = time.perf_counter_ns()
@@ -201,9 +225,23 @@ class CorePath:
         previous, self.in_flight = self.in_flight, (batch, self.worker.run(wire))  # the worker's: untimed
         result_ns, process_ns, tokens = self._process_previous(previous)
         times = StepTimes(
-            (t1 - t0, t2 - t1, result_ns, process_ns), tokens, len(wire), self.sink.take_bytes()
+            (arrive_ns, t1 - t0, t2 - t1, result_ns, process_ns),
+            tokens,
+            max(arrived, 0),
+            len(wire),
+            self.sink.take_bytes(),
         )
         return batch, times
+
+    def _arrive(self, wire: bytes) -> int:
+        """Nanoseconds to read a frontend's batch of new requests and add them, as the core's
+        link does (`core_side.CoreLink._apply`, `EngineCore.add`)."""
+        t0 = time.perf_counter_ns()
+        batch = core_pb2.RequestBatch.FromString(wire)
+        for req in [core_request(spec_from_proto(m), self.sink) for m in batch.add]:
+            self.policy.add_request(req)
+        self.outbox.flush()
+        return time.perf_counter_ns() - t0
 
     def _process_previous(self, previous: tuple[ScheduledBatch, bytes] | None) -> tuple[int, int, int]:
         """Nanoseconds to parse and to apply batch k-1's result, and its tokens (0s on the first step)."""
@@ -236,6 +274,28 @@ class CorePath:
         return len(result.token_ids)
 
 
+@dataclass
+class Arrivals:
+    """New requests as a frontend sends them: exactly `output_len` tokens each (ignore_eos),
+    prompts of random printable tokens (seeded), so none reuses another's prefix."""
+
+    prompt_len: int
+    output_len: int
+    sent: int = 0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def wire(self, n: int) -> bytes:
+        """The next `n` requests, serialized as the frontend link carries them."""
+        batch = core_pb2.RequestBatch()
+        for _ in range(n):
+            self.sent += 1
+            prompt = [PRINTABLE_LOW + self.rng.randrange(PRINTABLES) for _ in range(self.prompt_len)]
+            params = SamplingParams(self.output_len, 0.0, 1.0, 0, self.sent, frozenset(), (), True)
+            spec = CoreRequestSpec(self.sent, f"t{self.sent}", prompt, params, time.time(), 0)
+            batch.add.append(spec_to_proto(spec))
+        return batch.SerializeToString()
+
+
 def request(index: int, prompt_len: int, owner: WireSink) -> Request:
     prompt = [PRINTABLE_LOW + (index + i) % PRINTABLES for i in range(prompt_len)]
     params = SamplingParams(NEVER, 0.0, 1.0, 0, index, frozenset(), (), True)
@@ -262,6 +322,20 @@ def measure_batch(
             idle(config.idle, idle_ms)
         steps.append(path.step()[1])
     return dataclasses.replace(summarize(batch_size, name, steps), idle_ms=idle_ms)
+
+
+def measure_turnover(config: CoreCpuConfig, batch_size: int, output_len: int) -> CoreCpuRow:
+    """Requests of `output_len` tokens, those that ended replaced the step after; about
+    batch_size / output_len start a step from the first one on (staggered), and the steps are
+    measured once the batch has turned over twice."""
+    path = CorePath(config, batch_size, config.small_batch, output_len)
+    per_step = -(-batch_size // output_len)
+    for _ in range(2 * output_len + config.warmup_steps):
+        path.step(per_step)
+    steps = [path.step(batch_size)[1] for _ in range(config.steps)]
+    row = summarize(batch_size, "columns", steps)
+    arrivals = statistics.mean(s.arrived for s in steps)
+    return dataclasses.replace(row, output_len=output_len, arrivals_per_step=arrivals)
 
 
 def idle(way: IdleWay, ms: float) -> None:
@@ -323,6 +397,9 @@ def run(config: CoreCpuConfig) -> CoreCpuRun:
     for idle_ms in config.idle_ms:  # the policy's path, each step after idle time
         for batch_size in config.idle_batch_sizes:
             rows.append(measure_batch(config, batch_size, config.small_batch, idle_ms))
+    for batch_size in config.turnover_batch_sizes:
+        for output_len in config.turnover_outputs:
+            rows.append(measure_turnover(config, batch_size, output_len))
     return CoreCpuRun(config, started_at, machine, tuple(rows))
 
 
@@ -330,9 +407,28 @@ def run(config: CoreCpuConfig) -> CoreCpuRun:
 
 
 def target_row(run: CoreCpuRun) -> CoreCpuRow | None:
+    return steady_row(run, TARGET_BATCH)
+
+
+def steady_row(run: CoreCpuRun, batch_size: int) -> CoreCpuRow | None:
+    """The batch's row a column at a time, back to back, without turnover."""
     return next(
-        (r for r in run.rows if r.batch_size == TARGET_BATCH and r.path == "columns" and not r.idle_ms), None
+        (
+            r
+            for r in run.rows
+            if r.batch_size == batch_size and r.path == "columns" and not r.idle_ms and not r.output_len
+        ),
+        None,
     )
+
+
+def per_request_us(run: CoreCpuRun, row: CoreCpuRow) -> float | None:
+    """A turnover row's µs a step over its batch's steady row's, per request that started (and
+    one ended) a step: what a request's arrival, admission, first token and end cost the core."""
+    steady = steady_row(run, row.batch_size)
+    if steady is None or not row.arrivals_per_step:
+        return None
+    return (row.us_per_step - steady.us_per_step) / row.arrivals_per_step
 
 
 def envelope(run: CoreCpuRun, command: str) -> Envelope:
@@ -357,6 +453,11 @@ def to_json(run: CoreCpuRun, command: str) -> dict[str, Any]:
             "phases": list(PHASES),
             "loop_calibration_s": None if run.loop_s is None else list(run.loop_s),
             "rows": [asdict(row) for row in run.rows],
+            "turnover_us_per_request": [
+                {"batch_size": r.batch_size, "output_len": r.output_len, "us": per_request_us(run, r)}
+                for r in run.rows
+                if r.output_len
+            ],
             "target": {
                 "batch_size": TARGET_BATCH,
                 "us_per_token_at_most": TARGET_US_PER_TOKEN,
@@ -377,6 +478,11 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
         f"token budget {c.max_batch_tokens} per step; one frontend link",
         f"- idle ms: {_IDLE_TEXT[c.idle]} before each step, as the served core waits through a device "
         "step (the caches go cold); 0: back to back",
+        "- output: turnover rows, each request's exact output; those that end are replaced the step "
+        f"after by new ones ({c.prompt_len}-token random prompts) read from the frontend link's wire "
+        "form under `arrive`; req/step: requests that started a step (as many ended); —: requests "
+        "never end",
+        *turnover_lines(run),
         *calibration_lines(run),
         *target_lines(run),
     ]
@@ -395,19 +501,32 @@ def calibration_lines(run: CoreCpuRun) -> Iterator[str]:
         )
 
 
+def turnover_lines(run: CoreCpuRun) -> Iterator[str]:
+    for row in run.rows:
+        us = per_request_us(run, row) if row.output_len else None
+        if us is not None:
+            yield (
+                f"- a request's turnover at batch {row.batch_size}, {row.output_len}-token outputs: "
+                f"{us:.1f} µs of the core's CPU (the row's µs/step over the steady row's, per request "
+                "that started)"
+            )
+
+
 def table(rows: Sequence[CoreCpuRow]) -> list[str]:
     header = (
-        "| batch | path | idle ms | µs/step | mean µs/step | µs/token | schedule µs | launch µs "
-        "| result µs | process µs | launch bytes | outputs bytes |"
+        "| batch | path | idle ms | output | req/step | µs/step | mean µs/step | µs/token | arrive µs "
+        "| schedule µs | launch µs | result µs | process µs | launch bytes | outputs bytes |"
     )
-    return [header, "|---:|---|" + "---:|" * 10, *(_row(r) for r in rows)]
+    return [header, "|---:|---|" + "---:|" * 13, *(_row(r) for r in rows)]
 
 
 def _row(r: CoreCpuRow) -> str:
     phases = " | ".join(f"{r.phase_us[p]:,.0f}" for p in PHASES)
+    output = f"{r.output_len} | {r.arrivals_per_step:.1f}" if r.output_len else "— | —"
     return (
-        f"| {r.batch_size} | {r.path} | {r.idle_ms:g} | {r.us_per_step:,.0f} | {r.us_per_step_mean:,.0f} "
-        f"| {r.us_per_token:.2f} | {phases} | {r.launch_bytes:,.0f} | {r.outputs_bytes:,.0f} |"
+        f"| {r.batch_size} | {r.path} | {r.idle_ms:g} | {output} | {r.us_per_step:,.0f} "
+        f"| {r.us_per_step_mean:,.0f} | {r.us_per_token:.2f} | {phases} | {r.launch_bytes:,.0f} "
+        f"| {r.outputs_bytes:,.0f} |"
     )
 
 
@@ -425,15 +544,24 @@ def target_lines(run: CoreCpuRun) -> Iterator[str]:
 # ---- command line ----------------------------------------------------------------------------
 
 
+def ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers (empty: none)."""
+    return tuple(int(n) for n in text.split(",")) if text else ()
+
+
+def _listed(numbers: tuple[int, ...]) -> str:
+    return ",".join(map(str, numbers))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.core_cpu", description=__doc__)
     p.add_argument("--steps", type=int, default=CoreCpuConfig.steps, help="measured steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=CoreCpuConfig.warmup_steps)
     p.add_argument(
         "--batch-sizes",
-        type=lambda text: tuple(int(b) for b in text.split(",")),
+        type=ints,
         default=BATCH_SIZES,
-        help=f"comma-separated (default: {','.join(map(str, BATCH_SIZES))})",
+        help=f"comma-separated (default: {_listed(BATCH_SIZES)})",
     )
     p.add_argument(
         "--idle-ms",
@@ -443,12 +571,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--idle-batch-sizes",
-        type=lambda text: tuple(int(b) for b in text.split(",")) if text else (),
+        type=ints,
         default=IDLE_BATCH_SIZES,
-        help="the batch sizes run with idle time "
-        f"(default: {','.join(map(str, IDLE_BATCH_SIZES))}; empty: none)",
+        help=f"the batch sizes run with idle time (default: {_listed(IDLE_BATCH_SIZES)}; empty: none)",
     )
     p.add_argument("--idle", choices=IDLE_WAYS, default=IDLE_WAYS[0], help="how the idle time passes")
+    p.add_argument(
+        "--turnover-outputs",
+        type=ints,
+        default=TURNOVER_OUTPUTS,
+        help=f"output lengths of the turnover rows (default: {_listed(TURNOVER_OUTPUTS)}; empty: none)",
+    )
+    p.add_argument(
+        "--turnover-batch-sizes",
+        type=ints,
+        default=TURNOVER_BATCH_SIZES,
+        help=f"the batch sizes run with turnover (default: {_listed(TURNOVER_BATCH_SIZES)})",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
     return p.parse_args(argv)
 
@@ -463,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
         idle_batch_sizes=args.idle_batch_sizes,
         idle_ms=args.idle_ms,
         idle=args.idle,
+        turnover_outputs=args.turnover_outputs,
+        turnover_batch_sizes=args.turnover_batch_sizes,
     )
     before = loop_calibration()
     result = run(config)

@@ -140,18 +140,24 @@ class StepOutputs:
         cached: int | None = None,
         prompt: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
-        if cached is not None:
-            self.cached_entries.append(len(self.handles))
-            self.cached_tokens.append(cached)
-        if prompt is not None:
-            self.prompt_entries.append(len(self.handles))
-            self.prompt_logprobs.append(prompt)
+        self.note(len(self.handles), cached, prompt)
         if logprob is not None:
             self.logprob_entries.append(len(self.handles))
             self.logprobs.append(logprob)
         self.handles.append(handle)
         self.token_ids.append(token)
         self.finish_reasons.append(int(finish or 0))
+
+    def note(self, entry: int, cached: int | None, prompt: tuple[TokenLogprob, ...] | None) -> None:
+        """Entry `entry` (the last one, or one being added) carries the prompt tokens found cached
+        (None: not a first output token) and the prompt's log-probabilities (None: none), in
+        entry order."""
+        if cached is not None:
+            self.cached_entries.append(entry)
+            self.cached_tokens.append(cached)
+        if prompt is not None:
+            self.prompt_entries.append(entry)
+            self.prompt_logprobs.append(prompt)
 
     def entry_logprobs(self) -> list[TokenLogprob | None]:
         """Per entry: its log-probabilities, or None."""

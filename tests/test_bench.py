@@ -56,6 +56,9 @@ from bench.run import CLOCK_TICKS, Endpoints, Measurement, children_cpu_s, cpu_u
 from bench.save import finite, save
 from loadgen import BenchmarkConfig, Summary
 from loadgen.stats import Distribution
+from scheduler_svc.contract import FinishReason
+from scheduler_svc.engine.policy import SchedulingPolicy
+from scheduler_svc.engine.request import Request
 from tests.live import wait_until
 from worker_svc.grammar import GrammarError, MatcherTable, grammar_tokenizer
 from worker_svc.loading import BYTE_TOKENIZER
@@ -677,7 +680,8 @@ def test_load_memory_of_a_tied_model_holds_its_8_bit_table_once(tmp_path: Path) 
 
 def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() -> None:
     """A small batch is run both ways, a row at a time (the policy's default) and a column at a
-    time; larger ones a column at a time; then some again, each step after a sleep."""
+    time; larger ones a column at a time; then some again, each step after a sleep; then with
+    requests that end and arrive."""
     run = core_cpu.run(core_cpu.CoreCpuConfig(steps=4, warmup_steps=1))
     assert [(r.batch_size, r.path) for r in run.rows] == [
         (4, "rows"),
@@ -691,13 +695,17 @@ def test_core_cpu_gives_a_row_per_batch_size_and_path_with_positive_figures() ->
         (4, "rows"),
         (64, "columns"),
         (256, "columns"),
+        (256, "columns"),
+        (256, "columns"),
     ]
-    assert [r.idle_ms for r in run.rows] == [0.0] * 8 + [core_cpu.IDLE_MS[0]] * 3
+    assert [r.idle_ms for r in run.rows] == [0.0] * 8 + [core_cpu.IDLE_MS[0]] * 3 + [0.0] * 2
+    assert [r.output_len for r in run.rows] == [0] * 11 + list(core_cpu.TURNOVER_OUTPUTS)
     for r in run.rows:
-        assert r.steps == 4 and r.tokens_per_step == r.batch_size
-        assert r.us_per_step > 0 and r.us_per_step_mean > 0 and r.us_per_token > 0
-        assert all(r.phase_us[p] > 0 for p in core_cpu.PHASES)
+        assert r.steps == 4 and r.us_per_step > 0 and r.us_per_step_mean > 0 and r.us_per_token > 0
+        assert all(r.phase_us[p] > 0 for p in core_cpu.PHASES if p != "arrive" or r.output_len)
         assert r.launch_bytes > 0 and r.outputs_bytes > 0
+        if not r.output_len:
+            assert r.tokens_per_step == r.batch_size and r.phase_us["arrive"] == 0
     document = json.loads(json.dumps(finite(core_cpu.to_json(run, "test")), allow_nan=False))
     assert document["target"]["batch_size"] == 256 and document["target"]["met"] in (True, False)
     assert "| 256 | columns | 0 |" in core_cpu.to_markdown(run, "test")
@@ -712,7 +720,9 @@ def test_core_cpu_runs_each_idle_time_each_way(monkeypatch: pytest.MonkeyPatch) 
     assert (args.idle_ms, args.idle_batch_sizes, args.idle) == ((0.5, 1.0), (4, 64), "spin")
     idled: list[tuple[str, float]] = []
     monkeypatch.setattr(core_cpu, "idle", lambda way, ms: idled.append((way, ms)))
-    config = core_cpu.CoreCpuConfig((4,), 3, 1, idle_batch_sizes=(4, 64), idle_ms=(0.5, 1.0), idle="spin")
+    config = core_cpu.CoreCpuConfig(
+        (4,), 3, 1, idle_batch_sizes=(4, 64), idle_ms=(0.5, 1.0), idle="spin", turnover_outputs=()
+    )
     run = core_cpu.run(config)
     assert [(r.batch_size, r.idle_ms) for r in run.rows[2:]] == [(4, 0.5), (64, 0.5), (4, 1.0), (64, 1.0)]
     assert idled == [("spin", 0.5)] * 6 + [("spin", 1.0)] * 6  # before each measured step
@@ -726,6 +736,46 @@ def test_core_cpu_runs_each_idle_time_each_way(monkeypatch: pytest.MonkeyPatch) 
     core_cpu.idle("spin", 1.0)
     core_cpu.idle("sleep", 2.0)
     assert slept == [0.002]
+
+
+def test_core_cpu_turnover_rows_end_and_start_requests_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request of a turnover row generates exactly its output and ends; as many arrive,
+    through the frontend link's wire form, under the arrive phase: about batch / output_len a
+    step, every step. A request's turnover is its row's cost over the steady row's."""
+    args = core_cpu.parse_args(["--turnover-outputs", "8,4", "--turnover-batch-sizes", "32"])
+    assert (args.turnover_outputs, args.turnover_batch_sizes) == ((8, 4), (32,))
+    added: list[int] = []
+    ended: list[tuple[int, int]] = []
+    real_add, real_end = SchedulingPolicy.add_request, SchedulingPolicy._end
+
+    def add(self: SchedulingPolicy, req: Request) -> None:
+        added.append(req.params.max_new_tokens)
+        real_add(self, req)
+
+    def end(self: SchedulingPolicy, req: Request, reason: FinishReason) -> None:
+        ended.append((len(req.output_ids), int(reason)))
+        real_end(self, req, reason)
+
+    monkeypatch.setattr(SchedulingPolicy, "add_request", add)
+    monkeypatch.setattr(SchedulingPolicy, "_end", end)
+    config = core_cpu.CoreCpuConfig(
+        (64,), 20, 2, idle_batch_sizes=(), turnover_outputs=(8, 4), turnover_batch_sizes=(64,)
+    )
+    run = core_cpu.run(config)
+    steady, *turnover = run.rows
+    assert [r.output_len for r in run.rows] == [0, 8, 4]
+    assert set(added) == {core_cpu.NEVER, 8, 4}
+    assert ended and all(reason == int(FinishReason.LENGTH) and n in (8, 4) for n, reason in ended)
+    for row in turnover:
+        # a request lives output_len steps and one more for the result the core is behind by
+        assert row.arrivals_per_step == pytest.approx(64 / (row.output_len + 1), rel=0.25)
+        assert row.phase_us["arrive"] > 0 and row.tokens_per_step > 32
+        assert core_cpu.per_request_us(run, row) is not None
+    assert core_cpu.per_request_us(run, steady) is None
+    text = core_cpu.to_markdown(run, "test")
+    assert "a request's turnover at batch 64, 4-token outputs" in text and "| 64 | columns | 0 | 4 |" in text
+    document = core_cpu.to_json(run, "test")
+    assert [t["output_len"] for t in document["turnover_us_per_request"]] == [8, 4]
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:

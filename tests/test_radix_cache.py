@@ -65,6 +65,12 @@ def evict_by_a_walk(cache: RadixCache, wanted: int) -> list[int]:
     return freed
 
 
+def lock_on_path(model: Model, ids: list[int], rng: random.Random) -> int | None:
+    """Half the time, the index of a lock whose prefix `ids` starts with, if there is one."""
+    on_path = [i for i, (_, prefix) in enumerate(model.locks) if tuple(ids[: len(prefix)]) == prefix]
+    return rng.choice(on_path) if on_path and rng.random() < 0.5 else None
+
+
 def check_tree(cache: RadixCache, model: Model) -> None:
     """Same prefixes, same slots, prefix-closed, sizes exact, every slot held once."""
     assert cache.size == len(model.cached)
@@ -87,10 +93,17 @@ def test_random_operations_agree_with_the_brute_force_model(seed: int) -> None:
         if op < 0.35:
             slots = list(range(next_slot, next_slot + len(ids)))
             next_slot += len(ids)
-            node, not_taken = cache.insert(ids, slots)
+            # As a live request keeps what it computed: walked from the node it holds, whose
+            # lock then moves down to the node its tokens end in.
+            holder = lock_on_path(model, ids, rng)
+            at = None if holder is None else model.locks[holder][0]
+            node, not_taken = cache.insert(ids, slots, at)
             assert not_taken == model.insert(ids, slots)
             free += not_taken
-            if rng.random() < 0.5:
+            if holder is not None and rng.random() < 0.5:
+                cache.relock(model.locks[holder][0], node)
+                model.locks[holder] = (node, tuple(ids))
+            elif rng.random() < 0.5:
                 cache.lock(node)
                 model.locks.append((node, tuple(ids)))
         elif op < 0.6:
@@ -121,6 +134,69 @@ def test_random_operations_agree_with_the_brute_force_model(seed: int) -> None:
         cache.unlock(node)
     assert cache.evictable == cache.size
     assert sorted(cache.reset()) == sorted(model.cached.values()) and cache.size == 0
+
+
+def shape(cache: RadixCache) -> list[tuple[object, ...]]:
+    """Every node as a walk from the root sees it: its path, slots, depth, references, last use."""
+    rows: list[tuple[object, ...]] = []
+    stack: list[tuple[RadixNode, Prefix]] = [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            spelled = (*path, *child.key)
+            assert child.depth == len(spelled) and child.parent is node
+            rows.append((spelled, tuple(child.slots), child.refs, child.last_use, child.removed))
+            stack.append((child, spelled))
+    return sorted(rows, key=repr)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_insert_walked_from_a_held_node_leaves_the_tree_as_one_from_the_root(seed: int) -> None:
+    """`insert(ids, slots, at)` (a request keeps its KV from the node it holds) and `relock` (its
+    lock moves down) against `insert` from the root, `lock` and `unlock`, on copies of one tree:
+    the same nodes, splits, references, last uses, evictable count and eviction order."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(4) for _ in range(10)] for _ in range(2)]
+    walked, rooted = RadixCache(), RadixCache()
+    held: list[RadixNode] = []  # in `walked`
+    held_rooted: list[RadixNode] = []  # the same locks in `rooted`
+    spelled: list[Prefix] = []  # what each held node's path spells
+    next_slot = 0
+    for _ in range(150):
+        ids = random_ids(rng, stems)
+        slots = list(range(next_slot, next_slot + len(ids)))
+        next_slot += len(ids)
+        on_path = [
+            (i, n) for i, (n, p) in enumerate(zip(held, spelled, strict=True)) if tuple(ids[: len(p)]) == p
+        ]
+        if on_path and rng.random() < 0.7:
+            i, at = rng.choice(on_path)
+            node, not_taken = walked.insert(ids, slots, at)
+            rooted_node, rooted_not_taken = rooted.insert(ids, slots)
+            walked.relock(at, node)
+            rooted.lock(rooted_node)
+            rooted.unlock(held_rooted[i])
+            held[i], held_rooted[i], spelled[i] = node, rooted_node, tuple(ids)
+        else:
+            node, not_taken = walked.insert(ids, slots)
+            rooted_node, rooted_not_taken = rooted.insert(ids, slots)
+            if rng.random() < 0.4:
+                walked.lock(node)
+                rooted.lock(rooted_node)
+                held.append(node)
+                held_rooted.append(rooted_node)
+                spelled.append(tuple(ids))
+        assert not_taken == rooted_not_taken
+        if held and rng.random() < 0.1:
+            i = rng.randrange(len(held))
+            walked.unlock(held.pop(i))
+            rooted.unlock(held_rooted.pop(i))
+            spelled.pop(i)
+        if rng.random() < 0.15:
+            wanted = rng.randint(1, 15)
+            assert walked.evict(wanted) == rooted.evict(wanted)
+        assert shape(walked) == shape(rooted)
+        assert (walked.size, walked.evictable) == (rooted.size, rooted.evictable)
 
 
 def test_eviction_takes_the_least_recently_used_leaf_first() -> None:

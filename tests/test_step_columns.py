@@ -7,25 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from scheduler_svc.contract import FinishReason, SamplingParams, StepOutputs
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.kv.allocator import SlotAllocator
+from scheduler_svc.engine.outputs import Outbox
+from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.engine.request import Request
 from scheduler_svc.engine.results import ResultProcessor
 from scheduler_svc.engine.rows import TAIL, SlotRows
 from scheduler_svc.engine.running import RunningManager
+from scheduler_svc.engine.telemetry import SchedulerTelemetry
 from scheduler_svc.frontend import frontend as frontend_module
 from scheduler_svc.frontend.streams import OutputStream
 from scheduler_svc.frontend.text import RequestText
 from scheduler_svc.frontend.tokenizer import ByteTokenizer
 from stepahead.loop_metrics import LoopHistogram
 from stepahead.metrics import LATENCY_BUCKETS
-from stepahead.protocol import StepResult
+from stepahead.protocol import StepResult, TokenizerSpec, WorkerInfo
 from tests.fake_worker import FakeWorker
 from tests.harness import mixed_workload, params, serve_workload, with_forced_scenarios
 from tests.test_equivalence import check_client_views, check_drained, sim_reference
@@ -219,6 +224,10 @@ def test_a_double_free_of_many_slots_is_refused_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="freed twice"):
         slots.free([*extra, extra[0]])  # one slot twice in one call
     assert slots.num_free == 52
+    slots.free_one(extra[0])
+    with pytest.raises(ValueError, match="freed twice"):
+        slots.free_one(extra[0])
+    assert slots.num_free == 53
 
 
 def test_slots_go_out_once_each_and_the_free_stack_is_never_reallocated() -> None:
@@ -233,7 +242,10 @@ def test_slots_go_out_once_each_and_the_free_stack_is_never_reallocated() -> Non
         if held and rng.random() < 0.45:
             rng.shuffle(held)
             n = rng.randint(1, len(held))
-            slots.free(held[:n])
+            if n == 1 and rng.random() < 0.5:
+                slots.free_one(held[0])
+            else:
+                slots.free(held[:n])
             held = held[n:]
         else:
             n = rng.choice([1, 3, 9, 40, 120])
@@ -480,3 +492,70 @@ async def test_a_prompt_taken_in_chunks_continues_beside_a_column_of_decodes(
     chunks = [[row for row in step if row[2] > 1] for step in steps]
     assert [c[0][1:] for c in chunks if c] == [(0, 34, False), (34, 34, False), (68, 32, True)]
     assert streamed["long"] == expected([50] * 100, 4)
+
+
+def _first_token_outputs(row_by_row: bool, monkeypatch: pytest.MonkeyPatch) -> list[list[StepOutputs]]:
+    """Two frontends' requests, interleaved, admitted in one step, some reusing a prompt an
+    earlier request left in the prefix cache, one ending at its first token: what each frontend
+    is sent for the step of their first tokens (`row_by_row`: every row through `_process_row`)."""
+    if row_by_row:
+        place = SlotRows.place
+
+        def place_not_plain(self: SlotRows, req, slot, computed, inflight, kept):  # type: ignore[no-untyped-def]
+            place(self, req, slot, computed, inflight, kept)
+            self.plain[slot] = 0
+
+        monkeypatch.setattr(SlotRows, "place", place_not_plain)
+    sinks = [RecordingSink(), RecordingSink()]
+    outbox = Outbox()
+    policy = SchedulingPolicy(PolicyConfig(4096, small_batch=0), outbox, SchedulerTelemetry("overlap"))
+    policy.begin_session(WorkerInfo("m", 300, 4096, (257,), None, 4096, 16, "cpu", TokenizerSpec("byte")))
+    shared = list(range(40, 60))
+
+    def step(tokens: list[int]) -> None:
+        batch = policy.schedule()
+        assert batch is not None and batch.num_sampled == len(tokens)
+        policy.update_from_result(batch, tokens)
+        outbox.flush()
+
+    def add(rid: str, sink: int, prompt: list[int], max_new: int) -> None:
+        params = SamplingParams(max_new, 0.0, 1.0, 0, 0, frozenset(), (), True)
+        policy.add_request(Request(rid, prompt, params, 0, sinks[sink], len(policy.requests) + 10 * sink))
+
+    add("warm", 0, shared, 1)
+    step([70])  # its prompt's KV stays in the tree
+    for s in sinks:
+        s.got.clear()
+    add("a1", 0, [*shared, 1, 2], 3)
+    add("b1", 1, [90, 91, 92], 1)  # ends at its first token
+    add("a2", 0, [93, 94], 3)
+    add("b2", 1, [*shared[:12], 5], 3)
+    step([71, 72, 73, 74])
+    return [s.got for s in sinks]
+
+
+@dataclass(eq=False)
+class RecordingSink:
+    got: list[StepOutputs] = field(default_factory=list)
+
+    def send(self, outputs: StepOutputs) -> None:
+        self.got.append(outputs)
+
+
+def test_first_tokens_a_column_at_a_time_carry_what_the_row_by_row_path_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of first tokens applied a column at a time (their prompts kept in the prefix cache
+    row by row) sends each frontend what the row-by-row path sends: the same entries, the prompt
+    tokens found cached on each request's first token, the finish of one that ends there."""
+    columns = _first_token_outputs(False, monkeypatch)
+    rows = _first_token_outputs(True, monkeypatch)
+    assert columns == rows
+    a, b = (got[0] for got in columns)
+    assert (a.token_ids, a.cached_entries, a.cached_tokens) == ([71, 73], [0, 1], [20, 0])
+    assert (b.token_ids, b.finish_reasons, b.cached_entries, b.cached_tokens) == (
+        [72, 74],
+        [int(FinishReason.LENGTH), 0],
+        [0, 1],
+        [0, 12],
+    )

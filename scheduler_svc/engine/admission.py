@@ -25,17 +25,23 @@ class AdmissionManager:
     def admit(self, batch: ScheduledBatch, budget: int) -> None:
         """First come, first served: stop at the first request that does not fit."""
         waiting, slots = self.table.waiting, self.slots
+        now, prompt_tokens = time.time(), 0
         while waiting and budget > 0 and slots.req_slots.num_free:
             req = waiting[0]
             if self._waits_for_first_completion(req) or not self._reserve_kv(req, budget):
                 break
             chunk = min(req.num_known - req.num_computed, budget)
-            self._note_first_scheduled(req)
+            if req.first_scheduled_time is None:  # not again on a recompute
+                req.first_scheduled_time = now
+                self.telemetry.queue_time.observe(now - req.arrival_time)
+                prompt_tokens += len(req.prompt_ids)
             slots.assign(req)
             self.table.start(req)
             batch.register(req, slots.eos_token_ids)
             add_row(slots.kv, batch, req, chunk)
             budget -= chunk
+        if prompt_tokens:
+            self.telemetry.prompt_tokens.inc(prompt_tokens)
 
     def _waits_for_first_completion(self, req: Request) -> bool:
         """Completion i > 0 of a call is admitted once completion 0's prompt is in the prefix
@@ -58,9 +64,3 @@ class AdmissionManager:
             kv.release(req, computed=False)
             req.num_computed = 0
         return False
-
-    def _note_first_scheduled(self, req: Request) -> None:
-        if req.first_scheduled_time is None:  # not again on a recompute
-            req.first_scheduled_time = time.time()
-            self.telemetry.queue_time.observe(req.first_scheduled_time - req.arrival_time)
-            self.telemetry.prompt_tokens.inc(len(req.prompt_ids))

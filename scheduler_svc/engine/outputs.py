@@ -29,12 +29,27 @@ class Outbox:
 
     def tokens(
         self, owner: OutputSink | None, handles: list[int], tokens: list[int], finishes: list[int]
-    ) -> None:
-        """Plain rows of one owner: a token each, and a finish reason each (0: none)."""
+    ) -> int:
+        """Plain rows of one owner: a token each, and a finish reason each (0: none). Returns the
+        entry of the first of them in the owner's outputs (`note_first`)."""
         outputs = self._for(owner)
+        base = len(outputs.handles)
         outputs.handles.extend(handles)
         outputs.token_ids.extend(tokens)
         outputs.finish_reasons.extend(finishes)
+        return base
+
+    def note_first(
+        self,
+        owner: OutputSink | None,
+        entry: int,
+        cached: int | None,
+        prompt: tuple[TokenLogprob, ...] | None,
+    ) -> None:
+        """Entry `entry` of the owner's outputs (`tokens`) is a request's first output token,
+        which carries the prompt tokens it found cached (None: not its first output) and its
+        prompt's log-probabilities (None: none)."""
+        self._for(owner).note(entry, cached, prompt)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         self._for(req.owner).add(req.handle, NO_TOKEN, reason)

@@ -62,9 +62,10 @@ class ResultProcessor:
         `token_counts`: the tokens each sampling row emitted, when the batch has verify rows;
         `drafts_found`: with them, whether the worker's lookup found drafts for each row.
 
-        Plain rows (a request still running since the batch was launched, past its first
-        token of this attempt, without log-probabilities or stop ids of its own) are applied a
-        column at a time; the others one by one (`_process_row`, `_process_verified`)."""
+        Plain rows (a request still running since the batch was launched, without
+        log-probabilities or stop ids of its own) are applied a column at a time, a first token
+        of an attempt among them (its prompt's KV goes to the prefix cache, row by row); the
+        others one by one (`_process_row`, `_process_verified`)."""
         if token_counts or batch.verifying or drafts_found:
             self._apply_counted(batch, token_ids, logprobs, grammar_finished, token_counts, drafts_found)
             return
@@ -78,17 +79,17 @@ class ResultProcessor:
             return
         slots, tags = batch.sampled_columns()
         tokens = np.array(token_ids, np.int64)
-        plain = (rows.tag_np[slots] == tags) & (rows.plain_np[slots] == 1) & (rows.kept_np[slots] == 1)
+        plain = (rows.tag_np[slots] == tags) & (rows.plain_np[slots] == 1)
         if grammar_finished:
             plain[list(grammar_finished)] = False
         if np.count_nonzero(plain) == len(plain):
             self._apply_plain(slots, tokens)
             return
-        index = np.flatnonzero(plain)
+        index = plain.nonzero()[0]
         if len(index):
             self._apply_plain(slots[index], tokens[index])
         finished = set(grammar_finished)
-        for i in np.flatnonzero(~plain).tolist():
+        for i in (~plain).nonzero()[0].tolist():
             slot, tag = batch.sampled_slots[i], batch.sampled_tags[i]
             self._process_row(slot, tag, token_ids[i], logprobs, i, i in finished)
 
@@ -192,6 +193,7 @@ class ResultProcessor:
         rows.known_np[slots] = known
         rows.append_tokens(slots, tokens)
         token_list = tokens.tolist()
+        firsts = self._keep_prompts(slots, known) if np.count_nonzero(rows.kept_np[slots] == 0) else ()
         # A step's rows mostly go on: the stops' columns are read only when a token could end one.
         eos = self._is_eos(tokens)
         length = known >= rows.limit_np[slots]
@@ -207,17 +209,45 @@ class ResultProcessor:
         handles = rows.handle_np[slots]
         first_owner = int(owners[0])
         if np.count_nonzero(owners == first_owner) == len(owners):
-            self.outbox.tokens(rows.owners[first_owner], handles.tolist(), token_list, finish_list)
+            sink = rows.owners[first_owner]
+            base = self.outbox.tokens(sink, handles.tolist(), token_list, finish_list)
+            for i, cached, scores in firsts:
+                self.outbox.note_first(sink, base + i, cached, scores)
         else:
             ended = np.zeros(len(token_list), np.int64) if finish is None else finish
             for owner in np.unique(owners).tolist():
                 mine = owners == owner
-                self.outbox.tokens(
-                    rows.owners[owner], handles[mine].tolist(), tokens[mine].tolist(), ended[mine].tolist()
+                sink = rows.owners[owner]
+                base = self.outbox.tokens(
+                    sink, handles[mine].tolist(), tokens[mine].tolist(), ended[mine].tolist()
                 )
+                for i, cached, scores in firsts:
+                    if mine[i]:
+                        self.outbox.note_first(sink, base + int(np.count_nonzero(mine[:i])), cached, scores)
         if finish is not None:
             for i in finish.nonzero()[0].tolist():
                 self._end(self._request(int(slots[i])), FinishReason(int(finish[i])))
+
+    def _keep_prompts(
+        self, slots: Column, known: Column
+    ) -> list[tuple[int, int | None, tuple[TokenLogprob, ...] | None]]:
+        """The rows of `slots` that took the first token of their attempt (their token is in their
+        row, `known` counts it): the prefix cache takes their prompt's KV, as `_process_row` has it
+        take a row's. Returns, by row index, what a request's first output token carries: the
+        prompt tokens it found cached (None: not its first output) and its prompt's
+        log-probabilities (None: none due)."""
+        rows, kv = self.slots.rows, self.slots.kv
+        firsts = []
+        for i in (rows.kept_np[slots] == 0).nonzero()[0].tolist():
+            slot = int(slots[i])
+            req = self._request(slot)
+            kv.keep(req, min(rows.computed[slot], rows.known[slot]))
+            rows.kept[slot] = 1
+            first_output = rows.known[slot] == rows.prompt_len[slot] + 1
+            scores = self._prompt_scores(req)
+            if first_output or scores is not None:
+                firsts.append((i, req.cached_prompt_tokens if first_output else None, scores))
+        return firsts
 
     def _apply_small(self, slots: list[int], tags: list[int], tokens: list[int]) -> bool:
         """`_apply_plain` a row at a time, for a batch of a few rows, where a handful of array

@@ -62,7 +62,7 @@ class SessionSlots:
             rows, req.rows = req.rows, None
             if rows is not None:
                 req.num_computed, req.num_inflight, req.prompt_kept = rows.clear(req.req_slot)
-            self.req_slots.free([req.req_slot])
+            self.req_slots.free_one(req.req_slot)
             self._pending_releases.append(req.req_slot)
             req.req_slot = None
         self.kv.release(req, computed)

@@ -65,6 +65,14 @@ class SlotAllocator:
     def allocate_one(self) -> int:
         return self.allocate(1)[0]
 
+    def free_one(self, slot: int) -> None:
+        """`free([slot])`."""
+        if not self._in_use[slot]:
+            raise ValueError(f"{self.name}: slot {slot} freed twice")
+        self._in_use[slot] = 0
+        self._stack[self._top] = slot
+        self._top += 1
+
     def free(self, slots: list[int]) -> None:
         if len(slots) > 8 and self._in_use_np[slots].all() and len(set(slots)) == len(slots):
             self._in_use_np[slots] = 0  # the common case, a column at a time

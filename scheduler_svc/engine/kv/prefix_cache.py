@@ -64,16 +64,18 @@ class PrefixCache:
 
     def keep(self, req: Request, upto: int, hold: bool = True) -> None:
         """The tree takes `req`'s KV of its first `upto` positions where it holds none yet; with
-        `hold`, `req` locks the node they end in (instead of the one it held)."""
+        `hold`, `req` locks the node they end in (instead of the one it held). The tree is walked
+        from the node `req` holds, which spells the start of what it knows."""
         if not self.enabled or upto < 1:
             return
-        kv_slots = req.kv_slots
-        node, taken_from = self.tree.insert(req.known_ids(0, upto), kv_slots[:upto])
+        kv_slots, held = req.kv_slots, req.cache_node
+        node, taken_from = self.tree.insert(req.known_ids(0, upto), kv_slots[:upto], held)
         req.tree_slots.update(kv_slots[taken_from:upto])
         if hold:
-            self.tree.lock(node)
-            if req.cache_node is not None:
-                self.tree.unlock(req.cache_node)
+            if held is None:
+                self.tree.lock(node)
+            else:
+                self.tree.relock(held, node)
             req.cache_node = node
 
     def release(self, req: Request, computed: bool) -> list[int]:
@@ -85,7 +87,9 @@ class PrefixCache:
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
             req.cache_node = None
-        own = [s for s in req.kv_slots if s not in req.tree_slots]
+        kv_slots, tree_slots = req.kv_slots, req.tree_slots
+        # The tree's are some of its slots: when they are as many, it has no slot of its own.
+        own = [] if len(tree_slots) == len(kv_slots) else [s for s in kv_slots if s not in tree_slots]
         req.tree_slots = set()
         return own
 

@@ -6,7 +6,9 @@ position from the root: a path from the root spells a prefix and names the slots
 
     match(ids)               the longest cached prefix of `ids` (its slots and its last node)
     lock(node) / unlock(...) a live request uses the path to `node`: not evictable meanwhile
-    insert(ids, slots)       cache a computed prefix; returns how many of `slots` it did not take
+    relock(node, below)      move a lock down the path: from `node` to `below`, a node under it
+    insert(ids, slots, at)   cache a computed prefix (walked from `at`, a node on its path, if
+                             given); returns its last node and how many of `slots` it did not take
     evict(n)                 free up to `n` slots of unreferenced leaves, least recently used first
 
 Eviction does not walk the tree: a heap of candidates (an unreferenced leaf, at its last use) is
@@ -34,11 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RadixNode:
     key: list[int] = field(default_factory=list)  # token ids of this edge
     slots: list[int] = field(default_factory=list)  # their KV slots, one each
     parent: RadixNode | None = None
+    depth: int = 0  # token ids from the root to the end of its key
     children: dict[int, RadixNode] = field(default_factory=dict)  # by the child key's first id
     refs: int = 0  # live requests whose matched or inserted prefix runs through this node
     last_use: int = 0
@@ -54,7 +57,7 @@ class RadixNode:
         return not self.children
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Match:
     """The longest cached prefix: its KV slots, and the node it ends in (the root: none)."""
 
@@ -79,17 +82,37 @@ class RadixCache:
     def match(self, ids: list[int]) -> Match:
         """The longest prefix of `ids` in the tree; a node that matches only part of its key is
         split, so the match always ends at a node boundary."""
-        node, slots, i = self.root, [], 0
-        now = next(self._clock)
+        slots: list[int] = []
+        node, _ = self._walk(self.root, ids, slots)
+        return Match(slots, node)
+
+    def _walk(
+        self, node: RadixNode, ids: list[int], slots: list[int] | None = None, now: int = 0
+    ) -> tuple[RadixNode, int]:
+        """From `node` (a node on the path `ids` spells), down the longest path `ids` goes on
+        spelling: its last node and depth, each node on it used `now` (0: a new tick), and the
+        KV slots below `node` added to `slots`, where given."""
+        now = now or next(self._clock)
+        i = node.depth
         while i < len(ids) and (child := node.children.get(ids[i])) is not None:
             shared = _shared_length(child.key, ids, i)
             if shared < len(child.key):
                 child = self._split(child, shared)
-            slots.extend(child.slots)
+            if slots is not None:
+                slots.extend(child.slots)
             child.last_use = now
             node, i = child, i + shared
         self._offer(node)  # used now: only the last node of the path can be a leaf
-        return Match(slots, node)
+        return node, i
+
+    def _touch(self, node: RadixNode) -> int:
+        """`node` and its ancestors are used now, as a walk from the root to it would leave
+        them; returns the tick."""
+        now = next(self._clock)
+        while node.parent is not None:
+            node.last_use = now
+            node = node.parent
+        return now
 
     def lock(self, node: RadixNode) -> None:
         """A live request uses the prefix ending at `node`: none of its path may be evicted."""
@@ -97,6 +120,17 @@ class RadixCache:
             if n.refs == 0:
                 self.evictable -= len(n.slots)
             n.refs += 1
+
+    def relock(self, node: RadixNode, below: RadixNode) -> None:
+        """`lock(below)` then `unlock(node)`, where `below` is `node` or a node under it: only the
+        path between them changes hands."""
+        n = below
+        while n is not node:
+            assert n.parent is not None, "relock below a node not under it"
+            if n.refs == 0:
+                self.evictable -= len(n.slots)
+            n.refs += 1
+            n = n.parent
 
     def unlock(self, node: RadixNode) -> None:
         for n in _path(node):
@@ -106,18 +140,25 @@ class RadixCache:
                 self._offer(n)
             assert n.refs >= 0, "unlocked more often than locked"
 
-    def insert(self, ids: list[int], slots: Sequence[int]) -> tuple[RadixNode, int]:
+    def insert(
+        self, ids: list[int], slots: Sequence[int], at: RadixNode | None = None
+    ) -> tuple[RadixNode, int]:
         """Cache `ids` whose KV is in `slots` (one each). Returns the node it ends in and how
         many leading entries of `slots` the tree did not take: their prefix was cached already
-        (with other slots, which it keeps), so they stay the caller's."""
+        (with other slots, which it keeps), so they stay the caller's. `at`: a node in the tree
+        whose path `ids` starts with (a live request's locked node), where the walk starts; the
+        tree is left as a walk from the root would leave it."""
         assert len(ids) == len(slots), "one KV slot per token"
-        match = self.match(ids)
-        taken_from = match.length
+        if at is None:
+            parent, taken_from = self._walk(self.root, ids)
+        else:
+            assert not at.removed and at.depth <= len(ids)
+            parent, taken_from = self._walk(at, ids, now=self._touch(at))
         if taken_from == len(ids):
-            return match.node, taken_from
-        leaf = RadixNode(list(ids[taken_from:]), list(slots[taken_from:]), match.node)
+            return parent, taken_from
+        leaf = RadixNode(list(ids[taken_from:]), list(slots[taken_from:]), parent, len(ids))
         leaf.last_use = next(self._clock)
-        match.node.children[leaf.key[0]] = leaf
+        parent.children[leaf.key[0]] = leaf
         self.size += len(leaf.slots)
         self.evictable += len(leaf.slots)
         self._offer(leaf)
@@ -165,7 +206,9 @@ class RadixCache:
         """Cut `node`'s key after `at` ids; the new upper node keeps its references."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.key)
-        upper = RadixNode(node.key[:at], node.slots[:at], parent, {}, node.refs, node.last_use)
+        upper = RadixNode(
+            node.key[:at], node.slots[:at], parent, parent.depth + at, {}, node.refs, node.last_use
+        )
         parent.children[upper.key[0]] = upper
         node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
         upper.children[node.key[0]] = node
