@@ -473,9 +473,9 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
     lines = [
         *table(run.rows),
         "",
-        f"- every request decodes ({c.prompt_len}-token prompts, admitted and prefilled during the "
-        f"warmup, then {c.warmup_steps} more steps); medians over {c.steps} steps; "
-        f"token budget {c.max_batch_tokens} per step; one frontend link",
+        f"- steady rows (output —): every request decodes ({c.prompt_len}-token prompts, admitted and "
+        f"prefilled during the warmup, then {c.warmup_steps} more steps); medians over {c.steps} "
+        f"steps; token budget {c.max_batch_tokens} per step; one frontend link",
         f"- idle ms: {_IDLE_TEXT[c.idle]} before each step, as the served core waits through a device "
         "step (the caches go cold); 0: back to back",
         "- output: turnover rows, each request's exact output; those that end are replaced the step "

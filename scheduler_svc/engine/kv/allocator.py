@@ -74,8 +74,9 @@ class SlotAllocator:
         self._top += 1
 
     def free(self, slots: list[int]) -> None:
-        if len(slots) > 8 and self._in_use_np[slots].all() and len(set(slots)) == len(slots):
-            self._in_use_np[slots] = 0  # the common case, a column at a time
+        column = np.array(slots, np.int64) if len(slots) > 8 else None  # converted once
+        if column is not None and self._in_use_np[column].all() and len(set(slots)) == len(slots):
+            self._in_use_np[column] = 0  # the common case, a column at a time
         else:
             for i, slot in enumerate(slots):
                 if not self._in_use[slot]:
@@ -84,5 +85,5 @@ class SlotAllocator:
                     raise ValueError(f"{self.name}: slot {slot} freed twice")
                 self._in_use[slot] = 0
         top = self._top  # every slot was in use, so the stack has room for them all
-        self._stack[top : top + len(slots)] = slots
+        self._stack[top : top + len(slots)] = slots if column is None else column
         self._top = top + len(slots)
