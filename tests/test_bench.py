@@ -24,6 +24,7 @@ from bench import (
     link_delay,
     load_memory,
     overlap_depth,
+    paired,
     prefix_cache,
     sampling_cost,
     smollm2_serving,
@@ -32,6 +33,7 @@ from bench import (
     tensor_parallel,
 )
 from bench import run as bench_run
+from bench.baseline import Baseline
 from bench.configs import (
     SIM_KV_SLOTS,
     Case,
@@ -49,10 +51,10 @@ from bench.frontends import MESSAGES, Code, PointResult, cpu_figures, cpu_shares
 from bench.frontends import QUICK as QUICK_FRONTENDS
 from bench.frontends import table as frontends_table
 from bench.harness import CaseResult, RunResult, run_plan
-from bench.machine import Machine
+from bench.machine import REPO, Machine
 from bench.promtext import delta, histogram_buckets, histogram_quantile, parse, total
 from bench.report import device_ratios, largest_busy_concurrency, to_json, to_markdown
-from bench.run import CLOCK_TICKS, Endpoints, Measurement, children_cpu_s, cpu_used, measure
+from bench.run import CLOCK_TICKS, Endpoints, GrpcClient, Measurement, children_cpu_s, cpu_used, measure
 from bench.save import finite, save
 from loadgen import BenchmarkConfig, Summary
 from loadgen.stats import Distribution
@@ -776,6 +778,48 @@ def test_core_cpu_turnover_rows_end_and_start_requests_every_step(monkeypatch: p
     assert "a request's turnover at batch 64, 4-token outputs" in text and "| 64 | columns | 0 | 4 |" in text
     document = core_cpu.to_json(run, "test")
     assert [t["output_len"] for t in document["turnover_us_per_request"]] == [8, 4]
+
+
+def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_turn() -> None:
+    """Each turn measures both codes, the first alternating; the summary's ratios are per turn
+    (a machine that slows between turns moves both sides of a turn alike), with each code's
+    median, the ratios' range and how many turns the current code was lower in."""
+    calls: list[str] = []
+    speeds = iter([1.0, 1.0, 2.0, 2.0, 1.5, 1.5, 1.0, 1.0])  # the machine's pace, per measurement
+
+    def side(plan: paired.PairedPlan, code: Path | None, client: GrpcClient) -> paired.Side:
+        calls.append("current" if code is None else "baseline")
+        pace = next(speeds)
+        core = (1.8 if code is None else 2.0) * pace
+        return paired.Side(core, 4.0 * pace, 60.0, 0)
+
+    plan = paired.PairedPlan(turns=4)
+    run = paired.run(plan, Baseline("f" * 40, REPO), side, progress=lambda line: None)
+    assert calls == ["current", "baseline", "baseline", "current"] * 2
+    assert [t.first for t in run.turns] == ["current", "baseline"] * 2
+    core = paired.summarize(run.turns, "core_us_per_token")
+    assert core.ratio_median == pytest.approx(0.9) and core.ratio_min == pytest.approx(0.9)
+    assert (core.lower, core.turns) == (4, 4)
+    assert core.current == pytest.approx(1.8 * 1.25) and core.baseline == pytest.approx(2.0 * 1.25)
+    text = paired.to_markdown(run, "test")
+    assert "core µs/token: medians 2.50 -> 2.25; per-turn ratio median 0.90x" in text
+    assert "current lower in 4 of 4 turns" in text and "frontends µs/token" in text
+    # the frontends' code the same on both sides: their ratio is the pace, here 1 within each turn
+    controlled = paired.summarize_controlled(run.turns)
+    assert controlled.ratio_median == pytest.approx(0.9) and controlled.lower == 4
+    paced = paired.Turn("current", paired.Side(1.9, 4.4, 60.0, 0), paired.Side(2.0, 4.0, 60.0, 0))
+    assert paced.ratio("core_us_per_token") == pytest.approx(0.95)
+    assert paced.core_over_frontends == pytest.approx(0.95 / 1.1)  # the current side ran 10% slower
+    document = json.loads(json.dumps(finite(paired.to_json(run, "test")), allow_nan=False))
+    assert document["summary"]["core_us_per_token"]["lower"] == 4 and len(document["turns"]) == 4
+    args = paired.parse_args(["--baseline", "abc", "--output-len", "16", "--waves", "12", "--turns", "3"])
+    assert (args.baseline, args.output_len, args.waves, args.turns, args.client) == (
+        "abc",
+        16,
+        12,
+        3,
+        "grpc-many",
+    )
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:

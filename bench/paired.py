@@ -1,0 +1,296 @@
+"""python -m bench.paired --baseline REF: one served point of `bench.frontends`, this checkout's
+code against another commit's, in paired turns, for a change too small for one run to show.
+
+On a shared machine the CPU a token of the same code moves by a third or more between runs of
+a few seconds (other tenants' work in the caches), so a single run of each code cannot resolve a
+change of 5-15%. Here each turn starts a fresh worker and scheduler of each code, one after the
+other, alternating which goes first, and measures the same point on both (sim device, overlap,
+one frontend); each turn's ratio is taken within the turn, and the report gives every turn, the
+medians of each code, and the median, range and sign count of the per-turn ratios. The host's
+pace still moves between a turn's two sides (a run of each takes seconds), and it moves every
+process alike: where a change leaves the frontends' code and work as they were, the core's ratio
+over the frontends' in the same turn is the core's change at one pace, reported beside. The
+machine's loop calibration is printed before and after. Writes
+bench/results/<UTC date-time>-paired.{json,md} and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bench.baseline import Baseline, checkout
+from bench.cells import number
+from bench.configs import SIM_KV_SLOTS, Configuration, Workload, sim, waves
+from bench.envelope import Envelope, begin
+from bench.figures import ratio
+from bench.frontends import CpuFigures, cpu_figures
+from bench.machine import Machine, load_average, loop_calibration
+from bench.run import GrpcClient, measure, serving
+from bench.save import RESULTS, command_line, publish
+
+CODES = ("current", "baseline")
+
+
+@dataclass(frozen=True)
+class PairedPlan:
+    step_ms: float = 20.0
+    concurrency: int = 256
+    output_len: int = 128
+    input_len: int = 16
+    waves: int = 4  # of `concurrency` requests, a closed loop
+    turns: int = 6
+    connections: int = 1
+    client: GrpcClient = "grpc-many"  # a baseline without GenerateMany is sent Generate calls
+
+    def workload(self) -> Workload:
+        return waves(self.waves, self.concurrency, self.input_len, self.output_len, 0.0)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One code's figures in one turn."""
+
+    core_us_per_token: float | None
+    frontends_us_per_token: float | None
+    ttft_p50_ms: float
+    failed: int
+
+
+@dataclass(frozen=True)
+class Turn:
+    first: str  # which code ran first
+    current: Side
+    baseline: Side
+
+    def ratio(self, figure: str) -> float | None:
+        return ratio(getattr(self.current, figure), getattr(self.baseline, figure))
+
+    @property
+    def core_over_frontends(self) -> float | None:
+        """The core's ratio over the frontends': where a change leaves the frontends' code and
+        work as they were, their ratio is the host's pace between the turn's two sides, and this
+        is the core's ratio at one pace."""
+        return ratio(self.ratio("core_us_per_token"), self.ratio("frontends_us_per_token"))
+
+
+@dataclass(frozen=True)
+class PairedRun:
+    plan: PairedPlan
+    baseline: str  # its commit
+    started_at: datetime
+    machine: Machine
+    load_average_after: float
+    loop_s: tuple[float, float]  # before and after
+    turns: tuple[Turn, ...]
+
+
+FIGURES = (("core_us_per_token", "core µs/token"), ("frontends_us_per_token", "frontends µs/token"))
+
+Measure = Callable[[PairedPlan, Path | None, GrpcClient], Side]
+
+
+def measure_side(plan: PairedPlan, code: Path | None, client: GrpcClient) -> Side:
+    """A fresh worker and scheduler of the code at `code` (None: this checkout), one point."""
+    configuration = Configuration(sim(plan.step_ms, SIM_KV_SLOTS), "overlap", "socket", frontends=1)
+    with serving(configuration, code) as endpoints:
+        measured = measure(endpoints, plan.workload(), plan.connections, client=client)
+    cpu: CpuFigures = cpu_figures(1, measured)
+    return Side(
+        cpu.core_us_per_token,
+        cpu.frontends_us_per_token,
+        measured.summary.ttft.median,
+        measured.summary.failed,
+    )
+
+
+def run(
+    plan: PairedPlan,
+    baseline: Baseline,
+    side: Measure = measure_side,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> PairedRun:
+    started_at, machine = begin()
+    before = loop_calibration()
+    progress(f"loop calibration: {before:.2f} s")
+    baseline_client: GrpcClient = plan.client if baseline.serves_generate_many else "grpc"
+    turns = []
+    for t in range(plan.turns):
+        first = CODES[t % 2]
+        got: dict[str, Side] = {}
+        for code in CODES if first == "current" else CODES[::-1]:
+            got[code] = (
+                side(plan, None, plan.client)
+                if code == "current"
+                else side(plan, baseline.path, baseline_client)
+            )
+        turn = Turn(first, got["current"], got["baseline"])
+        turns.append(turn)
+        progress(turn_line(t, turn))
+    after = loop_calibration()
+    return PairedRun(
+        plan, baseline.commit, started_at, machine, load_average(), (before, after), tuple(turns)
+    )
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A figure over the turns: each code's median, and the per-turn ratios' median and range,
+    with how many turns had the current code lower."""
+
+    current: float | None
+    baseline: float | None
+    ratio_median: float | None
+    ratio_min: float | None
+    ratio_max: float | None
+    lower: int
+    turns: int
+
+
+def summarize(turns: Sequence[Turn], figure: str) -> Summary:
+    ratios = [r for t in turns if (r := t.ratio(figure)) is not None]
+    return _summary(turns, figure, ratios)
+
+
+def summarize_controlled(turns: Sequence[Turn]) -> Summary:
+    """The core's per-turn ratios, each over the frontends' (`Turn.core_over_frontends`)."""
+    ratios = [r for t in turns if (r := t.core_over_frontends) is not None]
+    return _summary(turns, "core_us_per_token", ratios)
+
+
+def _summary(turns: Sequence[Turn], figure: str, ratios: list[float]) -> Summary:
+    current = [v for t in turns if (v := getattr(t.current, figure)) is not None]
+    baseline = [v for t in turns if (v := getattr(t.baseline, figure)) is not None]
+    return Summary(
+        statistics.median(current) if current else None,
+        statistics.median(baseline) if baseline else None,
+        statistics.median(ratios) if ratios else None,
+        min(ratios, default=None),
+        max(ratios, default=None),
+        sum(r < 1 for r in ratios),
+        len(ratios),
+    )
+
+
+def turn_line(index: int, turn: Turn) -> str:
+    figures = "; ".join(
+        f"{label} {number(getattr(turn.baseline, f), 2)} -> {number(getattr(turn.current, f), 2)} "
+        f"({number(turn.ratio(f), 2)}x)"
+        for f, label in FIGURES
+    )
+    return f"turn {index + 1} ({turn.first} first): {figures}"
+
+
+def envelope(run: PairedRun, command: str) -> Envelope:
+    return Envelope(
+        "Paired turns against a baseline",
+        command,
+        asdict(run.plan),
+        None,
+        run.started_at,
+        run.machine,
+        ("python",),
+        load_after=run.load_average_after,
+    )
+
+
+def to_json(run: PairedRun, command: str) -> dict[str, Any]:
+    return envelope(run, command).json(
+        {
+            "baseline": run.baseline,
+            "loop_calibration_s": list(run.loop_s),
+            "turns": [asdict(t) for t in run.turns],
+            "summary": {f: asdict(summarize(run.turns, f)) for f, _ in FIGURES},
+            "core_over_frontends": asdict(summarize_controlled(run.turns)),
+        }
+    )
+
+
+def to_markdown(run: PairedRun, command: str) -> str:
+    p = run.plan
+    header = "| turn | first | " + " | ".join(f"{label}: baseline, current, ratio" for _, label in FIGURES)
+    lines = [header + " | TTFT p50 ms: baseline, current |", "|---:|---|" + "---|" * (len(FIGURES) + 1)]
+    for i, t in enumerate(run.turns):
+        cells = [
+            f"{number(getattr(t.baseline, f), 2)}, {number(getattr(t.current, f), 2)}, "
+            f"{number(t.ratio(f), 2)}x"
+            for f, _ in FIGURES
+        ]
+        ttft = f"{t.baseline.ttft_p50_ms:.1f}, {t.current.ttft_p50_ms:.1f}"
+        lines.append(f"| {i + 1} | {t.first} | " + " | ".join(cells) + f" | {ttft} |")
+    return envelope(run, command).markdown(
+        [
+            *lines,
+            "",
+            *summary_lines(run),
+            f"- baseline: commit {run.baseline}; each turn a fresh worker and scheduler of each code, "
+            "the first alternating",
+            f"- the point: sim {p.step_ms:g} ms steps, overlap, one frontend, concurrency {p.concurrency}, "
+            f"{p.waves} waves of {p.input_len}-token prompts and exactly {p.output_len} new tokens, over "
+            f"{p.connections} connection(s), loadgen's {p.client} backend",
+            f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes "
+            f"{run.loop_s[0]:.2f} s before the turns, {run.loop_s[1]:.2f} s after",
+        ]
+    )
+
+
+def summary_lines(run: PairedRun) -> Iterator[str]:
+    for f, label in FIGURES:
+        s = summarize(run.turns, f)
+        yield (
+            f"- {label}: medians {number(s.baseline, 2)} -> {number(s.current, 2)}; per-turn ratio median "
+            f"{number(s.ratio_median, 2)}x (range {number(s.ratio_min, 2)}-{number(s.ratio_max, 2)}), "
+            f"current lower in {s.lower} of {s.turns} turns"
+        )
+    c = summarize_controlled(run.turns)
+    yield (
+        f"- the core's ratio over the frontends' (a control for the host's pace where the change left "
+        f"the frontends as they were): median {number(c.ratio_median, 2)}x (range "
+        f"{number(c.ratio_min, 2)}-{number(c.ratio_max, 2)}), below 1 in {c.lower} of {c.turns} turns"
+    )
+    failed = sum(t.current.failed + t.baseline.failed for t in run.turns)
+    if failed:
+        yield f"- {failed} requests failed"
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = PairedPlan()
+    p = argparse.ArgumentParser(prog="python -m bench.paired", description=__doc__)
+    p.add_argument("--baseline", required=True, help="the commit to run beside this checkout")
+    p.add_argument("--step-ms", type=float, default=d.step_ms, help="the sim's step time")
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--output-len", type=int, default=d.output_len, help="exact new tokens a request")
+    p.add_argument("--waves", type=int, default=d.waves, help="of concurrency requests, per side and turn")
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--connections", type=int, default=d.connections)
+    p.add_argument("--client", choices=("grpc", "grpc-many"), default=d.client, help="loadgen's gRPC backend")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
+    return p.parse_args(argv)
+
+
+def plan_of(args: argparse.Namespace) -> PairedPlan:
+    """The plan the command line asks for (its options are the plan's fields, less `input_len`)."""
+    return PairedPlan(**{f.name: getattr(args, f.name) for f in fields(PairedPlan) if hasattr(args, f.name)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(plan_of(args), checkout(args.baseline))
+    command = command_line("bench.paired", argv)
+    publish("paired", result.started_at, to_json(result, command), to_markdown(result, command), args.out)
+
+
+if __name__ == "__main__":
+    main()
