@@ -30,7 +30,7 @@ from bench.cells import number
 from bench.configs import SIM_KV_SLOTS, Configuration, Workload, sim, waves
 from bench.envelope import Envelope, begin
 from bench.figures import ratio
-from bench.frontends import CpuFigures, cpu_figures
+from bench.frontends import CpuFigures, WorkerLink, cpu_figures
 from bench.machine import Machine, load_average, loop_calibration
 from bench.run import GrpcClient, measure, serving
 from bench.save import RESULTS, command_line, publish
@@ -48,6 +48,8 @@ class PairedPlan:
     turns: int = 6
     connections: int = 1
     client: GrpcClient = "grpc-many"  # a baseline without GenerateMany is sent Generate calls
+    # This checkout's scheduler reaches its worker over the framed socket, as `stepahead serve`
+    # runs it; a baseline over its own best (`Baseline.worker_link`).
 
     def workload(self) -> Workload:
         return waves(self.waves, self.concurrency, self.input_len, self.output_len, 0.0)
@@ -93,12 +95,13 @@ class PairedRun:
 
 FIGURES = (("core_us_per_token", "core µs/token"), ("frontends_us_per_token", "frontends µs/token"))
 
-Measure = Callable[[PairedPlan, Path | None, GrpcClient], Side]
+Measure = Callable[[PairedPlan, Path | None, GrpcClient, WorkerLink], Side]
 
 
-def measure_side(plan: PairedPlan, code: Path | None, client: GrpcClient) -> Side:
-    """A fresh worker and scheduler of the code at `code` (None: this checkout), one point."""
-    configuration = Configuration(sim(plan.step_ms, SIM_KV_SLOTS), "overlap", "socket", frontends=1)
+def measure_side(plan: PairedPlan, code: Path | None, client: GrpcClient, link: WorkerLink) -> Side:
+    """A fresh worker and scheduler of the code at `code` (None: this checkout), its scheduler
+    reaching its worker by `link`, one point."""
+    configuration = Configuration(sim(plan.step_ms, SIM_KV_SLOTS), "overlap", link, frontends=1)
     with serving(configuration, code) as endpoints:
         measured = measure(endpoints, plan.workload(), plan.connections, client=client)
     cpu: CpuFigures = cpu_figures(1, measured)
@@ -125,11 +128,10 @@ def run(
         first = CODES[t % 2]
         got: dict[str, Side] = {}
         for code in CODES if first == "current" else CODES[::-1]:
-            got[code] = (
-                side(plan, None, plan.client)
-                if code == "current"
-                else side(plan, baseline.path, baseline_client)
-            )
+            if code == "current":
+                got[code] = side(plan, None, plan.client, "socket")
+            else:
+                got[code] = side(plan, baseline.path, baseline_client, baseline.worker_link)
         turn = Turn(first, got["current"], got["baseline"])
         turns.append(turn)
         progress(turn_line(t, turn))

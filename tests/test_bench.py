@@ -787,8 +787,9 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
     calls: list[str] = []
     speeds = iter([1.0, 1.0, 2.0, 2.0, 1.5, 1.5, 1.0, 1.0])  # the machine's pace, per measurement
 
-    def side(plan: paired.PairedPlan, code: Path | None, client: GrpcClient) -> paired.Side:
+    def side(plan: paired.PairedPlan, code: Path | None, client: GrpcClient, link: str) -> paired.Side:
         calls.append("current" if code is None else "baseline")
+        assert link == "socket" and client == "grpc-many"  # this checkout's: both serve them
         pace = next(speeds)
         core = (1.8 if code is None else 2.0) * pace
         return paired.Side(core, 4.0 * pace, 60.0, 0)
