@@ -137,6 +137,8 @@ class Request:
         prompt_len = len(self.prompt_ids)
         if end <= prompt_len:
             return self.prompt_ids[start:end]
+        if start == 0:  # a prefix: one list made, not the whole and then its slice
+            return self.prompt_ids + self.output_ids[: end - prompt_len]
         return (self.prompt_ids + self.output_ids)[start:end]
 
     def wants_decode(self) -> bool:

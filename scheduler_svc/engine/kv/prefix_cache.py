@@ -19,6 +19,8 @@ NOTE (overlap safety):
 
 from __future__ import annotations
 
+import itertools
+
 from scheduler_svc.engine.kv.allocator import SlotAllocator
 from scheduler_svc.engine.kv.radix_cache import Match, RadixCache
 from scheduler_svc.engine.request import Request
@@ -69,8 +71,9 @@ class PrefixCache:
         if not self.enabled or upto < 1:
             return
         kv_slots, held = req.kv_slots, req.cache_node
-        node, taken_from = self.tree.insert(req.known_ids(0, upto), kv_slots[:upto], held)
-        req.tree_slots.update(kv_slots[taken_from:upto])
+        slots = kv_slots if upto == len(kv_slots) else kv_slots[:upto]  # the tree copies what it takes
+        node, taken_from = self.tree.insert(req.known_ids(0, upto), slots, held)
+        req.tree_slots.update(itertools.islice(kv_slots, taken_from, upto))
         if hold:
             if held is None:
                 self.tree.lock(node)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -140,9 +139,7 @@ class RadixCache:
                 self._offer(n)
             assert n.refs >= 0, "unlocked more often than locked"
 
-    def insert(
-        self, ids: list[int], slots: Sequence[int], at: RadixNode | None = None
-    ) -> tuple[RadixNode, int]:
+    def insert(self, ids: list[int], slots: list[int], at: RadixNode | None = None) -> tuple[RadixNode, int]:
         """Cache `ids` whose KV is in `slots` (one each). Returns the node it ends in and how
         many leading entries of `slots` the tree did not take: their prefix was cached already
         (with other slots, which it keeps), so they stay the caller's. `at`: a node in the tree
@@ -156,7 +153,7 @@ class RadixCache:
             parent, taken_from = self._walk(at, ids, now=self._touch(at))
         if taken_from == len(ids):
             return parent, taken_from
-        leaf = RadixNode(list(ids[taken_from:]), list(slots[taken_from:]), parent, len(ids))
+        leaf = RadixNode(ids[taken_from:], slots[taken_from:], parent, len(ids))  # slices: copies
         leaf.last_use = next(self._clock)
         parent.children[leaf.key[0]] = leaf
         self.size += len(leaf.slots)
