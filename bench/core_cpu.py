@@ -215,7 +215,7 @@ class CorePath:
         has room for)."""
         arrive_ns = arrived = 0
         if self.arrivals is not None:
-            arrived = min(arriving, self.batch_size - len(self.policy.requests))
+            arrived = max(0, min(arriving, self.batch_size - len(self.policy.requests)))
             arrive_ns = self._arrive(self.arrivals.wire(arrived)) if arrived > 0 else 0
         t0 = time.perf_counter_ns()
         batch = self._pick()
@@ -227,7 +227,7 @@ class CorePath:
         times = StepTimes(
             (arrive_ns, t1 - t0, t2 - t1, result_ns, process_ns),
             tokens,
-            max(arrived, 0),
+            arrived,
             len(wire),
             self.sink.take_bytes(),
         )

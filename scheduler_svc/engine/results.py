@@ -193,7 +193,8 @@ class ResultProcessor:
         rows.known_np[slots] = known
         rows.append_tokens(slots, tokens)
         token_list = tokens.tolist()
-        firsts = self._keep_prompts(slots, known) if np.count_nonzero(rows.kept_np[slots] == 0) else ()
+        unkept = rows.kept_np[slots] == 0  # first tokens of an attempt
+        firsts = self._keep_prompts(slots, unkept) if np.count_nonzero(unkept) else ()
         # A step's rows mostly go on: the stops' columns are read only when a token could end one.
         eos = self._is_eos(tokens)
         length = known >= rows.limit_np[slots]
@@ -229,16 +230,16 @@ class ResultProcessor:
                 self._end(self._request(int(slots[i])), FinishReason(int(finish[i])))
 
     def _keep_prompts(
-        self, slots: Column, known: Column
+        self, slots: Column, unkept: npt.NDArray[np.bool_]
     ) -> list[tuple[int, int | None, tuple[TokenLogprob, ...] | None]]:
-        """The rows of `slots` that took the first token of their attempt (their token is in their
-        row, `known` counts it): the prefix cache takes their prompt's KV, as `_process_row` has it
-        take a row's. Returns, by row index, what a request's first output token carries: the
-        prompt tokens it found cached (None: not its first output) and its prompt's
-        log-probabilities (None: none due)."""
+        """The rows of `slots` marked `unkept`, which took the first token of their attempt (their
+        token is in their row, which counts it): the prefix cache takes their prompt's KV, as
+        `_process_row` has it take a row's. Returns, by row index, what a request's first output
+        token carries: the prompt tokens it found cached (None: not its first output) and its
+        prompt's log-probabilities (None: none due)."""
         rows, kv = self.slots.rows, self.slots.kv
         firsts = []
-        for i in (rows.kept_np[slots] == 0).nonzero()[0].tolist():
+        for i in unkept.nonzero()[0].tolist():
             slot = int(slots[i])
             req = self._request(slot)
             kv.keep(req, min(rows.computed[slot], rows.known[slot]))
