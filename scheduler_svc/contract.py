@@ -207,6 +207,19 @@ class CoreClient(Protocol):
         """The whole service's Prometheus exposition (the core's series and every frontend's)."""
 
 
+class Intake(Protocol):
+    """The frontends' messages to the core, as the core's loop reads them. While a step's result
+    is awaited they are held unread (`hold`), and read together when it is back (`release`),
+    before the next pick: a request that arrives meanwhile is picked at the same step as if it
+    had been read at once, and the core's loop wakes once a step, for the result, not once more
+    for each frontend's message (as SGLang's scheduler receives requests once an iteration)."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None:
+        """Read what was held: the event loop's next turn delivers it."""
+
+
 class FrontendLink(OutputSink, Protocol):
     """A frontend as the core sees it: where its outputs and the worker's state go."""
 

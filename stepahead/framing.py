@@ -20,6 +20,7 @@ log = logging.getLogger("stepahead.link")
 
 HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30  # a longer frame is a broken peer, not a message
+READ_CHUNK = 1 << 18  # what `resume_reading` reads a syscall
 
 
 class Wire(Protocol):
@@ -45,6 +46,7 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._fd = -1  # the socket's, where frames may be written past the transport (see send)
+        self._paused = False  # pause_reading
 
     @property
     def open(self) -> bool:
@@ -86,6 +88,33 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+    def pause_reading(self) -> None:
+        """Leave what arrives in the socket until `resume_reading` (both idempotent)."""
+        transport = self._transport
+        if transport is not None and not transport.is_closing() and not self._paused:
+            transport.pause_reading()
+            self._paused = True
+
+    def resume_reading(self) -> None:
+        """Reads what arrived meanwhile, its frames reaching `on_frame` before this returns,
+        then leaves the socket to the event loop again. An end or an error of the connection is
+        left in the socket, for the transport to meet as it reads."""
+        transport = self._transport
+        if not self._paused or transport is None or transport.is_closing():
+            return
+        self._paused = False
+        while self._fd >= 0:
+            try:
+                data = os.read(self._fd, READ_CHUNK)
+            except OSError:  # nothing more (EAGAIN), or a broken connection: the transport's
+                break
+            if data:
+                self.data_received(data)
+            if len(data) < READ_CHUNK or self._transport is None or transport.is_closing():
+                break
+        if not transport.is_closing():
+            transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from scheduler_svc.contract import DEFAULT_MODE, FrontendLink, Mode, OutputSink
+from scheduler_svc.contract import DEFAULT_MODE, FrontendLink, Intake, Mode, OutputSink
 from scheduler_svc.engine.batch import ScheduledBatch
 from scheduler_svc.engine.depth import DepthConfig, OverlapDepth
 from scheduler_svc.engine.late_pick import LatePick, LatePickConfig
@@ -56,6 +56,10 @@ class CoreConfig:
     idle_heartbeat_s: float = 2.0  # idle: a row-less launch this often, so a hung worker is found
     late_pick: LatePickConfig = field(default_factory=LatePickConfig)
     depth: DepthConfig = field(default_factory=DepthConfig)  # overlap: batches launched ahead
+    # The longest the frontends' messages are held unread while a step's result is awaited
+    # (`Intake`): a longer step reads them as they come, so that an abort or a query waits no
+    # longer than this. 0: never held.
+    intake_hold_s: float = 0.05
 
 
 class EngineCore:
@@ -85,6 +89,7 @@ class EngineCore:
         self._lost_at: float | None = None  # when the worker session was lost
         self._expiry: asyncio.TimerHandle | None = None  # --worker-retry-timeout, on its own clock
         self._model_identity: tuple[str, int, tuple[int, ...], bytes] | None = None
+        self.intake: Intake | None = None  # the frontend processes' link, when it has one
 
     # ---- frontends ---------------------------------------------------------------------
 
@@ -279,6 +284,18 @@ class EngineCore:
         a worker that keeps saying it is alive keeps its session."""
         if handle.done():  # already here (the usual case at depth 1): no timer to set
             return handle.result()
+        intake, hold_s = self.intake, self.config.intake_hold_s
+        if intake is None or hold_s <= 0:
+            return await self._await_result(batch, handle)
+        intake.hold()
+        expiry = asyncio.get_running_loop().call_later(hold_s, intake.release)
+        try:
+            return await self._await_result(batch, handle)
+        finally:
+            expiry.cancel()
+            intake.release()
+
+    async def _await_result(self, batch: ScheduledBatch, handle: StepHandle) -> StepResult:
         timeout = self.config.worker_step_timeout_s
         session = self.session
         assert session is not None

@@ -49,6 +49,7 @@ class FrontendSupervisor:
         self._http_port = config.api.http_port
         self._socket_path = socket_path
         self._link = CoreLink(core, self._on_hello, exposition)
+        core.intake = self._link
         self._procs: dict[int, FrontendProcess] = {}
         self._attached = {i: asyncio.Event() for i in range(self._count)}
         self._watchers: set[asyncio.Task[None]] = set()

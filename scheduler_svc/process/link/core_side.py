@@ -104,7 +104,8 @@ class RemoteFrontend:
 
 class CoreLink:
     """Serves frontend processes on the core's unix socket: each connection starts with a
-    hello and is then one `RemoteFrontend` attached to the core until it closes."""
+    hello and is then one `RemoteFrontend` attached to the core until it closes. The core's
+    `Intake`: its connections are not read while the core awaits a step."""
 
     def __init__(
         self, core: EngineCore, on_hello: Callable[[RemoteFrontend], None], exposition: Callable[[], bytes]
@@ -187,6 +188,15 @@ class CoreLink:
             self._core.abort_handles(frontend, list(batch.abort))
         if batch.add:
             self._core.add([core_request(spec_from_proto(m), frontend) for m in batch.add])
+
+    def hold(self) -> None:
+        """The core awaits a step: what frontends send stays in their sockets (`Intake`)."""
+        for wire in self._connections:
+            wire.pause_reading()
+
+    def release(self) -> None:
+        for wire in list(self._connections):  # a frame read may close its connection
+            wire.resume_reading()
 
     async def metrics_texts(self) -> list[bytes]:
         """Every attached frontend's exposition (one that does not answer in time is left out)."""
