@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from bench.envelope import Envelope, begin, load_clause
-from bench.machine import Machine, loop_calibration
+from bench.machine import Machine, add_wake_latency_argument, cpu_wake_latency, idle_policy, loop_calibration
 from bench.save import RESULTS, command_line, publish
 from scheduler_svc.contract import CoreRequestSpec, SamplingParams, StepOutputs
 from scheduler_svc.engine.batch import ScheduledBatch
@@ -87,6 +87,7 @@ class CoreCpuConfig:
     idle: IdleWay = IDLE_WAYS[0]
     turnover_outputs: tuple[int, ...] = TURNOVER_OUTPUTS
     turnover_batch_sizes: tuple[int, ...] = TURNOVER_BATCH_SIZES
+    wake_latency_us: int | None = None  # the CPUs' idle states held to this (None: the host's)
 
 
 @dataclass(frozen=True)
@@ -452,6 +453,7 @@ def to_json(run: CoreCpuRun, command: str) -> dict[str, Any]:
         {
             "phases": list(PHASES),
             "loop_calibration_s": None if run.loop_s is None else list(run.loop_s),
+            "cpu_wake_latency_us": run.config.wake_latency_us,
             "rows": [asdict(row) for row in run.rows],
             "turnover_us_per_request": [
                 {"batch_size": r.batch_size, "output_len": r.output_len, "us": per_request_us(run, r)}
@@ -478,6 +480,7 @@ def to_markdown(run: CoreCpuRun, command: str) -> str:
         f"steps; token budget {c.max_batch_tokens} per step; one frontend link",
         f"- idle ms: {_IDLE_TEXT[c.idle]} before each step, as the served core waits through a device "
         "step (the caches go cold); 0: back to back",
+        f"- idle CPUs: {idle_policy(c.wake_latency_us, run.machine.get('cpuidle'))}",
         "- output: turnover rows, each request's exact output; those that end are replaced the step "
         f"after by new ones ({c.prompt_len}-token random prompts) read from the frontend link's wire "
         "form under `arrive`; req/step: requests that started a step (as many ended); —: requests "
@@ -589,6 +592,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"the batch sizes run with turnover (default: {_listed(TURNOVER_BATCH_SIZES)})",
     )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
+    add_wake_latency_argument(p)
     return p.parse_args(argv)
 
 
@@ -604,10 +608,12 @@ def main(argv: list[str] | None = None) -> None:
         idle=args.idle,
         turnover_outputs=args.turnover_outputs,
         turnover_batch_sizes=args.turnover_batch_sizes,
+        wake_latency_us=args.cpu_wake_latency_us,
     )
-    before = loop_calibration()
-    result = run(config)
-    result = dataclasses.replace(result, loop_s=(before, loop_calibration()))
+    with cpu_wake_latency(args.cpu_wake_latency_us):
+        before = loop_calibration()
+        result = run(config)
+        result = dataclasses.replace(result, loop_s=(before, loop_calibration()))
     publish("core-cpu", result.started_at, to_json(result, command), to_markdown(result, command), args.out)
 
 

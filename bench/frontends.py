@@ -30,7 +30,14 @@ from bench.cells import NONE, number
 from bench.configs import SIM_KV_SLOTS, Case, Configuration, Workload, sim, waves
 from bench.envelope import Envelope, begin
 from bench.figures import CPU, Figures, figures, ratio
-from bench.machine import Machine, load_average, loop_calibration
+from bench.machine import (
+    Machine,
+    add_wake_latency_argument,
+    cpu_wake_latency,
+    idle_policy,
+    load_average,
+    loop_calibration,
+)
 from bench.promtext import total
 from bench.run import Endpoints, GrpcClient, Measurement, measure, serving
 from bench.save import RESULTS, command_line, publish
@@ -203,6 +210,7 @@ class FrontendsRun:
     loop_s: float | None = None  # the machine's loop calibration (`bench.machine.loop_calibration`)
     baseline: str | None = None  # the baseline's commit, when one ran
     kv_slots: int = SIM_KV_SLOTS  # the sim worker's KV pool
+    wake_latency_us: int | None = None  # the CPUs' idle states held to this (None: the host's)
 
 
 def to_stderr(line: str) -> None:
@@ -216,11 +224,26 @@ def run_plan(
     link: WorkerLink = "socket",
     client: GrpcClient = "grpc",
     kv_slots: int = SIM_KV_SLOTS,
+    wake_latency_us: int | None = None,
 ) -> FrontendsRun:
     """`link`: how this checkout's scheduler reaches its worker (a baseline uses its own best);
     `client`: loadgen's gRPC backend against this checkout (a baseline without GenerateMany is
     sent Generate calls); `kv_slots`: the sim worker's KV pool (small enough, it fills with cached
-    prefixes as the points go on, and admissions and steps evict)."""
+    prefixes as the points go on, and admissions and steps evict); `wake_latency_us`: every code
+    runs with the CPUs kept out of idle states slower to leave (`bench.machine.cpu_wake_latency`)."""
+    with cpu_wake_latency(wake_latency_us):
+        return _run_plan(plan, progress, baseline, link, client, kv_slots, wake_latency_us)
+
+
+def _run_plan(
+    plan: FrontendsPlan,
+    progress: Progress,
+    baseline: Baseline | None,
+    link: WorkerLink,
+    client: GrpcClient,
+    kv_slots: int,
+    wake_latency_us: int | None,
+) -> FrontendsRun:
     started_at, machine = begin()
     loop_s = loop_calibration()
     progress(f"loop calibration: {loop_s:.2f} s")
@@ -244,7 +267,9 @@ def run_plan(
     ]
     ordered = tuple(sorted(results, key=lambda r: r.point))
     commit = None if baseline is None else baseline.commit
-    return FrontendsRun(plan, started_at, machine, load_average(), ordered, loop_s, commit, kv_slots)
+    return FrontendsRun(
+        plan, started_at, machine, load_average(), ordered, loop_s, commit, kv_slots, wake_latency_us
+    )
 
 
 def run_pair(
@@ -309,6 +334,7 @@ def to_json(run: FrontendsRun, command: str) -> dict[str, Any]:
         "loop_calibration_s": run.loop_s,
         "baseline_commit": run.baseline,
         "kv_slots": run.kv_slots,
+        "cpu_wake_latency_us": run.wake_latency_us,
         "points": points,
     }
     return envelope(run, command).json(extra)
@@ -426,6 +452,7 @@ def notes(run: FrontendsRun) -> list[str]:
     clients_line = ", ".join(f"{code} {client}" for code, client in sorted(clients.items(), reverse=True))
     return [
         f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes {calibration}",
+        f"- idle CPUs: {idle_policy(run.wake_latency_us, run.machine.get('cpuidle'))}",
         *baseline,
         f"- the scheduler's link to the worker: {links_line} (socket: the worker's framed --link-socket, "
         "as `stepahead serve` runs it)",
@@ -500,6 +527,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"the sim worker's KV pool (default {SIM_KV_SLOTS:,}); a smaller one fills "
         "with cached prefixes, as a long-running server's does, and the prefix cache evicts",
     )
+    add_wake_latency_argument(p)
     return p.parse_args(argv)
 
 
@@ -508,7 +536,14 @@ def main(argv: list[str] | None = None) -> None:
     command = command_line("bench.frontends", argv)
     baseline = None if args.baseline is None else checkout(args.baseline)
     plan = QUICK if args.quick else FULL
-    run = run_plan(plan, baseline=baseline, link=args.worker_link, client=args.client, kv_slots=args.kv_slots)
+    run = run_plan(
+        plan,
+        baseline=baseline,
+        link=args.worker_link,
+        client=args.client,
+        kv_slots=args.kv_slots,
+        wake_latency_us=args.cpu_wake_latency_us,
+    )
     publish("frontends", run.started_at, to_json(run, command), to_markdown(run, command), args.out)
 
 

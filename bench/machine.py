@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import platform
+import struct
 import subprocess
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -26,6 +30,7 @@ def describe_machine() -> Machine:
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": _git_dirty(),
         "load_average_1m": load_average(),
+        "cpuidle": cpuidle_driver(),
     }
 
 
@@ -50,6 +55,63 @@ def loop_calibration() -> float:
     start = time.perf_counter()
     exec(code, {})  # at a module's top level, as the loop is usually timed: names are globals
     return time.perf_counter() - start
+
+
+CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
+CPUIDLE_DRIVER = Path("/sys/devices/system/cpu/cpuidle/current_driver")
+
+
+def cpuidle_driver() -> str | None:
+    """How this kernel idles a CPU (`haltpoll`: a virtual machine's vCPU, which halts, and the host
+    may run something else on its core; `intel_idle`, `acpi_idle`: C-states), or None."""
+    try:
+        return CPUIDLE_DRIVER.read_text().strip() or None
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def cpu_wake_latency(us: int | None) -> Iterator[None]:
+    """While the block runs, no CPU idles in a state it takes longer than `us` µs to wake from (the
+    kernel's PM QoS request, `/dev/cpu_dma_latency`, as tuned's latency-performance profile holds
+    it; at 0 an idle CPU polls). None: the host's own policy. A process that sleeps through a
+    device step wakes on a CPU whose caches the halt and whatever the host ran meanwhile left
+    cold (docs/BENCHMARKS.md, "The host's idle policy"); the request is dropped when the block
+    ends. SystemExit where it cannot be made (it takes root)."""
+    if us is None:
+        yield
+        return
+    try:
+        fd = os.open(CPU_DMA_LATENCY, os.O_WRONLY)
+    except OSError as exc:
+        raise SystemExit(f"--cpu-wake-latency-us: cannot open {CPU_DMA_LATENCY}: {exc.strerror}") from exc
+    try:
+        os.write(fd, struct.pack("i", us))
+        yield
+    finally:
+        os.close(fd)
+
+
+def add_wake_latency_argument(p: argparse.ArgumentParser) -> None:
+    """A benchmark's `--cpu-wake-latency-us` (`cpu_wake_latency`)."""
+    p.add_argument(
+        "--cpu-wake-latency-us",
+        type=int,
+        metavar="US",
+        help="keep the CPUs out of idle states slower than this to wake from, for the whole run "
+        "(0: idle CPUs poll; /dev/cpu_dma_latency, root only): the CPU time without the cold "
+        "wakes that a host which halts its idle CPUs adds to every sleep (default: the host's policy)",
+    )
+
+
+def idle_policy(wake_latency_us: int | None, driver: object) -> str:
+    """A report's line on how the CPUs idled."""
+    if wake_latency_us is None:
+        return f"the host's policy (cpuidle driver {driver or 'unknown'})"
+    return (
+        f"held to states woken from within {wake_latency_us} µs for the whole run, every code alike "
+        f"(/dev/cpu_dma_latency; cpuidle driver {driver or 'unknown'})"
+    )
 
 
 def load_average() -> float:

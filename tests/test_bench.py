@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,8 +22,10 @@ import pytest
 from bench import (
     core_cpu,
     engine_decode,
+    frontends,
     link_delay,
     load_memory,
+    machine,
     overlap_depth,
     paired,
     prefix_cache,
@@ -738,6 +741,43 @@ def test_core_cpu_runs_each_idle_time_each_way(monkeypatch: pytest.MonkeyPatch) 
     core_cpu.idle("spin", 1.0)
     core_cpu.idle("sleep", 2.0)
     assert slept == [0.002]
+
+
+def open_files() -> set[str]:
+    """What this process has open."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return found
+
+
+def test_cpu_wake_latency_holds_the_request_for_the_block_and_reports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The PM QoS request is written (a native int) and held open for the block only; without a
+    value nothing is opened; where it cannot be opened the run stops naming the flag."""
+    qos = tmp_path / "cpu_dma_latency"
+    qos.write_bytes(b"")
+    monkeypatch.setattr(machine, "CPU_DMA_LATENCY", qos)
+    with machine.cpu_wake_latency(0):
+        assert qos.read_bytes() == (0).to_bytes(4, sys.byteorder)
+        assert str(qos) in open_files()  # held open: the request lasts while its file is open
+    assert str(qos) not in open_files()  # dropped when the block ends
+    qos.unlink()
+    with machine.cpu_wake_latency(None):
+        assert not qos.exists()
+    with pytest.raises(SystemExit, match="--cpu-wake-latency-us: cannot open"), machine.cpu_wake_latency(5):
+        pass
+    assert core_cpu.parse_args(["--cpu-wake-latency-us", "0"]).cpu_wake_latency_us == 0
+    assert frontends.parse_args([]).cpu_wake_latency_us is None
+    assert machine.idle_policy(None, "haltpoll") == "the host's policy (cpuidle driver haltpoll)"
+    assert "within 0 µs for the whole run" in machine.idle_policy(0, None)
+    run = core_cpu.run(
+        core_cpu.CoreCpuConfig((4,), 2, 1, idle_batch_sizes=(), turnover_outputs=(), wake_latency_us=0)
+    )
+    assert "- idle CPUs: held to states woken from within 0 µs" in core_cpu.to_markdown(run, "test")
+    assert core_cpu.to_json(run, "test")["cpu_wake_latency_us"] == 0
 
 
 def test_core_cpu_turnover_rows_end_and_start_requests_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1501,8 +1541,6 @@ def test_speculative_runs_each_kind_and_concurrency_with_and_without_drafts() ->
 
 
 def test_frontends_kv_slots_reach_the_sim_worker_and_the_report() -> None:
-    from bench import frontends
-
     assert frontends.parse_args([]).kv_slots == SIM_KV_SLOTS
     args = frontends.parse_args(["--kv-slots", "60000"])
     device = sim(20.0, args.kv_slots)
