@@ -217,7 +217,7 @@ class Intake(Protocol):
     def hold(self) -> None: ...
 
     def release(self) -> None:
-        """Read what was held: the event loop's next turn delivers it."""
+        """Read what was held, its requests added to the core before this returns."""
 
 
 class FrontendLink(OutputSink, Protocol):
