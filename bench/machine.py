@@ -109,7 +109,7 @@ def idle_policy(wake_latency_us: int | None, driver: object) -> str:
     if wake_latency_us is None:
         return f"the host's policy (cpuidle driver {driver or 'unknown'})"
     return (
-        f"held to states woken from within {wake_latency_us} µs for the whole run, every code alike "
+        f"held to states woken from within {wake_latency_us} µs for the whole run "
         f"(/dev/cpu_dma_latency; cpuidle driver {driver or 'unknown'})"
     )
 
