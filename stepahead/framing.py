@@ -46,7 +46,6 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._fd = -1  # the socket's, where frames may be written past the transport (see send)
-        self._paused = False  # pause_reading
 
     @property
     def open(self) -> bool:
@@ -92,18 +91,16 @@ class FrameProtocol(asyncio.Protocol, Generic[M]):
     def pause_reading(self) -> None:
         """Leave what arrives in the socket until `resume_reading` (both idempotent)."""
         transport = self._transport
-        if transport is not None and not transport.is_closing() and not self._paused:
+        if transport is not None and not transport.is_closing() and transport.is_reading():
             transport.pause_reading()
-            self._paused = True
 
     def resume_reading(self) -> None:
         """Reads what arrived meanwhile, its frames reaching `on_frame` before this returns,
         then leaves the socket to the event loop again. An end or an error of the connection is
         left in the socket, for the transport to meet as it reads."""
         transport = self._transport
-        if not self._paused or transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or transport.is_reading():
             return
-        self._paused = False
         while self._fd >= 0:
             try:
                 data = os.read(self._fd, READ_CHUNK)
