@@ -6,21 +6,23 @@ a few seconds (other tenants' work in the caches), so a single run of each code 
 change of 5-15%. Here each turn starts a fresh worker and scheduler of each code, one after the
 other, alternating which goes first, and measures the same point on both (sim device, overlap,
 one frontend); each turn's ratio is taken within the turn, and the report gives every turn, the
-medians of each code, and the median, range and sign count of the per-turn ratios. The host's
-pace still moves between a turn's two sides (a run of each takes seconds), and it moves every
-process alike: where a change leaves the frontends' code and work as they were, the core's ratio
-over the frontends' in the same turn is the core's change at one pace, reported beside. The
-machine's loop calibration is printed before and after. Writes
-bench/results/<UTC date-time>-paired.{json,md} and prints the table.
+medians of each code, and the median, range and sign count of the per-turn ratios: of the core's
+and the frontends' CPU a token, and of the latencies a lightly loaded server must keep (time to
+first token p50, inter-token latency p50 and p99). The host's pace still moves between a turn's
+two sides (a run of each takes seconds), and it moves every process alike: where a change leaves
+the frontends' code and work as they were, the core's ratio over the frontends' in the same turn
+is the core's change at one pace, reported beside. The machine's loop calibration is printed
+before and after. Writes bench/results/<UTC date-time>-paired.{json,md} and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,15 +46,20 @@ class PairedPlan:
     concurrency: int = 256
     output_len: int = 128
     input_len: int = 16
-    waves: int = 4  # of `concurrency` requests, a closed loop
+    waves: int = 4  # of `concurrency` requests: waves x concurrency in all
     turns: int = 6
     connections: int = 1
     client: GrpcClient = "grpc-many"  # a baseline without GenerateMany is sent Generate calls
+    # Finite: requests arrive as a Poisson process at this rate (a second), `concurrency` only a
+    # cap, so that each arrives at any phase of a step; inf: a closed loop, where each arrives
+    # just after one ends, at the same phase of a step each time.
+    request_rate: float = math.inf
     # This checkout's scheduler reaches its worker over the framed socket, as `stepahead serve`
     # runs it; a baseline over its own best (`Baseline.worker_link`).
 
     def workload(self) -> Workload:
-        return waves(self.waves, self.concurrency, self.input_len, self.output_len, 0.0)
+        closed = waves(self.waves, self.concurrency, self.input_len, self.output_len, 0.0)
+        return replace(closed, request_rate=self.request_rate)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,8 @@ class Side:
     core_us_per_token: float | None
     frontends_us_per_token: float | None
     ttft_p50_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
     failed: int
 
 
@@ -94,6 +103,8 @@ class PairedRun:
 
 
 FIGURES = (("core_us_per_token", "core µs/token"), ("frontends_us_per_token", "frontends µs/token"))
+# The latencies a lightly loaded server must not lose (`bench.frontends`' concurrency 8 target).
+LATENCIES = (("ttft_p50_ms", "TTFT p50 ms"), ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"))
 
 Measure = Callable[[PairedPlan, Path | None, GrpcClient, WorkerLink], Side]
 
@@ -109,6 +120,8 @@ def measure_side(plan: PairedPlan, code: Path | None, client: GrpcClient, link: 
         cpu.core_us_per_token,
         cpu.frontends_us_per_token,
         measured.summary.ttft.median,
+        measured.summary.itl.median,
+        measured.summary.itl.p99,
         measured.summary.failed,
     )
 
@@ -211,7 +224,7 @@ def to_json(run: PairedRun, command: str) -> dict[str, Any]:
             "baseline": run.baseline,
             "loop_calibration_s": list(run.loop_s),
             "turns": [asdict(t) for t in run.turns],
-            "summary": {f: asdict(summarize(run.turns, f)) for f, _ in FIGURES},
+            "summary": {f: asdict(summarize(run.turns, f)) for f, _ in (*FIGURES, *LATENCIES)},
             "core_over_frontends": asdict(summarize_controlled(run.turns)),
         }
     )
@@ -220,15 +233,16 @@ def to_json(run: PairedRun, command: str) -> dict[str, Any]:
 def to_markdown(run: PairedRun, command: str) -> str:
     p = run.plan
     header = "| turn | first | " + " | ".join(f"{label}: baseline, current, ratio" for _, label in FIGURES)
-    lines = [header + " | TTFT p50 ms: baseline, current |", "|---:|---|" + "---|" * (len(FIGURES) + 1)]
+    header += "".join(f" | {label}: baseline, current" for _, label in LATENCIES)
+    lines = [header + " |", "|---:|---|" + "---|" * (len(FIGURES) + len(LATENCIES))]
     for i, t in enumerate(run.turns):
         cells = [
             f"{number(getattr(t.baseline, f), 2)}, {number(getattr(t.current, f), 2)}, "
             f"{number(t.ratio(f), 2)}x"
             for f, _ in FIGURES
         ]
-        ttft = f"{t.baseline.ttft_p50_ms:.1f}, {t.current.ttft_p50_ms:.1f}"
-        lines.append(f"| {i + 1} | {t.first} | " + " | ".join(cells) + f" | {ttft} |")
+        cells += [f"{getattr(t.baseline, f):.1f}, {getattr(t.current, f):.1f}" for f, _ in LATENCIES]
+        lines.append(f"| {i + 1} | {t.first} | " + " | ".join(cells) + " |")
     return envelope(run, command).markdown(
         [
             *lines,
@@ -238,7 +252,12 @@ def to_markdown(run: PairedRun, command: str) -> str:
             "the first alternating",
             f"- the point: sim {p.step_ms:g} ms steps, overlap, one frontend, concurrency {p.concurrency}, "
             f"{p.waves} waves of {p.input_len}-token prompts and exactly {p.output_len} new tokens, over "
-            f"{p.connections} connection(s), loadgen's {p.client} backend",
+            f"{p.connections} connection(s), loadgen's {p.client} backend, "
+            + (
+                "a closed loop"
+                if math.isinf(p.request_rate)
+                else f"Poisson arrivals at {p.request_rate:g} a second"
+            ),
             f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes "
             f"{run.loop_s[0]:.2f} s before the turns, {run.loop_s[1]:.2f} s after",
         ]
@@ -246,12 +265,13 @@ def to_markdown(run: PairedRun, command: str) -> str:
 
 
 def summary_lines(run: PairedRun) -> Iterator[str]:
-    for f, label in FIGURES:
+    digits = [(f, label, 2) for f, label in FIGURES] + [(f, label, 1) for f, label in LATENCIES]
+    for f, label, places in digits:
         s = summarize(run.turns, f)
         yield (
-            f"- {label}: medians {number(s.baseline, 2)} -> {number(s.current, 2)}; per-turn ratio median "
-            f"{number(s.ratio_median, 2)}x (range {number(s.ratio_min, 2)}-{number(s.ratio_max, 2)}), "
-            f"current lower in {s.lower} of {s.turns} turns"
+            f"- {label}: medians {number(s.baseline, places)} -> {number(s.current, places)}; per-turn "
+            f"ratio median {number(s.ratio_median, 2)}x (range {number(s.ratio_min, 2)}-"
+            f"{number(s.ratio_max, 2)}), current lower in {s.lower} of {s.turns} turns"
         )
     c = summarize_controlled(run.turns)
     yield (
@@ -278,6 +298,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--connections", type=int, default=d.connections)
     p.add_argument("--client", choices=("grpc", "grpc-many"), default=d.client, help="loadgen's gRPC backend")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=d.request_rate,
+        help="requests a second, arriving as a Poisson process (concurrency a cap); default: a closed loop",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
     return p.parse_args(argv)
 

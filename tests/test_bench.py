@@ -832,7 +832,7 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
         assert link == "socket" and client == "grpc-many"  # this checkout's: both serve them
         pace = next(speeds)
         core = (1.8 if code is None else 2.0) * pace
-        return paired.Side(core, 4.0 * pace, 60.0, 0)
+        return paired.Side(core, 4.0 * pace, 60.0, 10.0 * pace, (10.5 if code is None else 10.0) * pace, 0)
 
     plan = paired.PairedPlan(turns=4)
     run = paired.run(plan, Baseline("f" * 40, REPO), side, progress=lambda line: None)
@@ -845,14 +845,21 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
     text = paired.to_markdown(run, "test")
     assert "core µs/token: medians 2.50 -> 2.25; per-turn ratio median 0.90x" in text
     assert "current lower in 4 of 4 turns" in text and "frontends µs/token" in text
+    # the latencies a lightly loaded server must keep: each turn's, and their per-turn ratios
+    row = "| 1 | current | 2.00, 1.80, 0.90x | 4.00, 4.00, 1.00x | 60.0, 60.0 | 10.0, 10.0 | 10.0, 10.5 |"
+    itl = "- ITL p99 ms: medians 12.5 -> 13.1; per-turn ratio median 1.05x (range 1.05-1.05), current lower"
+    assert row in text and itl + " in 0 of 4 turns" in text
     # the frontends' code the same on both sides: their ratio is the pace, here 1 within each turn
     controlled = paired.summarize_controlled(run.turns)
     assert controlled.ratio_median == pytest.approx(0.9) and controlled.lower == 4
-    paced = paired.Turn("current", paired.Side(1.9, 4.4, 60.0, 0), paired.Side(2.0, 4.0, 60.0, 0))
+    paced = paired.Turn(
+        "current", paired.Side(1.9, 4.4, 60.0, 10.0, 11.0, 0), paired.Side(2.0, 4.0, 60.0, 10.0, 11.0, 0)
+    )
     assert paced.ratio("core_us_per_token") == pytest.approx(0.95)
     assert paced.core_over_frontends == pytest.approx(0.95 / 1.1)  # the current side ran 10% slower
     document = json.loads(json.dumps(finite(paired.to_json(run, "test")), allow_nan=False))
     assert document["summary"]["core_us_per_token"]["lower"] == 4 and len(document["turns"]) == 4
+    assert document["summary"]["itl_p99_ms"]["ratio_median"] == pytest.approx(1.05)
     args = paired.parse_args(["--baseline", "abc", "--output-len", "16", "--waves", "12", "--turns", "3"])
     assert (args.baseline, args.output_len, args.waves, args.turns, args.client) == (
         "abc",
@@ -861,6 +868,9 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
         3,
         "grpc-many",
     )
+    assert paired.plan_of(args).workload().closed_loop and "a closed loop" in text
+    poisson = paired.plan_of(paired.parse_args(["--baseline", "abc", "--request-rate", "4", "--waves", "2"]))
+    assert (poisson.workload().request_rate, poisson.workload().num_prompts) == (4.0, 2 * poisson.concurrency)
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:
