@@ -265,8 +265,8 @@ def to_markdown(run: PairedRun, command: str) -> str:
 
 
 def summary_lines(run: PairedRun) -> Iterator[str]:
-    digits = [(f, label, 2) for f, label in FIGURES] + [(f, label, 1) for f, label in LATENCIES]
-    for f, label, places in digits:
+    shown = [(f, label, 2) for f, label in FIGURES] + [(f, label, 1) for f, label in LATENCIES]
+    for f, label, places in shown:
         s = summarize(run.turns, f)
         yield (
             f"- {label}: medians {number(s.baseline, places)} -> {number(s.current, places)}; per-turn "
@@ -300,12 +300,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client", choices=("grpc", "grpc-many"), default=d.client, help="loadgen's gRPC backend")
     p.add_argument(
         "--request-rate",
-        type=float,
+        type=positive_rate,
         default=d.request_rate,
         help="requests a second, arriving as a Poisson process (concurrency a cap); default: a closed loop",
     )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
     return p.parse_args(argv)
+
+
+def positive_rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 requests a second (got {text})")
+    return rate
 
 
 def plan_of(args: argparse.Namespace) -> PairedPlan:

@@ -871,6 +871,8 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
     assert paired.plan_of(args).workload().closed_loop and "a closed loop" in text
     poisson = paired.plan_of(paired.parse_args(["--baseline", "abc", "--request-rate", "4", "--waves", "2"]))
     assert (poisson.workload().request_rate, poisson.workload().num_prompts) == (4.0, 2 * poisson.concurrency)
+    with pytest.raises(SystemExit):
+        paired.parse_args(["--baseline", "abc", "--request-rate", "0"])  # no request would ever come
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:
