@@ -13,6 +13,7 @@ import torch
 
 from scheduler_svc.contract import FinishReason
 from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.kv.manager import KvManager
 from scheduler_svc.engine.outputs import Outbox
 from scheduler_svc.engine.policy import PolicyConfig, SchedulingPolicy
 from scheduler_svc.engine.request import Request
@@ -180,3 +181,37 @@ def test_a_new_worker_session_starts_with_an_empty_cache() -> None:
     assert policy.kv.tree.size == 3
     policy.begin_session(info)
     assert policy.kv.tree.size == 0 and policy.kv.num_free == policy.kv.capacity
+
+
+def test_a_request_s_end_frees_exactly_the_slots_the_tree_does_not_hold() -> None:
+    """Two requests of one prompt, both computed before either was kept: the second's prompt
+    slots duplicate the tree's and stay its own; each keeps its own outputs; one ends with a
+    position allocated past what it computed, one is matched and lost with its session
+    (computed=False). Every slot ends free or in the tree, none freed twice (the allocator
+    raises), and the tree gives the rest back."""
+    kv = KvManager(64, True, SchedulerTelemetry("overlap"))
+    prompt = list(range(1, 9))
+    first, second = Request("a", list(prompt), params(8), 0), Request("b", list(prompt), params(8), 1)
+    for req in (first, second):
+        assert not kv.reuse_prefix(req)
+        kv.allocate(req, len(prompt))
+        req.num_computed = len(prompt)
+    kv.keep(first, len(prompt))
+    kv.keep(second, len(prompt))  # all cached already: its slots stay its own
+    assert kv.tree.size == len(prompt)
+    first.output_ids.extend([100, 101, 102, 103])
+    kv.allocate(first, 4)  # positions 8..11, the last not computed yet
+    first.num_computed = len(prompt) + 3
+    second.output_ids.extend([200, 201])
+    kv.allocate(second, 2)
+    second.num_computed = len(prompt) + 2
+    kv.release(first)  # the tree takes its 3 computed outputs; its last slot is freed
+    kv.release(second)  # the tree takes its 2 outputs; its 8 prompt duplicates are freed
+    assert kv.tree.size == len(prompt) + 3 + 2 and kv.num_free + kv.tree.size == kv.capacity
+    lost = Request("c", [*prompt, 100, 101], params(8), 2)
+    assert kv.reuse_prefix(lost)  # the prompt and an output, matched
+    kv.allocate(lost, 1)
+    lost.num_computed += 1
+    kv.release(lost, computed=False)  # its session is gone: only its new slot is its own
+    assert kv.num_free + kv.tree.size == kv.capacity and kv.tree.evictable == kv.tree.size
+    assert kv.make_room(kv.capacity) and kv.num_free == kv.capacity
