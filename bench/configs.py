@@ -44,21 +44,23 @@ class Configuration:
     transport: Transport
     late_pick: bool = False  # overlap only: pick k+1 shortly before forward k ends (--late-pick)
     frontends: int = DEFAULT_FRONTENDS  # frontend processes (--frontends); 0: in the core's process
+    extra_args: tuple[str, ...] = ()  # more of the scheduler's flags, after these
 
     @property
     def name(self) -> str:
         late = ", late pick" if self.mode == "overlap" and self.late_pick else ""
         frontends = "" if self.frontends == DEFAULT_FRONTENDS else f", frontends {self.frontends}"
-        return f"{self.device.name} {self.mode} {self.transport}{late}{frontends}"
+        extra = f", {' '.join(self.extra_args)}" if self.extra_args else ""
+        return f"{self.device.name} {self.mode} {self.transport}{late}{frontends}{extra}"
 
     @property
     def scheduler_args(self) -> tuple[str, ...]:
-        args = ("--mode", self.mode, "--late-pick" if self.late_pick else "--no-late-pick")
+        args: tuple[str, ...] = ("--mode", self.mode, "--late-pick" if self.late_pick else "--no-late-pick")
         # NOTE: the scheduler's default is left implicit, so configurations that predate the
         # field keep their exact flags (and names).
-        if self.frontends == DEFAULT_FRONTENDS:
-            return args
-        return (*args, "--frontends", str(self.frontends))
+        if self.frontends != DEFAULT_FRONTENDS:
+            args = (*args, "--frontends", str(self.frontends))
+        return (*args, *self.extra_args)
 
     @property
     def shares_process(self) -> bool:

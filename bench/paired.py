@@ -12,13 +12,16 @@ first token p50, inter-token latency p50 and p99). The host's pace still moves b
 two sides (a run of each takes seconds), and it moves every process alike: where a change leaves
 the frontends' code and work as they were, the core's ratio over the frontends' in the same turn
 is the core's change at one pace, reported beside. The machine's loop calibration is printed
-before and after. Writes bench/results/<UTC date-time>-paired.{json,md} and prints the table.
+before and after. `--current-args` and `--baseline-args` give one side's scheduler more flags:
+against `--baseline HEAD`, a flag's effect in the same turns. Writes
+bench/results/<UTC date-time>-paired.{json,md} and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +39,7 @@ from bench.frontends import CpuFigures, WorkerLink, cpu_figures
 from bench.machine import Machine, load_average, loop_calibration
 from bench.run import GrpcClient, measure, serving
 from bench.save import RESULTS, command_line, publish
+from scheduler_svc.process.cli import parse_args as parse_scheduler_args
 
 CODES = ("current", "baseline")
 
@@ -54,6 +58,10 @@ class PairedPlan:
     # cap, so that each arrives at any phase of a step; inf: a closed loop, where each arrives
     # just after one ends, at the same phase of a step each time.
     request_rate: float = math.inf
+    # More scheduler flags for each side (after the point's own): the same code with and without
+    # a flag is a baseline of HEAD with `current_args` set.
+    current_args: tuple[str, ...] = ()
+    baseline_args: tuple[str, ...] = ()
     # This checkout's scheduler reaches its worker over the framed socket, as `stepahead serve`
     # runs it; a baseline over its own best (`Baseline.worker_link`).
 
@@ -106,13 +114,16 @@ FIGURES = (("core_us_per_token", "core µs/token"), ("frontends_us_per_token", "
 # The latencies a lightly loaded server must not lose (`bench.frontends`' concurrency 8 target).
 LATENCIES = (("ttft_p50_ms", "TTFT p50 ms"), ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"))
 
-Measure = Callable[[PairedPlan, Path | None, GrpcClient, WorkerLink], Side]
+Measure = Callable[[PairedPlan, Path | None, GrpcClient, WorkerLink, tuple[str, ...]], Side]
 
 
-def measure_side(plan: PairedPlan, code: Path | None, client: GrpcClient, link: WorkerLink) -> Side:
+def measure_side(
+    plan: PairedPlan, code: Path | None, client: GrpcClient, link: WorkerLink, args: tuple[str, ...]
+) -> Side:
     """A fresh worker and scheduler of the code at `code` (None: this checkout), its scheduler
-    reaching its worker by `link`, one point."""
-    configuration = Configuration(sim(plan.step_ms, SIM_KV_SLOTS), "overlap", link, frontends=1)
+    reaching its worker by `link` and given the flags `args` too, one point."""
+    device = sim(plan.step_ms, SIM_KV_SLOTS)
+    configuration = Configuration(device, "overlap", link, frontends=1, extra_args=args)
     with serving(configuration, code) as endpoints:
         measured = measure(endpoints, plan.workload(), plan.connections, client=client)
     cpu: CpuFigures = cpu_figures(1, measured)
@@ -142,9 +153,11 @@ def run(
         got: dict[str, Side] = {}
         for code in CODES if first == "current" else CODES[::-1]:
             if code == "current":
-                got[code] = side(plan, None, plan.client, "socket")
+                got[code] = side(plan, None, plan.client, "socket", plan.current_args)
             else:
-                got[code] = side(plan, baseline.path, baseline_client, baseline.worker_link)
+                got[code] = side(
+                    plan, baseline.path, baseline_client, baseline.worker_link, plan.baseline_args
+                )
         turn = Turn(first, got["current"], got["baseline"])
         turns.append(turn)
         progress(turn_line(t, turn))
@@ -258,6 +271,11 @@ def to_markdown(run: PairedRun, command: str) -> str:
                 if math.isinf(p.request_rate)
                 else f"Poisson arrivals at {p.request_rate:g} a second"
             ),
+            *(
+                f"- the {code}'s scheduler also given `{' '.join(args)}`"
+                for code, args in (("current code", p.current_args), ("baseline", p.baseline_args))
+                if args
+            ),
             f"- machine speed: a pure Python loop (`for i in range(10**7): s += i*i`) takes "
             f"{run.loop_s[0]:.2f} s before the turns, {run.loop_s[1]:.2f} s after",
         ]
@@ -304,8 +322,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=d.request_rate,
         help="requests a second, arriving as a Poisson process (concurrency a cap); default: a closed loop",
     )
+    for side in ("current", "baseline"):
+        p.add_argument(
+            f"--{side}-args",
+            type=scheduler_flags,
+            default=(),
+            metavar="FLAGS",
+            help=f"more scheduler flags for the {side} code's side, as one shell-quoted string "
+            f'(e.g. --{side}-args="--no-prefix-cache"); with --baseline HEAD, a flag against none',
+        )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default: bench/results)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # this checkout's scheduler must take them (a baseline's own flags are its to refuse)
+        parse_scheduler_args(list(args.current_args))
+    except SystemExit:
+        p.error(f"--current-args: the scheduler refuses {' '.join(args.current_args)!r}")
+    return args
+
+
+def scheduler_flags(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:  # an unclosed quote
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def positive_rate(text: str) -> float:

@@ -827,9 +827,12 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
     calls: list[str] = []
     speeds = iter([1.0, 1.0, 2.0, 2.0, 1.5, 1.5, 1.0, 1.0])  # the machine's pace, per measurement
 
-    def side(plan: paired.PairedPlan, code: Path | None, client: GrpcClient, link: str) -> paired.Side:
+    def side(
+        plan: paired.PairedPlan, code: Path | None, client: GrpcClient, link: str, args: tuple[str, ...]
+    ) -> paired.Side:
         calls.append("current" if code is None else "baseline")
         assert link == "socket" and client == "grpc-many"  # this checkout's: both serve them
+        assert args == ()
         pace = next(speeds)
         core = (1.8 if code is None else 2.0) * pace
         return paired.Side(core, 4.0 * pace, 60.0, 10.0 * pace, (10.5 if code is None else 10.0) * pace, 0)
@@ -873,6 +876,43 @@ def test_paired_turns_alternate_the_first_code_and_take_each_ratio_within_its_tu
     assert (poisson.workload().request_rate, poisson.workload().num_prompts) == (4.0, 2 * poisson.concurrency)
     with pytest.raises(SystemExit):
         paired.parse_args(["--baseline", "abc", "--request-rate", "0"])  # no request would ever come
+    assert "scheduler also given" not in text
+
+
+def test_paired_turns_give_each_side_its_own_scheduler_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--current-args` / `--baseline-args`: more scheduler flags for one side (the same code with
+    and without a flag, against `--baseline HEAD`), reaching that side's scheduler command line and
+    named in the report; flags this checkout's scheduler refuses stop the run before any turn."""
+    args = paired.parse_args(
+        ["--baseline", "HEAD", "--current-args=--no-prefix-cache --max-running 64", "--turns", "2"]
+    )
+    plan = paired.plan_of(args)
+    assert (plan.current_args, plan.baseline_args) == (("--no-prefix-cache", "--max-running", "64"), ())
+    given: dict[str, tuple[str, ...]] = {}
+
+    def side(
+        plan: paired.PairedPlan, code: Path | None, client: GrpcClient, link: str, args: tuple[str, ...]
+    ) -> paired.Side:
+        given["current" if code is None else "baseline"] = args
+        return paired.Side(2.0, 4.0, 60.0, 10.0, 10.0, 0)
+
+    run = paired.run(plan, Baseline("f" * 40, REPO), side, progress=lambda line: None)
+    assert given == {"current": ("--no-prefix-cache", "--max-running", "64"), "baseline": ()}
+    text = paired.to_markdown(run, "test")
+    assert "- the current code's scheduler also given `--no-prefix-cache --max-running 64`" in text
+    assert "baseline's scheduler also given" not in text
+    # what measure_side starts: the point's own flags, then the side's
+    configuration = Configuration(sim(20.0), "overlap", "socket", frontends=1, extra_args=plan.current_args)
+    assert configuration.scheduler_args == (
+        "--mode", "overlap", "--no-late-pick", "--no-prefix-cache", "--max-running", "64"
+    )  # fmt: skip
+    assert configuration.name.endswith(", --no-prefix-cache --max-running 64")
+    both = paired.plan_of(paired.parse_args(["--baseline", "abc", "--baseline-args", "--max-running '8'"]))
+    assert both.baseline_args == ("--max-running", "8")
+    for bad in ("--no-such-flag", "--max-waiting 0", '"unclosed'):
+        with pytest.raises(SystemExit):
+            paired.parse_args(["--baseline", "abc", f"--current-args={bad}"])
+    assert "--current-args" in capsys.readouterr().err
 
 
 def test_link_cost_measures_a_real_stream_per_batch_size() -> None:
